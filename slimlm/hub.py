@@ -1,0 +1,29 @@
+"""Fail fast and clearly when the Hugging Face hub cannot be reached.
+
+The hub clients retry with backoff for half a minute before giving up on a machine without network; one
+short connection attempt tells the same thing at once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from slimlm import SlimlmError
+
+HUB_HOST = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
+
+
+def require_hub(what: str, offline_alternative: str) -> None:
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or os.environ.get("HF_DATASETS_OFFLINE", "0") not in (
+        "",
+        "0",
+    ):
+        reason = "HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set"
+    else:
+        try:
+            socket.create_connection((HUB_HOST, 443), timeout=5).close()
+            return
+        except OSError as e:
+            reason = f"{HUB_HOST}: {e.strerror or e}"
+    raise SlimlmError(f"cannot fetch {what} from the Hugging Face hub ({reason}); offline, use {offline_alternative}")

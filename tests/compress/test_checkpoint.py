@@ -1,0 +1,143 @@
+import json
+import shutil
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+from slimlm import SlimlmError, models
+from slimlm.compress import checkpoint
+from slimlm.compress.quantize import QuantArgs, quantize_rtn
+from slimlm.compress.rtn import RTN
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("shape", [(5, 64), (7, 37), (96, 33)])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_packing_is_bit_exact_with_compressed_tensors(bits, shape, dim):
+    codes = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), shape, dtype=torch.int8)
+    packed = checkpoint.pack_int32(codes, bits, dim)
+    assert torch.equal(packed, pack_to_int32(codes, bits, packed_dim=dim))
+    assert torch.equal(checkpoint.unpack_int32(packed, bits, shape[dim], dim), codes)
+
+
+def quantize_tiny(tiny_llama, out, args, overwrite=False):
+    from slimlm.compress.job import quantize_weights
+
+    return quantize_weights(
+        "rtn", RTN(args), args, str(tiny_llama), out, calib=str(tiny_llama.parent.parent / "calib.txt"),
+        num_samples=4, seq_len=32, overwrite=overwrite, progress=False,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_with_text(tiny_llama):
+    from tests.conftest import make_text
+
+    (tiny_llama.parent.parent / "calib.txt").write_text(make_text(100))
+    return tiny_llama
+
+
+# Asymmetric checkpoints are left out here: transformers 5.24 + compressed-tensors 0.20.1 builds the
+# zero-point placeholder unpacked ([out, groups]) on its meta pass while the compressor stores it packed,
+# so from_pretrained fails on any asymmetric pack-quantized checkpoint, llm-compressor's included.
+# test_asymmetric_tensors_match_the_compressed_tensors_compressor pins our asymmetric layout instead.
+@pytest.mark.parametrize("args", [QuantArgs(4, 32, True), QuantArgs(3, -1, True), QuantArgs(8, 32, True)], ids=str)
+def test_transformers_loads_our_checkpoint(tiny_with_text, tmp_path, args):
+    from transformers import AutoModelForCausalLM
+
+    out = quantize_tiny(tiny_with_text, tmp_path / "q", args)
+    ours = checkpoint.load_compressed(out)
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    x = torch.randint(0, ours.config.vocab_size, (2, 24))
+    with torch.no_grad():
+        a, b = theirs(x).logits, ours(x).logits
+    assert ((a - b).norm() / b.norm()).item() < 1e-4
+    meta = json.loads((out / "slimlm.json").read_text())
+    assert meta["method"] == "rtn" and meta["arguments"]["bits"] == args.bits
+    assert len(meta["layers"]) == 2 and meta["source_model"]["sha256"]
+
+
+@pytest.mark.parametrize("args", [QuantArgs(4, 64, False), QuantArgs(3, -1, False), QuantArgs(2, 32, False)], ids=str)
+def test_asymmetric_tensors_match_the_compressed_tensors_compressor(args):
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    from slimlm.compress.checkpoint import compressed_tensors, quantization_config
+
+    w = torch.randn(40, 128)
+    q = quantize_rtn(w, args)
+    ours = compressed_tensors(q)
+    scheme = QuantizationScheme(**quantization_config(args, [])["config_groups"]["group_0"])
+    theirs = PackedQuantizationCompressor.compress(
+        {"weight": w, "weight_scale": q.scale, "weight_zero_point": q.zero}, scheme
+    )
+    for key in ("weight_packed", "weight_zero_point", "weight_scale", "weight_shape"):
+        assert torch.equal(ours[key], theirs[key]), key
+    back = PackedQuantizationCompressor.decompress(ours, scheme)["weight"]
+    torch.testing.assert_close(back, q.dequantize(), rtol=0, atol=0)
+
+
+def test_read_back_equals_what_was_written(tiny_with_text, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    args = QuantArgs(4, 32, False)
+    out = quantize_tiny(tiny_with_text, tmp_path / "q", args)
+    quantized, rest = checkpoint.read_quantized(out)
+    source = AutoModelForCausalLM.from_pretrained(tiny_with_text, dtype=torch.float32)
+    assert len(quantized) == 14  # 7 linears × 2 layers
+    for name, q in quantized.items():
+        expected = quantize_rtn(source.get_submodule(name).weight.data, args)
+        assert torch.equal(q.codes, expected.codes) and torch.equal(q.zero, expected.zero)
+        assert torch.equal(q.scale, expected.scale)
+    assert "model.embed_tokens.weight" in rest and "lm_head.weight" not in rest  # tied: stored once
+
+
+def test_existing_output_is_refused_then_replaced(tiny_with_text, tmp_path):
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(SlimlmError, match="exists; pass --overwrite"):
+        quantize_tiny(tiny_with_text, out, QuantArgs(4, 32))
+    assert (out / "keep.txt").exists()
+    quantize_tiny(tiny_with_text, out, QuantArgs(4, 32), overwrite=True)
+    assert not (out / "keep.txt").exists() and (out / "slimlm.json").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["q"]  # no temp dirs left beside it
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError):
+        with checkpoint.atomic_dir(tmp_path / "out", overwrite=False) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"half")
+            raise RuntimeError("killed")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def checkpoint_copy(tiny_with_text, tmp_path):
+    out = quantize_tiny(tiny_with_text, tmp_path / "src", QuantArgs(4, 32))
+    return out
+
+
+def test_truncated_checkpoint_is_reported(checkpoint_copy):
+    f = checkpoint_copy / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(SlimlmError, match="model.safetensors is truncated or corrupt"):
+        models.load(str(checkpoint_copy))
+
+
+def test_corrupted_checkpoint_is_reported(checkpoint_copy):
+    f = checkpoint_copy / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-10] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(SlimlmError, match="does not match the sha256 in slimlm.json"):
+        models.load(str(checkpoint_copy))
+
+
+def test_garbage_header_is_reported(tiny_llama, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_llama, d)
+    (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(SlimlmError, match="unreadable header"):
+        models.load(str(d))

@@ -1,0 +1,83 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from slimlm import SlimlmError
+from slimlm.compress import pipeline
+from slimlm.compress.quantize import QuantArgs, QuantizedWeight
+from slimlm.compress.rtn import RTN
+
+
+class Identity:
+    """Quantizes nothing; also counts how many calibration rows each linear saw during the float pass."""
+
+    def __init__(self):
+        self.rows: dict[str, int] = {}
+
+    def observe(self, layer, linears):
+        def hook(name):
+            def fn(_m, args):
+                self.rows[name] = self.rows.get(name, 0) + args[0].reshape(-1, args[0].shape[-1]).shape[0]
+
+            return fn
+
+        return [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+
+    def apply(self, layer, linears) -> dict[str, QuantizedWeight]:
+        return {}
+
+
+@pytest.fixture
+def model(tiny_llama):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+def test_layer_by_layer_equals_full_forward(model):
+    calib = torch.randint(0, model.config.vocab_size, (6, 20))
+    outputs = []
+    model.model.norm.register_forward_pre_hook(lambda _m, args: outputs.append(args[0]))
+    with torch.no_grad():
+        model(calib[:4], use_cache=False)
+        model(calib[4:], use_cache=False)
+    full = torch.cat(outputs)
+
+    captured = []
+    last = pipeline.decoder_layers(model)[-1]
+    last.register_forward_hook(lambda _m, _a, out: captured.append(out[0] if isinstance(out, tuple) else out))
+    method = Identity()
+    quantized, report = pipeline.run(model, method, calib, batch_size=4, progress=False)
+    layerwise = torch.cat(captured[-2:])  # the second pass over the last layer, both batches
+    assert quantized == {} and len(report) == 2
+    torch.testing.assert_close(layerwise, full, rtol=1e-5, atol=1e-5)
+    assert all(r["relative_error"] == 0 for r in report)
+    assert set(method.rows.values()) == {6 * 20}  # every linear saw every calibration token once
+
+
+def test_rtn_quantizes_every_decoder_linear_and_reports_error(model):
+    calib = torch.randint(0, model.config.vocab_size, (4, 16))
+    quantized, report = pipeline.run(model, RTN(QuantArgs(4, 32)), calib, progress=False)
+    assert len(quantized) == 14 and not any("lm_head" in n or "embed" in n for n in quantized)
+    assert all(r["relative_error"] > 0 for r in report)
+    w = model.get_submodule("model.layers.1.mlp.down_proj").weight
+    assert torch.equal(w, quantized["model.layers.1.mlp.down_proj"].dequantize())  # model now holds x̂
+
+
+def test_ignore_keeps_linears_float(model):
+    linears = pipeline.quantizable_linears(model, ["*.down_proj", "model.layers.0.*"])
+    assert sorted(linears) == [f"model.layers.1.{n}" for n in sorted(
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"]
+    )]  # fmt: skip
+
+
+def test_group_size_that_does_not_divide_names_layers(model):
+    with pytest.raises(SlimlmError) as e:
+        pipeline.check_group_size(model, QuantArgs(4, 128))
+    msg = str(e.value)
+    assert "model.layers.*.mlp.up_proj (in=64)" in msg and "model.layers.*.mlp.down_proj (in=96)" in msg
+    assert "fit every layer: 32, -1" in msg
+
+
+def test_nan_weights_fail_loudly(model):
+    model.get_submodule("model.layers.1.mlp.up_proj").weight.data[0, 0] = float("nan")
+    with pytest.raises(SlimlmError, match="decoder layer 1"):
+        pipeline.run(model, RTN(QuantArgs(4, 32)), torch.randint(0, 100, (2, 8)), progress=False)

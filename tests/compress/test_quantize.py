@@ -1,0 +1,79 @@
+import pytest
+import torch
+
+from slimlm import SlimlmError
+from slimlm.compress.quantize import QuantArgs, compute_qparams, quantize, quantize_rtn
+
+ALL_ARGS = [QuantArgs(b, g, s) for b in (2, 3, 4, 8) for g in (-1, 32, 64, 128) for s in (True, False)]
+
+
+def reference_rtn(w: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    """The affine quantizer written out group by group in float64, straight from its definition."""
+    w = w.double()
+    out = torch.empty_like(w)
+    size = w.shape[1] if args.group_size == -1 else args.group_size
+    qmin, qmax = -(2 ** (args.bits - 1)), 2 ** (args.bits - 1) - 1
+    for r in range(w.shape[0]):
+        for c0 in range(0, w.shape[1], size):
+            x = w[r, c0 : c0 + size]
+            if args.sym:
+                s, z0 = x.abs().max() / ((qmax - qmin) / 2), 0.0
+            else:
+                lo, hi = min(x.min(), 0.0), max(x.max(), 0.0)
+                s = (hi - lo) / (qmax - qmin)
+                z0 = torch.round(qmin - lo / s).clamp(qmin, qmax)
+            z = torch.clamp(torch.round(x / s) + z0, qmin, qmax)
+            out[r, c0 : c0 + size] = s * (z - z0)
+    return out
+
+
+@pytest.mark.parametrize("args", ALL_ARGS, ids=str)
+def test_rtn_matches_definition(args):
+    torch.manual_seed(args.bits * 100 + args.group_size)
+    w = torch.randn(24, 256, dtype=torch.float64) * torch.rand(24, 1, dtype=torch.float64)
+    q = quantize_rtn(w, args)
+    assert q.codes.dtype == torch.int8
+    assert int(q.codes.min()) >= args.qmin and int(q.codes.max()) <= args.qmax
+    assert q.scale.shape == (24, args.groups(256))
+    torch.testing.assert_close(q.dequantize(), reference_rtn(w, args), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_error_is_at_most_half_a_step(sym):
+    args = QuantArgs(4, 32, sym)
+    w = torch.randn(16, 128)
+    q = quantize_rtn(w, args)
+    step = q.scale.repeat_interleave(32, dim=1)
+    assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+
+
+def test_asymmetric_keeps_zero_exact_and_uses_the_full_range():
+    w = torch.rand(8, 64) + 0.5  # all positive: the range is [0, max]
+    w[:, 5] = 0.0
+    q = quantize_rtn(w, QuantArgs(4, 64, sym=False))
+    assert (q.dequantize()[:, 5] == 0).all()
+    assert int(q.codes.max()) == 7 and int(q.zero.min()) == -8
+
+
+def test_all_zero_group_dequantizes_to_zero():
+    w = torch.zeros(4, 64)
+    for sym in (True, False):
+        q = quantize_rtn(w, QuantArgs(4, 32, sym))
+        assert torch.equal(q.dequantize(), w)
+
+
+def test_g_idx_groups_columns_by_index():
+    args = QuantArgs(4, 32, True)
+    w = torch.randn(8, 64)
+    perm = torch.randperm(64)
+    g_idx = (torch.arange(64) // 32)[perm.argsort()].int()  # column j belongs to group g_idx[j]
+    scale, zero = compute_qparams(w[:, perm], args)
+    q = quantize(w, scale, zero, args, g_idx)
+    expected = quantize_rtn(w[:, perm], args).dequantize()[:, perm.argsort()]
+    torch.testing.assert_close(q.dequantize(), expected)
+
+
+@pytest.mark.parametrize("kw,msg", [({"bits": 5}, "--bits 5"), ({"group_size": 48}, "--group-size 48")])
+def test_unsupported_settings(kw, msg):
+    with pytest.raises(SlimlmError, match=msg):
+        QuantArgs(**kw)

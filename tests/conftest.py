@@ -1,0 +1,80 @@
+"""Shared fixtures: a tiny random Llama with its own tokenizer (fast tests) and the real default model (slow)."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+torch.set_num_threads(1)
+
+WORDS = (
+    "the of and to in is was for on that with as by at from his her an were are which this be or has had not "
+    "first new one two city river music school team war state year film album game people world church house "
+    "government university company species population season series village built played released born"
+).split()
+
+
+def make_text(n_passages: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    passages = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 120))) + "." for _ in range(n_passages)]
+    return "\n\n".join(passages)
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(make_text(200).split("\n\n"), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def make_tiny_llama(path: Path, hidden: int = 64, intermediate: int = 96, layers: int = 2, seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = make_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def calib_txt(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "calib.txt"
+    path.write_text(make_text(300, seed=1))
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    from slimlm import assets
+
+    return assets.fetch("smollm2-135m", quiet=True)

@@ -1,0 +1,41 @@
+import json
+import shutil
+
+import pytest
+
+from slimlm import SlimlmError, models
+
+
+def test_unknown_name_and_missing_directory(tmp_path):
+    with pytest.raises(SlimlmError, match="unknown model 'llama-7'.*smollm2-135m"):
+        models.resolve("llama-7")
+    with pytest.raises(SlimlmError, match="unknown model"):
+        models.resolve(str(tmp_path / "missing" / "dir"))
+
+
+def test_hub_unreachable_names_the_offline_alternative():
+    with pytest.raises(SlimlmError, match=r"cannot fetch 'someorg/somemodel'.*--model smollm2-135m"):
+        models.resolve("someorg/somemodel")
+
+
+def test_text_asset_is_not_a_model():
+    with pytest.raises(SlimlmError, match="'owt' is a text asset"):
+        models.resolve("owt")
+
+
+def test_unsupported_architecture(tiny_llama, tmp_path):
+    d = tmp_path / "gpt2ish"
+    shutil.copytree(tiny_llama, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SlimlmError, match="unsupported architecture GPT2LMHeadModel.*LlamaForCausalLM"):
+        models.load(str(d))
+
+
+def test_no_safetensors(tiny_llama, tmp_path):
+    d = tmp_path / "nosafe"
+    shutil.copytree(tiny_llama, d)
+    (d / "model.safetensors").unlink()
+    with pytest.raises(SlimlmError, match="no .safetensors weights"):
+        models.load(str(d))
