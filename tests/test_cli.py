@@ -1,0 +1,113 @@
+"""The `compress` command: bad input gives one line on stderr and a non-zero exit code, never a traceback."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from slimlm.cli import main
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, fragment):
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2, err
+    assert len(lines) == 1 and fragment in lines[0], err
+    assert "Traceback" not in err
+
+
+@pytest.fixture
+def out_dir(tmp_path):
+    return str(tmp_path / "out")
+
+
+def test_unknown_model(capsys, out_dir):
+    code, _, err = run_cli(capsys, "rtn", "--model", "nosuchmodel", "--out", out_dir)
+    assert_one_line_error(code, err, "unknown model 'nosuchmodel'")
+
+
+def test_missing_directory(capsys, out_dir, tmp_path):
+    code, _, err = run_cli(capsys, "eval", str(tmp_path / "no" / "such" / "dir"))
+    assert_one_line_error(code, err, "unknown model")
+
+
+def test_hub_unreachable(capsys, out_dir):
+    code, _, err = run_cli(capsys, "rtn", "--model", "meta-llama/Llama-3.1-8B", "--out", out_dir)
+    assert_one_line_error(code, err, "--model smollm2-135m")
+
+
+def test_unsupported_architecture(capsys, tiny_llama, tmp_path, out_dir):
+    import shutil
+
+    d = tmp_path / "opt"
+    shutil.copytree(tiny_llama, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type="opt", architectures=["OPTForCausalLM"])
+    (d / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run_cli(capsys, "rtn", "--model", str(d), "--out", out_dir)
+    assert_one_line_error(code, err, "unsupported architecture OPTForCausalLM")
+
+
+@pytest.mark.parametrize(
+    "flags,fragment",
+    [
+        (["--bits", "5"], "--bits 5 is not supported; use one of 2, 3, 4, 8"),
+        (["--group-size", "48"], "--group-size 48 is not supported"),
+        (["--group-size", "128"], "--group-size 128 does not divide the input dim of"),
+        (["--group-size", "32", "--calib", "c7"], "unknown text source 'c7'"),
+        (["--group-size", "32", "--calib", "c4"], "offline, use --calib owt"),
+    ],
+)
+def test_bad_quantization_settings(capsys, tiny_llama, out_dir, flags, fragment):
+    code, _, err = run_cli(capsys, "rtn", "--model", str(tiny_llama), "--out", out_dir, *flags)
+    assert_one_line_error(code, err, fragment)
+    assert not os.path.exists(out_dir)
+
+
+def test_empty_calibration_file(capsys, tiny_llama, tmp_path, out_dir):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    code, _, err = run_cli(capsys, "rtn", "--model", str(tiny_llama), "--calib", str(empty), "--group-size", "32",
+                           "--out", out_dir)  # fmt: skip
+    assert_one_line_error(code, err, "empty.txt holds no text")
+
+
+def test_rtn_then_eval_end_to_end(capsys, tiny_llama, calib_txt, out_dir):
+    common = ["--model", str(tiny_llama), "--calib", str(calib_txt), "--num-samples", "4", "--seq-len", "32"]
+    code, out, err = run_cli(capsys, "rtn", *common, "--group-size", "32", "--out", out_dir, "--ppl", str(calib_txt),
+                             "--ppl-tokens", "256")  # fmt: skip
+    assert code == 0, err
+    assert "baseline" in out and "rtn w4 g32 sym" in out and f"checkpoint: {out_dir}" in out
+    results = json.loads(open(os.path.join(out_dir, "eval.json")).read())
+    assert results["quantized"]["size_bytes"] < results["baseline"]["size_bytes"]
+
+    code, _, err = run_cli(capsys, "rtn", *common, "--group-size", "32", "--out", out_dir)
+    assert_one_line_error(code, err, "exists; pass --overwrite")
+
+    code, out, _ = run_cli(capsys, "eval", out_dir, "--ppl", str(calib_txt), "--seq-len", "32", "--max-tokens", "256")
+    assert code == 0
+    assert json.loads(out.splitlines()[-1])["perplexity"] == pytest.approx(results["quantized"]["perplexity"])
+
+    model_file = os.path.join(out_dir, "model.safetensors")
+    with open(model_file, "r+b") as f:
+        f.truncate(os.path.getsize(model_file) // 2)
+    code, _, err = run_cli(capsys, "eval", out_dir, "--ppl", str(calib_txt))
+    assert_one_line_error(code, err, "is truncated or corrupt")
+
+
+def test_console_script_exit_code_and_message(tmp_path):
+    """The installed entry point, as a user runs it."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "slimlm.cli", "rtn", "--model", "nosuchmodel", "--out", str(tmp_path / "o")],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: unknown model 'nosuchmodel'") and "Traceback" not in proc.stderr

@@ -1,0 +1,56 @@
+"""Integration on the real default model, SmolLM2-135M, with small calibration."""
+
+import json
+
+import pytest
+import torch
+
+from slimlm import models
+from slimlm.compress import checkpoint
+from slimlm.compress.job import quantize_weights
+from slimlm.compress.quantize import QuantArgs
+from slimlm.compress.rtn import RTN
+from slimlm.eval.perplexity import perplexity
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def rtn_checkpoint(smollm2, tmp_path_factory):
+    args = QuantArgs(4, 64, True)
+    out = tmp_path_factory.mktemp("smol") / "rtn-w4g64"
+    return quantize_weights("rtn", RTN(args), args, "smollm2-135m", out, "owt", 8, 256, progress=False)
+
+
+def test_converted_model_is_the_real_smollm2(smollm2):
+    model, tokenizer, _ = models.load("smollm2-135m")
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 576, 9, 3)
+    assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        nxt = model(ids).logits[0, -1].argmax().item()
+    assert tokenizer.decode(nxt).strip() == "Paris"
+
+
+def test_rtn_w4_g64_quality_and_size(smollm2, rtn_checkpoint):
+    base, tok, _ = models.load("smollm2-135m")
+    quant, _, _ = models.load(str(rtn_checkpoint))
+    p0 = perplexity(base, tok, "wiki", seq_len=512, max_tokens=2048, progress=False)["perplexity"]
+    p1 = perplexity(quant, tok, "wiki", seq_len=512, max_tokens=2048, progress=False)["perplexity"]
+    assert 10 < p0 < 60
+    assert p0 < p1 < 1.6 * p0  # 4-bit RTN costs something, but the model still works
+    assert checkpoint.checkpoint_size(rtn_checkpoint) < 0.35 * checkpoint.checkpoint_size(smollm2)
+    meta = json.loads((rtn_checkpoint / "slimlm.json").read_text())
+    assert len(meta["layers"]) == 30 and meta["calibration"]["source"] == "owt"
+
+
+def test_transformers_loads_the_real_checkpoint(rtn_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(rtn_checkpoint, dtype=torch.float32)
+    ours = checkpoint.load_compressed(rtn_checkpoint)
+    x = torch.randint(0, 49152, (1, 48))
+    with torch.no_grad():
+        a, b = theirs(x).logits, ours(x).logits
+    assert ((a - b).norm() / b.norm()).item() < 1e-4
