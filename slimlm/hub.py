@@ -14,11 +14,14 @@ from slimlm import SlimlmError
 HUB_HOST = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
 
 
+def _offline_by_env() -> bool:
+    return any(
+        os.environ.get(v, "0") not in ("", "0", "false", "False") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
+
+
 def require_hub(what: str, offline_alternative: str) -> None:
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or os.environ.get("HF_DATASETS_OFFLINE", "0") not in (
-        "",
-        "0",
-    ):
+    if _offline_by_env():
         reason = "HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set"
     else:
         try:

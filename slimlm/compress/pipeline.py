@@ -131,13 +131,14 @@ def run(
     """Compress every decoder layer of `model` in place; return the quantized weights and per-layer errors."""
     inputs = capture_first_layer_inputs(model, calib, batch_size)
     layers = decoder_layers(model)
+    all_linears = quantizable_linears(model, ignore)
     quantized: dict[str, QuantizedWeight] = {}
     report = []
     bar = tqdm(range(len(layers)), desc="layers", unit="layer", disable=not progress)
     for i in bar:
         start = time.time()
         layer = layers[i]
-        linears = {n: m for n, m in quantizable_linears(model, ignore).items() if n.startswith(f"model.layers.{i}.")}
+        linears = {n: m for n, m in all_linears.items() if n.startswith(f"model.layers.{i}.")}
         handles = method.observe(layer, linears)
         try:
             ref = _run_layer(layer, inputs)
