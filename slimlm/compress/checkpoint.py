@@ -71,7 +71,7 @@ def unpack_int32(packed: torch.Tensor, bits: int, n: int, dim: int = 1) -> torch
 # ---- config --------------------------------------------------------------------------------------------
 
 
-def quantization_config(args: QuantArgs, ignore: list[str], act_order: bool = False) -> dict:
+def quantization_config(args: QuantArgs, ignore: list[str], act_order: str | None = None) -> dict:
     weights = {
         "num_bits": args.bits,
         "type": "int",
@@ -79,7 +79,7 @@ def quantization_config(args: QuantArgs, ignore: list[str], act_order: bool = Fa
         "group_size": None if args.group_size == -1 else args.group_size,
         "strategy": "channel" if args.group_size == -1 else "group",
         "dynamic": False,
-        "actorder": "group" if act_order else None,
+        "actorder": act_order,
         "observer": "minmax",
     }
     return {
@@ -177,7 +177,6 @@ def save(
     ignore: list[str],
     meta: dict,
     overwrite: bool = False,
-    act_order: bool = False,
 ) -> Path:
     """Write a compressed-tensors checkpoint plus slimlm.json, atomically. Returns the final directory."""
     tensors = _unique_state_dict(model)
@@ -190,6 +189,7 @@ def save(
         files = _write_shards(tmp, tensors)
         model.config.save_pretrained(tmp)
         config = json.loads((tmp / "config.json").read_text())
+        act_order = meta.get("arguments", {}).get("act_order")
         config["quantization_config"] = quantization_config(args, ignore, act_order)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if getattr(model, "generation_config", None) is not None:

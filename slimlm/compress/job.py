@@ -38,7 +38,6 @@ def quantize_weights(
     ignore: list[str] = (),
     batch_size: int = 8,
     overwrite: bool = False,
-    method_args: dict | None = None,
     progress: bool = True,
 ) -> Path:
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
@@ -55,7 +54,7 @@ def quantize_weights(
     linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     meta = {
         "method": method_name,
-        "arguments": {**asdict(args), "ignore": list(ignore), **(method_args or {})},
+        "arguments": {**asdict(args), "ignore": list(ignore), **method.arguments()},
         "calibration": {"source": calib, "num_samples": num_samples, "seq_len": seq_len, "seed": seed},
         "source_model": {"spec": model_spec, "path": str(model_dir), "sha256": source_hash(model_dir)},
         "source_size_bytes": checkpoint.checkpoint_size(model_dir),

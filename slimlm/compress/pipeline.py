@@ -36,6 +36,10 @@ class LayerMethod(Protocol):
         """Quantize the layer's linears (the float pass has run); return them by full module name."""
         ...
 
+    def arguments(self) -> dict[str, Any]:
+        """Method-specific settings, recorded in slimlm.json (and `act_order` in the quantization config)."""
+        ...
+
 
 @dataclass
 class LayerInputs:

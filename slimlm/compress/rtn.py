@@ -18,3 +18,6 @@ class RTN:
 
     def apply(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> dict[str, QuantizedWeight]:
         return {name: quantize_rtn(m.weight.data, self.args) for name, m in linears.items()}
+
+    def arguments(self) -> dict[str, Any]:
+        return {}

@@ -26,6 +26,9 @@ class Identity:
     def apply(self, layer, linears) -> dict[str, QuantizedWeight]:
         return {}
 
+    def arguments(self):
+        return {}
+
 
 @pytest.fixture
 def model(tiny_llama):

@@ -1,0 +1,174 @@
+"""GPTQ (Frantar et al., 2022): quantize one column at a time and push each column's rounding error onto
+the columns not yet quantized, weighted by the inverse Hessian of the layer's reconstruction loss.
+
+For a linear layer with inputs X, the loss ||WX − ŴX||² has Hessian H = 2XXᵀ (one per layer, shared by all
+output rows). With U the upper Cholesky factor of H⁻¹, quantizing column j with error e = (w_j − q_j)/U_jj
+is compensated exactly by W[:, j:] −= e·U[j, j:]. Columns are processed in blocks of 128 so that the
+update to the remaining columns is one matrix product per block ("lazy batch updates").
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from slimlm import SlimlmError
+from slimlm.compress.quantize import QuantArgs, QuantizedWeight, compute_qparams
+
+BLOCK = 128
+ACT_ORDERS = (None, "weight", "group")
+
+
+class HessianAccumulator:
+    """Running H = 2/n · Σ xxᵀ over every calibration token a linear layer sees."""
+
+    def __init__(self, in_features: int, device: torch.device):
+        self.H = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self.tokens = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        n = x.shape[0]
+        self.H *= self.tokens / (self.tokens + n)
+        self.tokens += n
+        x = x * math.sqrt(2 / self.tokens)
+        self.H += x.T @ x
+
+
+def gptq_quantize(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    args: QuantArgs,
+    damp: float = 0.01,
+    act_order: str | None = None,
+    name: str = "layer",
+) -> QuantizedWeight:
+    """Quantize W [out, in] given its Hessian H [in, in]. Returns codes and qparams in W's column order.
+
+    act_order: None (columns left to right), "weight" (columns by decreasing Hessian diagonal, groups and
+    their qparams fixed up front in the original column order: the checkpoint looks like plain GPTQ) or
+    "group" (groups formed in processing order: more accurate, needs a g_idx to read back).
+    """
+    if act_order not in ACT_ORDERS:
+        raise SlimlmError(f"--act-order {act_order} is not supported; use one of {', '.join(ACT_ORDERS[1:])}")
+    W = W.detach().clone().float()
+    H = H.detach().clone().float()
+    out_features, in_features = W.shape
+    gs = in_features if args.group_size == -1 else args.group_size
+    if not torch.isfinite(W).all() or not torch.isfinite(H).all():
+        raise SlimlmError(f"non-finite values (NaN/Inf) in the weights or calibration activations of {name}")
+
+    # Inputs that were always zero carry no information: fix their weights to 0 and keep H invertible.
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+
+    # Static qparams come from the original weights, decided before any error is propagated; otherwise
+    # each group's qparams come from its (already updated) columns when the group is reached.
+    static = compute_qparams(W, args) if act_order == "weight" or args.group_size == -1 else None
+
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(in_features)
+    W, H = W[:, perm], H[perm][:, perm]
+    # Group of each column in processing order: by original position for static groups, by processing
+    # position otherwise (act-order then needs g_idx to say which group each original column fell in).
+    group_of = perm // gs if static is not None else torch.arange(in_features) // gs
+
+    U = _inverse_hessian_factor(H, damp, name)
+    n_groups = args.groups(in_features)
+    scale = torch.zeros(out_features, n_groups, dtype=W.dtype)
+    zero = None if args.sym else torch.zeros(out_features, n_groups, dtype=torch.int8)
+    if static is not None:
+        scale, zero = static[0].clone(), None if static[1] is None else static[1].clone()
+    codes = torch.zeros(out_features, in_features, dtype=torch.int8)
+
+    for i1 in range(0, in_features, BLOCK):
+        i2 = min(i1 + BLOCK, in_features)
+        W1 = W[:, i1:i2].clone()
+        E1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            j = i1 + i
+            g = int(group_of[j])
+            if static is None and j % gs == 0:
+                # A group never straddles blocks (128 is a multiple of every group size); W1 holds its
+                # columns with all the error compensation applied so far.
+                s, z = compute_qparams(W1[:, i : i + gs], QuantArgs(args.bits, -1, args.sym))
+                scale[:, g] = s[:, 0]
+                if zero is not None:
+                    zero[:, g] = z[:, 0]
+            w = W1[:, i]
+            zg = 0 if zero is None else zero[:, g].float()
+            c = torch.clamp(torch.round(w / scale[:, g]) + zg, args.qmin, args.qmax)
+            codes[:, j] = c.to(torch.int8)
+            q = (c - zg) * scale[:, g]
+            err = (w - q) / U1[i, i]
+            W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
+            E1[:, i] = err
+        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+
+    inv = torch.argsort(perm)
+    g_idx = group_of[inv].to(torch.int32) if act_order == "group" and static is None else None
+    result = QuantizedWeight(codes[:, inv].contiguous(), scale, zero, args, g_idx)
+    if not torch.isfinite(result.dequantize()).all():
+        raise SlimlmError(f"GPTQ produced non-finite weights for {name}; try a larger --damp")
+    return result
+
+
+def _inverse_hessian_factor(H: torch.Tensor, damp: float, name: str) -> torch.Tensor:
+    """Upper Cholesky factor of (H + λI)⁻¹, raising λ if H is not positive definite."""
+    mean_diag = torch.mean(torch.diag(H)).item()
+    for attempt in range(6):
+        lam = damp * (10**attempt) * mean_diag
+        Hd = H + lam * torch.eye(H.shape[0], dtype=H.dtype)
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if info == 0:
+            Hinv = torch.cholesky_inverse(L)
+            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+            if info == 0:
+                if attempt:
+                    warnings.warn(
+                        f"{name}: Hessian not positive definite; used damping {damp * 10**attempt:g}", stacklevel=2
+                    )
+                return U
+    raise SlimlmError(f"{name}: the Hessian stays singular even with damping {damp * 10**5:g}; check the data")
+
+
+class GPTQ:
+    def __init__(self, args: QuantArgs, damp: float = 0.01, act_order: str | None = None):
+        if not 0 < damp < 1:
+            raise SlimlmError(f"--damp {damp} must be in (0, 1); 0.01 is the usual value")
+        if act_order not in ACT_ORDERS:
+            raise SlimlmError(f"--act-order {act_order} is not supported; use one of {', '.join(ACT_ORDERS[1:])}")
+        self.args, self.damp, self.act_order = args, damp, act_order
+        self.hessians: dict[str, HessianAccumulator] = {}
+        self.warned = False
+
+    def arguments(self) -> dict[str, Any]:
+        return {"damp": self.damp, "act_order": self.act_order}
+
+    def observe(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> list[Any]:
+        handles = []
+        for name, m in linears.items():
+            acc = self.hessians[name] = HessianAccumulator(m.in_features, m.weight.device)
+            handles.append(m.register_forward_pre_hook(lambda _m, a, acc=acc: acc.add(a[0])))
+        return handles
+
+    def apply(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> dict[str, QuantizedWeight]:
+        out = {}
+        for name, m in linears.items():
+            acc = self.hessians.pop(name)
+            if acc.tokens < m.in_features and not self.warned:
+                warnings.warn(
+                    f"GPTQ: {acc.tokens} calibration tokens for {m.in_features} input features: the Hessian is "
+                    "rank-deficient and error compensation is unreliable; use more --num-samples or --seq-len",
+                    stacklevel=2,
+                )
+                self.warned = True
+            q = gptq_quantize(m.weight.data, acc.H, self.args, self.damp, self.act_order, name)
+            q.scale = q.scale.to(m.weight.dtype)
+            out[name] = q
+        return out

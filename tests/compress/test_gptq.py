@@ -1,0 +1,146 @@
+import json
+import warnings
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from slimlm import SlimlmError
+from slimlm.compress.gptq import HessianAccumulator, gptq_quantize
+from slimlm.compress.quantize import QuantArgs, quantize, quantize_rtn
+
+
+def correlated_inputs(n: int, d: int, seed: int = 0) -> torch.Tensor:
+    """Activations with strongly correlated features and a few large-magnitude channels, as in real LLMs."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(d, d, generator=g) / d**0.5 + torch.eye(d)
+    x = torch.randn(n, d // 4, generator=g) @ torch.randn(d // 4, d, generator=g) + 0.1 * torch.randn(n, d, generator=g)
+    x = x @ mix
+    x[:, :4] *= 8
+    return x
+
+
+def hessian(x: torch.Tensor) -> torch.Tensor:
+    acc = HessianAccumulator(x.shape[1], x.device)
+    for chunk in x.split(100):
+        acc.add(chunk)
+    return acc.H
+
+
+def output_error(W, Wq, x):
+    return ((x @ W.T - x @ Wq.T) ** 2).mean().item()
+
+
+@pytest.mark.parametrize(
+    "args", [QuantArgs(4, 32, True), QuantArgs(4, 64, False), QuantArgs(3, -1, True), QuantArgs(2, 32, False)], ids=str
+)
+@pytest.mark.parametrize("act_order", [None, "weight", "group"])
+def test_beats_rtn_on_correlated_inputs(args, act_order):
+    torch.manual_seed(0)
+    x = correlated_inputs(2048, 128)
+    W = torch.randn(96, 128)
+    q = gptq_quantize(W, hessian(x), args, act_order=act_order)
+    rtn = output_error(W, quantize_rtn(W, args).dequantize(), x)
+    ours = output_error(W, q.dequantize(), x)
+    assert ours < 0.8 * rtn, (ours, rtn)
+
+
+def test_hessian_accumulator_is_2xxt_over_n():
+    x = torch.randn(300, 16)
+    torch.testing.assert_close(hessian(x), 2 * x.T @ x / 300, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("args", [QuantArgs(4, 32, True), QuantArgs(3, 64, False), QuantArgs(4, -1, False)], ids=str)
+def test_identity_hessian_reduces_to_rtn(args):
+    """With uncorrelated unit inputs there is no error to compensate: GPTQ must equal round-to-nearest."""
+    W = torch.randn(24, 128)
+    q = gptq_quantize(W, torch.eye(128), args)
+    r = quantize_rtn(W, args)
+    assert torch.equal(q.codes, r.codes)
+    torch.testing.assert_close(q.dequantize(), r.dequantize())
+
+
+@pytest.mark.parametrize("act_order", ["weight", "group"])
+def test_act_order_round_trip(act_order):
+    args = QuantArgs(4, 32, False)
+    x = correlated_inputs(1024, 128, seed=1)
+    x[:, 100:] *= 5  # the most important columns are last: act-order moves them first
+    W = torch.randn(40, 128)
+    q = gptq_quantize(W, hessian(x), args, act_order=act_order)
+    if act_order == "weight":
+        assert q.g_idx is None  # groups stay in original column order
+    else:
+        assert q.g_idx is not None and q.g_idx.dtype == torch.int32
+        assert not torch.equal(q.g_idx.long(), torch.arange(128) // 32)
+        assert torch.equal(torch.bincount(q.g_idx.long()), torch.full((4,), 32))  # 32 columns per group
+    # The stored codes, qparams and g_idx are self-consistent: requantizing x̂ gives back the same codes.
+    again = quantize(q.dequantize(), q.scale, q.zero, args, q.g_idx)
+    assert torch.equal(again.codes, q.codes)
+
+
+def test_dead_inputs_get_zero_weights():
+    x = correlated_inputs(512, 64)
+    x[:, 10] = 0
+    q = gptq_quantize(torch.randn(8, 64), hessian(x), QuantArgs(4, 32, True))
+    assert (q.dequantize()[:, 10] == 0).all() and torch.isfinite(q.dequantize()).all()
+
+
+def test_indefinite_hessian_is_retried_with_more_damping():
+    H = torch.block_diag(*[torch.tensor([[1.0, 2.0], [2.0, 1.0]])] * 32)  # eigenvalues 3 and −1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        q = gptq_quantize(torch.randn(8, 64), H, QuantArgs(4, 32, True), name="layers.3.mlp.up_proj")
+    assert any("layers.3.mlp.up_proj: Hessian not positive definite" in str(w.message) for w in caught)
+    assert torch.isfinite(q.dequantize()).all()
+
+
+def test_nan_activations_name_the_layer():
+    H = torch.eye(64)
+    H[3, 3] = float("nan")
+    with pytest.raises(SlimlmError, match="model.layers.7.self_attn.k_proj"):
+        gptq_quantize(torch.randn(8, 64), H, QuantArgs(4, 32), name="model.layers.7.self_attn.k_proj")
+
+
+def test_act_order_checkpoint_loads_in_transformers(tiny_llama, calib_txt, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from slimlm.compress import checkpoint
+    from slimlm.compress.gptq import GPTQ
+    from slimlm.compress.job import quantize_weights
+
+    args = QuantArgs(4, 32, True)
+    out = quantize_weights(
+        "gptq", GPTQ(args, act_order="weight"), args, str(tiny_llama), tmp_path / "q", str(calib_txt), 8, 32,
+        progress=False,
+    )  # fmt: skip
+    assert (
+        json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"][
+            "actorder"
+        ]
+        == "weight"
+    )
+    ours = checkpoint.load_compressed(out)
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    x = torch.randint(0, ours.config.vocab_size, (2, 24))
+    with torch.no_grad():
+        a, b = theirs(x).logits, ours(x).logits
+    assert ((a - b).norm() / b.norm()).item() < 1e-4
+
+
+def test_group_act_order_checkpoint_round_trips_g_idx(tiny_llama, calib_txt, tmp_path):
+    from slimlm.compress import checkpoint
+    from slimlm.compress.gptq import GPTQ
+    from slimlm.compress.job import quantize_weights
+
+    args = QuantArgs(4, 32, False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    out = quantize_weights(
+        "gptq", GPTQ(args, act_order="group"), args, str(tiny_llama), tmp_path / "q", str(calib_txt), 8, 32,
+        progress=False,
+    )  # fmt: skip
+    quantized, _ = checkpoint.read_quantized(out)
+    assert all(q.g_idx is not None for q in quantized.values())
+    loaded = checkpoint.load_compressed(out)
+    for name, q in quantized.items():
+        assert torch.equal(loaded.get_submodule(name).weight, q.dequantize())
+        assert (loaded.get_submodule(name).weight - model.get_submodule(name).weight).abs().max() < 1.0
