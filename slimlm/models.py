@@ -74,20 +74,6 @@ def check_architecture(config: dict, where: Path | str) -> None:
         raise SlimlmError(f"unsupported architecture {arch} in {where}; supported: {supported}")
 
 
-def weight_files(model_dir: Path) -> list[Path]:
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise SlimlmError(f"{model_dir} has no .safetensors weights (pickle .bin files are not loaded, for safety)")
-    return files
-
-
-def verify_weight_files(model_dir: Path) -> None:
-    """Catch truncated or corrupted safetensors files before a loader trips over them."""
-    from slimlm.compress import checkpoint
-
-    checkpoint.verify(model_dir)
-
-
 def load(spec: str, dtype: torch.dtype = torch.float32):
     """Load (model, tokenizer, model_dir) for a float or slimlm/compressed-tensors checkpoint.
 
@@ -101,8 +87,7 @@ def load(spec: str, dtype: torch.dtype = torch.float32):
     model_dir = resolve(spec)
     config = read_config(model_dir)
     check_architecture(config, model_dir)
-    weight_files(model_dir)
-    verify_weight_files(model_dir)
+    checkpoint.verify(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if "quantization_config" in config:
         model = checkpoint.load_compressed(model_dir, dtype)

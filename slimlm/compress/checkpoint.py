@@ -235,8 +235,26 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files holding the model: per the shard index, else model.safetensors, else all."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError):
+            raise SlimlmError(f"{index} is corrupt; re-create or re-download the checkpoint") from None
+        return [model_dir / n for n in names]
+    if (model_dir / "model.safetensors").exists():
+        return [model_dir / "model.safetensors"]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise SlimlmError(f"{model_dir} has no .safetensors weights (pickle .bin files are not loaded, for safety)")
+    return files
+
+
 def checkpoint_size(model_dir: Path) -> int:
-    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+    return sum(p.stat().st_size for p in weight_files(model_dir))
 
 
 # ---- verify and read -----------------------------------------------------------------------------------
@@ -245,7 +263,9 @@ def checkpoint_size(model_dir: Path) -> int:
 def verify(model_dir: Path) -> None:
     """Check every safetensors file's header and length, and its sha256 when slimlm.json records one."""
     model_dir = Path(model_dir)
-    for path in sorted(model_dir.glob("*.safetensors")):
+    for path in weight_files(model_dir):
+        if not path.exists():
+            raise SlimlmError(f"checkpoint {model_dir} is missing {path.name}; re-create or re-download it")
         _check_safetensors_layout(path)
     meta_path = model_dir / SLIMLM_JSON
     if meta_path.exists():
@@ -283,7 +303,7 @@ def _check_safetensors_layout(path: Path) -> None:
 
 def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     tensors = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
+    for path in weight_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for k in f.keys():
                 tensors[k] = f.get_tensor(k)

@@ -18,7 +18,7 @@ from slimlm.compress.quantize import QuantArgs
 def source_hash(model_dir: Path) -> str:
     """sha256 over the source's safetensors files, so a checkpoint names exactly what it was made from."""
     h = hashlib.sha256()
-    for path in models.weight_files(model_dir):
+    for path in checkpoint.weight_files(model_dir):
         with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 22), b""):
                 h.update(chunk)
