@@ -25,13 +25,19 @@ def _add_calibration(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ppl-tokens", type=int, default=16384, help="tokens scored by --ppl")
 
 
-def _add_weight_args(p: argparse.ArgumentParser) -> None:
+def _add_weight_args(p: argparse.ArgumentParser, sym: bool = True) -> None:
     p.add_argument("--bits", type=int, default=4, help="2, 3, 4 or 8")
     p.add_argument("--group-size", type=int, default=128, help="-1 (per channel), 32, 64 or 128")
-    sym = p.add_mutually_exclusive_group()
-    sym.add_argument("--sym", dest="sym", action="store_true", default=True, help="symmetric (default)")
-    sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric, with zero points")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--sym", dest="sym", action="store_true", default=sym, help="symmetric" + " (default)" * sym)
+    g.add_argument(
+        "--asym", dest="sym", action="store_false", help="asymmetric, with zero points" + " (default)" * (not sym)
+    )
     p.add_argument("--ignore", nargs="*", default=[], metavar="GLOB", help="linears to keep float, e.g. '*.down_proj'")
+    p.add_argument(
+        "--format", default="compressed-tensors", choices=["compressed-tensors", "gptq"],
+        help="checkpoint layout: compressed-tensors (default; vLLM, transformers) or GPTQ v1 (sym 4/8-bit)",
+    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="quantize columns by decreasing Hessian diagonal; 'weight' (default) keeps the plain format, "
         "'group' writes g_idx (not read by compressed-tensors >= 0.12)",
     )  # fmt: skip
+
+    p = sub.add_parser("awq", help="AWQ: activation-aware scales folded into the previous op, clipping search")
+    _add_calibration(p)
+    _add_weight_args(p, sym=False)
+    p.add_argument("--search-batches", type=int, default=4, help="calibration batches used by the scale search")
+    p.add_argument("--no-clip", dest="clip", action="store_false", help="skip the weight-clipping search")
 
     p = sub.add_parser("eval", help="perplexity of a model or checkpoint")
     p.add_argument("model", help="asset name, local directory or hub id")
@@ -116,6 +128,14 @@ def cmd_gptq(a: argparse.Namespace) -> None:
     _quantize_and_report("gptq", GPTQ(args, damp=a.damp, act_order=a.act_order), args, a)
 
 
+def cmd_awq(a: argparse.Namespace) -> None:
+    from slimlm.compress.awq import AWQ
+    from slimlm.compress.quantize import QuantArgs
+
+    args = QuantArgs(bits=a.bits, group_size=a.group_size, sym=a.sym)
+    _quantize_and_report("awq", AWQ(args, search_batches=a.search_batches, clip=a.clip), args, a)
+
+
 def _quantize_and_report(name: str, method, args, a: argparse.Namespace) -> None:
     from slimlm.compress.job import quantize_weights
 
@@ -132,6 +152,7 @@ def _quantize_and_report(name: str, method, args, a: argparse.Namespace) -> None
         ignore=a.ignore,
         batch_size=a.batch_size,
         overwrite=a.overwrite,
+        fmt=a.format,
     )
     if not a.ppl:
         print(f"checkpoint: {out}")
@@ -150,7 +171,7 @@ def _quantize_and_report(name: str, method, args, a: argparse.Namespace) -> None
     print(f"checkpoint: {out}")
 
 
-COMMANDS = {"assets": cmd_assets, "rtn": cmd_rtn, "gptq": cmd_gptq, "eval": cmd_eval}
+COMMANDS = {"assets": cmd_assets, "rtn": cmd_rtn, "gptq": cmd_gptq, "awq": cmd_awq, "eval": cmd_eval}
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:

@@ -46,9 +46,7 @@ def main(out_root: Path) -> None:
         word_tokenizer().save_pretrained(src)
         weights = {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group", "group_size": 32}
         recipe = GPTQModifier(config_groups={"g": {"targets": ["Linear"], "weights": weights}}, ignore=["lm_head"])
-        model = oneshot(
-            model=str(src), dataset=calib, recipe=recipe, num_calibration_samples=16, max_seq_length=64
-        )
+        model = oneshot(model=str(src), dataset=calib, recipe=recipe, num_calibration_samples=16, max_seq_length=64)
         with torch.no_grad():
             logits = model(probe).logits
         out = out_root / name

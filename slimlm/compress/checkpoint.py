@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 import struct
@@ -25,47 +24,13 @@ import torch
 from safetensors.torch import safe_open, save_file
 
 from slimlm import SlimlmError, __version__
+from slimlm.compress import gptq_v1
+from slimlm.compress.packing import pack_int32, unpack_int32
 from slimlm.compress.quantize import QuantArgs, QuantizedWeight
 
 MAX_SHARD_BYTES = 2 * 1024**3
+FORMATS = ("compressed-tensors", "gptq")
 SLIMLM_JSON = "slimlm.json"
-
-
-# ---- bit packing -------------------------------------------------------------------------------------------
-
-
-def pack_int32(codes: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
-    """Pack signed `bits`-bit codes into int32 words along `dim`: element i sits at bit i·bits of its row."""
-    u = codes.to(torch.int64) + (1 << (bits - 1))
-    if dim == 0:
-        u = u.transpose(0, 1)
-    rows, n = u.shape
-    words = math.ceil(n * bits / 32)
-    start = torch.arange(n, device=u.device) * bits
-    word, offset = start // 32, start % 32
-    out = torch.zeros(rows, words + 1, dtype=torch.int64, device=u.device)
-    out.index_add_(1, word, (u << offset) & 0xFFFFFFFF)
-    # A code that straddles two words puts its high bits at the bottom of the next one.
-    spill = offset + bits > 32
-    if spill.any():
-        out.index_add_(1, word[spill] + 1, u[:, spill] >> (32 - offset[spill]))
-    out = out[:, :words]
-    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
-    return out.transpose(0, 1).contiguous() if dim == 0 else out
-
-
-def unpack_int32(packed: torch.Tensor, bits: int, n: int, dim: int = 1) -> torch.Tensor:
-    """Inverse of pack_int32: `n` signed int8 codes per row (or per column when dim=0)."""
-    p = packed.transpose(0, 1) if dim == 0 else packed
-    p = p.to(torch.int64) & 0xFFFFFFFF
-    p = torch.nn.functional.pad(p, (0, 1))
-    start = torch.arange(n, device=p.device) * bits
-    word, offset = start // 32, start % 32
-    # Two adjacent words as one 64-bit value cover any code, straddling or not.
-    pair = p[:, word] | (p[:, word + 1] << 32)
-    u = (pair >> offset) & ((1 << bits) - 1)
-    codes = (u - (1 << (bits - 1))).to(torch.int8)
-    return codes.transpose(0, 1).contiguous() if dim == 0 else codes
 
 
 # ---- config --------------------------------------------------------------------------------------------
@@ -177,20 +142,28 @@ def save(
     ignore: list[str],
     meta: dict,
     overwrite: bool = False,
+    fmt: str = "compressed-tensors",
 ) -> Path:
-    """Write a compressed-tensors checkpoint plus slimlm.json, atomically. Returns the final directory."""
+    """Write a checkpoint (compressed-tensors, or GPTQ v1 with fmt="gptq") plus slimlm.json, atomically."""
+    if fmt not in FORMATS:
+        raise SlimlmError(f"--format {fmt} is not supported; use one of {', '.join(FORMATS)}")
+    method_args = meta.get("arguments", {})
+    if fmt == "gptq":
+        qconfig = gptq_v1.quantization_config(args, method_args.get("act_order"), method_args.get("damp"))
+    else:
+        qconfig = quantization_config(args, ignore, method_args.get("act_order"))
+    per_linear = gptq_v1.to_tensors if fmt == "gptq" else compressed_tensors
     tensors = _unique_state_dict(model)
     for name, q in quantized.items():
         del tensors[f"{name}.weight"]
-        for key, t in compressed_tensors(q).items():
+        for key, t in per_linear(q).items():
             tensors[f"{name}.{key}"] = t.cpu()
     out_dir = Path(out_dir).resolve()
     with atomic_dir(out_dir, overwrite) as tmp:
         files = _write_shards(tmp, tensors)
         model.config.save_pretrained(tmp)
         config = json.loads((tmp / "config.json").read_text())
-        act_order = meta.get("arguments", {}).get("act_order")
-        config["quantization_config"] = quantization_config(args, ignore, act_order)
+        config["quantization_config"] = qconfig
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
@@ -311,10 +284,16 @@ def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def read_quantized(model_dir: Path) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor]]:
-    """Split a checkpoint into its quantized linears and the remaining float tensors."""
+    """Split a checkpoint (compressed-tensors or GPTQ v1) into its quantized linears and the float rest."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    args = _args_from_config(config["quantization_config"])
+    qcfg = config["quantization_config"]
     tensors = read_tensors(model_dir)
+    if qcfg.get("quant_method") == "gptq":
+        args = gptq_v1.args_from_config(qcfg)
+        names = [k[: -len(".qweight")] for k in tensors if k.endswith(".qweight")]
+        keys = ("qweight", "qzeros", "scales", "g_idx")
+        return {n: gptq_v1.from_tensors({k: tensors.pop(f"{n}.{k}") for k in keys}, args) for n in names}, tensors
+    args = _args_from_config(qcfg)
     names = [k[: -len(".weight_packed")] for k in tensors if k.endswith(".weight_packed")]
     quantized = {}
     for name in names:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from slimlm import data, models
-from slimlm.compress import checkpoint, pipeline
+from slimlm.compress import checkpoint, gptq_v1, pipeline
 from slimlm.compress.quantize import QuantArgs
 
 
@@ -39,10 +39,13 @@ def quantize_weights(
     batch_size: int = 8,
     overwrite: bool = False,
     progress: bool = True,
+    fmt: str = "compressed-tensors",
 ) -> Path:
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     out = Path(out)
     checkpoint.prepare_output(out, overwrite)  # fail now, not after calibration
+    if fmt == "gptq":
+        gptq_v1.check_exportable(args)
     torch.manual_seed(seed)
     model, tokenizer, model_dir = models.load(model_spec)
     pipeline.check_group_size(model, args, ignore)
@@ -62,7 +65,7 @@ def quantize_weights(
         "layers": report,
     }
     final = checkpoint.save(
-        out, model, tokenizer, quantized, args, sorted(linear_names - set(quantized)), meta, overwrite
+        out, model, tokenizer, quantized, args, sorted(linear_names - set(quantized)), meta, overwrite, fmt
     )
     log(f"[{method_name}] quantized {len(quantized)} linears in {seconds:.0f}s; wrote {final}")
     return final

@@ -7,6 +7,7 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
 from slimlm import SlimlmError, models
 from slimlm.compress import checkpoint
+from slimlm.compress.packing import pack_int32, unpack_int32
 from slimlm.compress.quantize import QuantArgs, quantize_rtn
 from slimlm.compress.rtn import RTN
 
@@ -16,9 +17,9 @@ from slimlm.compress.rtn import RTN
 @pytest.mark.parametrize("dim", [0, 1])
 def test_packing_is_bit_exact_with_compressed_tensors(bits, shape, dim):
     codes = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), shape, dtype=torch.int8)
-    packed = checkpoint.pack_int32(codes, bits, dim)
+    packed = pack_int32(codes, bits, dim)
     assert torch.equal(packed, pack_to_int32(codes, bits, packed_dim=dim))
-    assert torch.equal(checkpoint.unpack_int32(packed, bits, shape[dim], dim), codes)
+    assert torch.equal(unpack_int32(packed, bits, shape[dim], dim), codes)
 
 
 def quantize_tiny(tiny_llama, out, args, overwrite=False):

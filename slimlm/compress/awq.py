@@ -1,0 +1,178 @@
+"""AWQ (Lin et al., 2023): protect the weights that meet large activations by scaling them up before
+rounding, and fold the inverse scale into the op that produces those activations.
+
+Per decoder layer, for each (previous op → linears that read its output) pair:
+  s_x = mean |x| per input channel;  search α ∈ {0, 1/20, …, 19/20}, s = s_x^α (normalised), for the α whose
+  fake-quantized linears Q(W·s)/s give the smallest output error of the enclosing block on calibration data;
+  then W ← W·s and the previous op's output ← /s, which leaves the float model's function unchanged.
+After scaling, a clipping search shrinks each group's range where that lowers the output error, and the
+weights are quantized round-to-nearest (asymmetric, groups of 128, by default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from slimlm.compress.quantize import QuantArgs, QuantizedWeight, compute_qparams, quantize, quantize_rtn
+
+GRID = 20
+CLIP_GRID = 20
+CLIP_MAX_SHRINK = 0.5
+CLIP_TOKENS = 1024
+CLIP_CHUNK_ELEMENTS = 64 * 1024 * 1024  # bounds the [rows, tokens, groups] products of the clipping search
+
+
+@dataclass
+class Mapping:
+    prev: str  # module whose output feeds the balanced linears (an RMSNorm or a linear)
+    linears: list[str]  # linears reading that output; their input columns get scaled
+    block: str  # module whose output error judges a scale (it contains the linears)
+
+
+def layer_mappings(layer: nn.Module) -> list[Mapping]:
+    """Llama/Mistral/Qwen2 decoder layer. v→o only when every query head has its own KV head (no GQA)."""
+    maps = [Mapping("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "self_attn")]
+    if layer.self_attn.v_proj.weight.shape == layer.self_attn.o_proj.weight.shape:
+        maps.append(Mapping("self_attn.v_proj", ["self_attn.o_proj"], "self_attn.o_proj"))
+    maps.append(Mapping("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"], "mlp"))
+    maps.append(Mapping("mlp.up_proj", ["mlp.down_proj"], "mlp.down_proj"))
+    return maps
+
+
+@torch.no_grad()
+def fold_scales(layer: nn.Module, mapping: Mapping, s: torch.Tensor) -> None:
+    """W ← W·diag(s) for the balanced linears and prev ← prev/s: the layer computes the same function."""
+    prev = layer.get_submodule(mapping.prev)
+    if isinstance(prev, nn.Linear):
+        prev.weight.div_(s[:, None].to(prev.weight.dtype))
+        if prev.bias is not None:
+            prev.bias.div_(s.to(prev.bias.dtype))
+    else:  # RMSNorm: output = weight ⊙ normalised input
+        prev.weight.div_(s.to(prev.weight.dtype))
+    for name in mapping.linears:
+        lin = layer.get_submodule(name)
+        lin.weight.mul_(s[None, :].to(lin.weight.dtype))
+
+
+@dataclass
+class _Stats:
+    abs_sum: torch.Tensor | None = None
+    tokens: int = 0
+    samples: list[torch.Tensor] = field(default_factory=list)  # a token subsample, for the clipping search
+
+    def add(self, x: torch.Tensor, stride: int) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        a = x.abs().sum(0)
+        self.abs_sum = a if self.abs_sum is None else self.abs_sum + a
+        self.tokens += x.shape[0]
+        self.samples.append(x[::stride].clone())
+
+
+class AWQ:
+    def __init__(self, args: QuantArgs, search_batches: int = 4, clip: bool = True):
+        self.args, self.search_batches, self.clip = args, search_batches, clip
+        self.stats: dict[str, _Stats] = {}
+        self.block_inputs: dict[str, list[tuple[tuple, dict]]] = {}
+
+    def arguments(self) -> dict[str, Any]:
+        return {"search_batches": self.search_batches, "clip": self.clip, "grid": GRID}
+
+    def observe(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> list[Any]:
+        self.stats = {}
+        self.block_inputs = {}
+        handles = []
+        for local in {lin for m in layer_mappings(layer) for lin in m.linears}:
+            stats = self.stats[local] = _Stats()
+            mod = layer.get_submodule(local)
+            handles.append(mod.register_forward_pre_hook(lambda _m, a, st=stats: st.add(a[0], stride=16)))
+        for m in layer_mappings(layer):
+            store = self.block_inputs.setdefault(m.block, [])
+
+            def keep(_mod, args, kwargs, store=store):
+                if len(store) < self.search_batches:
+                    store.append((args, kwargs))
+
+            handles.append(layer.get_submodule(m.block).register_forward_pre_hook(keep, with_kwargs=True))
+        return handles
+
+    @torch.no_grad()
+    def apply(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> dict[str, QuantizedWeight]:
+        prefix = next(iter(linears)).rsplit(".", 2)[0] + "." if linears else ""
+        local_to_full = {n[len(prefix) :]: n for n in linears}
+        for m in layer_mappings(layer):
+            if not all(lin in local_to_full for lin in m.linears):
+                continue  # some of these linears are --ignore'd: leave the group alone
+            s = self._search_scale(layer, m)
+            fold_scales(layer, m, s)
+            for lin in m.linears:  # the stored inputs now reach the linears divided by s
+                self.stats[lin].samples = [x / s for x in self.stats[lin].samples]
+        out = {}
+        for local, full in local_to_full.items():
+            w = layer.get_submodule(local).weight.data
+            if self.clip and local in self.stats and not local.endswith(("q_proj", "k_proj")):
+                x = torch.cat(self.stats[local].samples)
+                w = self._clip(w, x[torch.linspace(0, len(x) - 1, min(CLIP_TOKENS, len(x))).long()])
+            q = quantize_rtn(w.float(), self.args)
+            q.scale = q.scale.to(w.dtype)
+            out[full] = q
+        return out
+
+    def _block_output(self, block: nn.Module, inputs: list[tuple[tuple, dict]]) -> list[torch.Tensor]:
+        outs = []
+        for args, kwargs in inputs:
+            y = block(*args, **kwargs)
+            outs.append(y[0] if isinstance(y, tuple) else y)
+        return outs
+
+    def _search_scale(self, layer: nn.Module, m: Mapping) -> torch.Tensor:
+        block = layer.get_submodule(m.block)
+        inputs = self.block_inputs[m.block]
+        stats = self.stats[m.linears[0]]
+        x_mean = stats.abs_sum / stats.tokens
+        mods = [layer.get_submodule(n) for n in m.linears]
+        originals = [mod.weight.data.clone() for mod in mods]
+        ref = self._block_output(block, inputs)
+        best, best_s = float("inf"), torch.ones_like(x_mean)
+        for i in range(GRID):
+            s = x_mean.pow(i / GRID).clamp(min=1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            for mod, w in zip(mods, originals, strict=True):
+                scaled = w.float() * s[None, :]
+                mod.weight.data = (quantize_rtn(scaled, self.args).dequantize() / s[None, :]).to(w.dtype)
+            out = self._block_output(block, inputs)
+            loss = sum(((o - r).float().pow(2).mean() for o, r in zip(out, ref, strict=True)), torch.tensor(0.0))
+            if loss.item() < best:
+                best, best_s = loss.item(), s
+        for mod, w in zip(mods, originals, strict=True):
+            mod.weight.data = w
+        return best_s.to(originals[0].dtype)
+
+    def _clip(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Per group, the shrink of the weight range (1.0 … 0.5) that best preserves x·wᵀ within the group."""
+        rows = max(1, CLIP_CHUNK_ELEMENTS // (x.shape[0] * w.shape[1]))
+        return torch.cat([self._clip_rows(w[r : r + rows], x) for r in range(0, w.shape[0], rows)])
+
+    def _clip_rows(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        args = self.args
+        out_f, in_f = w.shape
+        gs = in_f if args.group_size == -1 else args.group_size
+        wg = w.float().reshape(out_f, -1, gs)  # [out, G, gs]
+        xg = x.float().reshape(x.shape[0], -1, gs)  # [tokens, G, gs]
+        ref = torch.einsum("ogk,tgk->otg", wg, xg)
+        amax = wg.abs().amax(dim=-1, keepdim=True)
+        best_err = torch.full((out_f, wg.shape[1]), float("inf"))
+        best_max = amax.clone()
+        for i in range(int(CLIP_MAX_SHRINK * CLIP_GRID) + 1):
+            cur = amax * (1 - i / CLIP_GRID)
+            clipped = wg.clamp(-cur, cur).reshape(out_f, in_f)
+            scale, zero = compute_qparams(clipped, args)
+            deq = quantize(clipped, scale, zero, args).dequantize().reshape(out_f, -1, gs)
+            err = (torch.einsum("ogk,tgk->otg", deq, xg) - ref).pow(2).mean(dim=1)  # [out, G]
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_max = torch.where(better[..., None], cur, best_max)
+        return wg.clamp(-best_max, best_max).reshape(out_f, in_f).to(w.dtype)

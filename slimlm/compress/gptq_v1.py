@@ -1,0 +1,79 @@
+"""The GPTQ v1 checkpoint layout (AutoGPTQ / GPTQModel `checkpoint_format: gptq`), for tools that read only it.
+
+Per quantized linear `name` with b-bit unsigned codes u = z + 2^(b−1):
+    name.qweight  int32 [in·b/32, out]   u packed along the input dim, element i at bit (i mod 32/b)·b
+    name.qzeros   int32 [groups, out·b/32]  zero point minus one (the v1 convention), packed along out
+    name.scales   float16 [groups, out]
+    name.g_idx    int32 [in]            group of each input column
+and w = scales[g_idx] · (u − (qzeros + 1)). Only symmetric 4- and 8-bit weights are exported: the v1
+zero-point offset makes asymmetric zeros lossy, and 2/3-bit layouts differ between tools.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slimlm import SlimlmError
+from slimlm.compress.packing import pack_int32, unpack_int32
+from slimlm.compress.quantize import QuantArgs, QuantizedWeight, group_index
+
+
+def check_exportable(args: QuantArgs) -> None:
+    if not args.sym or args.bits not in (4, 8):
+        raise SlimlmError(
+            f"--format gptq writes symmetric 4- or 8-bit weights only (got {args.bits}-bit "
+            f"{'sym' if args.sym else 'asym'}); use --sym with --bits 4 or 8, or the default compressed-tensors format"
+        )
+
+
+def to_tensors(q: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """v1 tensors for one linear. Scales are stored as float16, as every v1 reader expects."""
+    check_exportable(q.args)
+    out_f, in_f = q.codes.shape
+    groups = q.scale.shape[1]
+    offset = 2 ** (q.args.bits - 1)
+    zeros_minus_one = torch.full((groups, out_f), offset - 1 - offset, dtype=torch.int8)  # signed form of z−1
+    return {
+        "qweight": pack_int32(q.codes.T.contiguous(), q.args.bits, dim=0),
+        "qzeros": pack_int32(zeros_minus_one, q.args.bits, dim=1),
+        "scales": q.scale.T.to(torch.float16).contiguous(),
+        "g_idx": group_index(in_f, q.args, q.g_idx).to(torch.int32),
+    }
+
+
+def from_tensors(t: dict[str, torch.Tensor], args: QuantArgs) -> QuantizedWeight:
+    """A QuantizedWeight (signed codes, symmetric) from one linear's v1 tensors."""
+    in_f = t["g_idx"].numel()
+    out_f = t["scales"].shape[1]
+    offset = 2 ** (args.bits - 1)
+    u = unpack_int32(t["qweight"], args.bits, in_f, dim=0).T.to(torch.int16) + offset
+    z = unpack_int32(t["qzeros"], args.bits, out_f, dim=1).T.to(torch.int16) + offset + 1  # [out, groups]
+    if not (z == offset).all():
+        raise SlimlmError("GPTQ v1 checkpoint with asymmetric zero points: not supported yet")
+    codes = (u - offset).to(torch.int8)
+    g_idx = t["g_idx"].long()
+    trivial = torch.equal(g_idx, group_index(in_f, args))
+    return QuantizedWeight(codes.contiguous(), t["scales"].T.contiguous(), None, args, None if trivial else g_idx.int())
+
+
+def quantization_config(args: QuantArgs, act_order: str | None, damp: float | None) -> dict:
+    check_exportable(args)
+    return {
+        "quant_method": "gptq",
+        "checkpoint_format": "gptq",
+        "bits": args.bits,
+        "group_size": args.group_size,
+        "sym": True,
+        "desc_act": act_order == "group",
+        "damp_percent": damp,
+        "true_sequential": True,
+    }
+
+
+def args_from_config(qcfg: dict) -> QuantArgs:
+    if qcfg.get("checkpoint_format", "gptq") != "gptq" or not qcfg.get("sym", True):
+        raise SlimlmError(
+            f"GPTQ checkpoint format {qcfg.get('checkpoint_format')} (sym={qcfg.get('sym')}) is not supported; "
+            "slimlm reads symmetric GPTQ v1"
+        )
+    return QuantArgs(bits=qcfg["bits"], group_size=qcfg["group_size"], sym=True)

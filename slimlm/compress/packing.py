@@ -1,0 +1,46 @@
+"""Dense bit packing of signed b-bit codes into int32 words, the layout compressed-tensors and GPTQ use.
+
+Codes are offset to unsigned (z + 2^(b−1)) and written as one little-endian bit stream per row: element i
+occupies bits [i·b, (i+1)·b) of the row, so for b = 4 or 8 each word holds 32/b whole codes and for b = 3
+codes straddle word boundaries.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def pack_int32(codes: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
+    """Pack signed `bits`-bit codes into int32 words along `dim`: element i sits at bit i·bits of its row."""
+    u = codes.to(torch.int64) + (1 << (bits - 1))
+    if dim == 0:
+        u = u.transpose(0, 1)
+    rows, n = u.shape
+    words = math.ceil(n * bits / 32)
+    start = torch.arange(n, device=u.device) * bits
+    word, offset = start // 32, start % 32
+    out = torch.zeros(rows, words + 1, dtype=torch.int64, device=u.device)
+    out.index_add_(1, word, (u << offset) & 0xFFFFFFFF)
+    # A code that straddles two words puts its high bits at the bottom of the next one.
+    spill = offset + bits > 32
+    if spill.any():
+        out.index_add_(1, word[spill] + 1, u[:, spill] >> (32 - offset[spill]))
+    out = out[:, :words]
+    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+    return out.transpose(0, 1).contiguous() if dim == 0 else out
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, n: int, dim: int = 1) -> torch.Tensor:
+    """Inverse of pack_int32: `n` signed int8 codes per row (or per column when dim=0)."""
+    p = packed.transpose(0, 1) if dim == 0 else packed
+    p = p.to(torch.int64) & 0xFFFFFFFF
+    p = torch.nn.functional.pad(p, (0, 1))
+    start = torch.arange(n, device=p.device) * bits
+    word, offset = start // 32, start % 32
+    # Two adjacent words as one 64-bit value cover any code, straddling or not.
+    pair = p[:, word] | (p[:, word + 1] << 32)
+    u = (pair >> offset) & ((1 << bits) - 1)
+    codes = (u - (1 << (bits - 1))).to(torch.int8)
+    return codes.transpose(0, 1).contiguous() if dim == 0 else codes
