@@ -88,7 +88,13 @@ def load(spec: str, dtype: torch.dtype = torch.float32):
     config = read_config(model_dir)
     check_architecture(config, model_dir)
     checkpoint.verify(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SlimlmError(
+            f"cannot load a tokenizer from {model_dir} ({reason}); copy the source model's tokenizer files there"
+        ) from None
     if "quantization_config" in config:
         model = checkpoint.load_compressed(model_dir, dtype)
     else:

@@ -39,3 +39,12 @@ def test_no_safetensors(tiny_llama, tmp_path):
     (d / "model.safetensors").unlink()
     with pytest.raises(SlimlmError, match="no .safetensors weights"):
         models.load(str(d))
+
+
+def test_missing_tokenizer(tiny_llama, tmp_path):
+    d = tmp_path / "notok"
+    shutil.copytree(tiny_llama, d)
+    for f in d.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(SlimlmError, match="cannot load a tokenizer from"):
+        models.load(str(d))

@@ -1,0 +1,147 @@
+"""Side by side: slimlm RTN / GPTQ / AWQ against llm-compressor (and GPTQModel when its venv is given).
+
+Every method gets the same calibration token windows (owt, joined with EOS and cut, see slimlm.data) and
+every result is scored by the same perplexity code on the same wiki windows, in this process. Each
+quantization runs as its own subprocess so that its wall time and peak RSS are measured the same way.
+
+    .venv/bin/python benchmarks/quant_vs_peers.py --llmcompressor-python /path/to/llmc/bin/python \
+        [--gptqmodel-python /path/to/gptqmodel/bin/python] [--samples 32] [--settings w4g64-sym,...]
+
+Peers run in their own venvs (they pin other transformers versions); see benchmarks/peers/*.py for the
+exact calls. Prints a table and writes JSON + Markdown under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from slimlm import data, models
+from slimlm.compress import checkpoint
+from slimlm.eval.perplexity import perplexity
+
+HERE = Path(__file__).parent
+SETTINGS = {  # name: (bits, group size, symmetric)
+    "w4g64-sym": (4, 64, True),
+    "w4g64-asym": (4, 64, False),
+    "w4-channel-sym": (4, -1, True),
+    "w3g64-asym": (3, 64, False),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--llmcompressor-python", help="python of a venv with llmcompressor==0.14.0.1")
+    p.add_argument("--gptqmodel-python", help="python of a venv with gptqmodel==7.6.0")
+    p.add_argument("--samples", type=int, default=32, help="calibration windows of --seq-len tokens")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--ppl-tokens", type=int, default=16384)
+    p.add_argument("--settings", default=",".join(SETTINGS))
+    p.add_argument("--methods", default="rtn,gptq,gptq-act,awq,llmc-gptq,llmc-awq,gptqmodel")
+    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "slimlm-quant-vs-peers")
+    a = p.parse_args()
+
+    model_dir = models.resolve("smollm2-135m")
+    base_model, tokenizer, _ = models.load("smollm2-135m")
+    a.work.mkdir(parents=True, exist_ok=True)
+    calib_file = a.work / "calib.safetensors"
+    save_file({"input_ids": data.calibration_windows("owt", tokenizer, a.samples, a.seq_len, 0)}, calib_file)
+    base = perplexity(base_model, tokenizer, "wiki", a.seq_len, a.ppl_tokens, progress=False)
+    del base_model
+    print(f"float baseline: wiki ppl {base['perplexity']:.3f} ({base['tokens_scored']} tokens)", flush=True)
+
+    rows = [{"setting": "float", "method": "baseline", "ppl": base["perplexity"], "seconds": None, "peak_gb": None}]
+    methods = a.methods.split(",")
+    for setting in a.settings.split(","):
+        bits, gs, sym = SETTINGS[setting]
+        qflags = ["--bits", str(bits), "--group-size", str(gs), "--sym" if sym else "--asym"]
+        ours_common = ["--model", "smollm2-135m", "--calib", "owt", "--num-samples", str(a.samples),
+                       "--seq-len", str(a.seq_len), "--overwrite"]  # fmt: skip
+        peer_common = ["--model", str(model_dir), "--calib", str(calib_file), "--bits", str(bits),
+                       "--group-size", str(gs)] + ([] if sym else ["--asym"])  # fmt: skip
+        jobs = {
+            "rtn": [sys.executable, "-m", "slimlm.cli", "rtn", *ours_common, *qflags],
+            "gptq": [sys.executable, "-m", "slimlm.cli", "gptq", *ours_common, *qflags],
+            "gptq-act": [sys.executable, "-m", "slimlm.cli", "gptq", *ours_common, *qflags, "--act-order"],
+            "awq": [sys.executable, "-m", "slimlm.cli", "awq", *ours_common, *qflags],
+        }
+        if a.llmcompressor_python:
+            runner = str(HERE / "peers" / "llmcompressor_run.py")
+            jobs["llmc-gptq"] = [a.llmcompressor_python, runner, "--method", "gptq", *peer_common]
+            jobs["llmc-awq"] = [a.llmcompressor_python, runner, "--method", "awq", *peer_common]
+        if a.gptqmodel_python:
+            jobs["gptqmodel"] = [a.gptqmodel_python, str(HERE / "peers" / "gptqmodel_run.py"), *peer_common]
+        for method in methods:
+            if method not in jobs:
+                continue
+            out = a.work / f"{setting}-{method}"
+            seconds, peak, log = run_one(jobs[method] + ["--out", str(out)])
+            row = {"setting": setting, "method": method, "seconds": round(seconds, 1), "peak_gb": peak}
+            if (out / "config.json").exists():
+                model = checkpoint.load_compressed(out)
+                row["ppl"] = perplexity(model, tokenizer, "wiki", a.seq_len, a.ppl_tokens, progress=False)["perplexity"]
+            else:
+                row["ppl"], row["error"] = float("nan"), log.strip().splitlines()[-1] if log.strip() else "failed"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    report(rows, base["perplexity"], a)
+
+
+def run_one(cmd: list[str]) -> tuple[float, float, str]:
+    """Run a job in a child process: wall seconds, the child's own peak RSS in GB, and its output tail."""
+    env = dict(os.environ, TQDM_DISABLE="1", GPTQMODEL_CPU_WORKERS="2")
+    start = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.time() - start
+    return seconds, (usage.ru_maxrss / 1e6 if status == 0 else float("nan")), out[-4000:]
+
+
+def report(rows: list[dict], base_ppl: float, a: argparse.Namespace) -> None:
+    peers = {"gptq": "llmc-gptq", "gptq-act": "llmc-gptq", "awq": "llmc-awq"}
+    by_key = {(r["setting"], r["method"]): r for r in rows}
+    lines = [
+        f"SmolLM2-135M, calibration {a.samples}×{a.seq_len} owt tokens (same windows for all), "
+        f"wiki perplexity over {a.ppl_tokens} tokens (same windows for all), 2 CPU cores.",
+        "",
+        "| setting | method | wiki ppl | increase | time s | peak RSS GB | ppl increase ratio vs llm-compressor "
+        "| time ratio vs llm-compressor |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        inc = r["ppl"] / base_ppl - 1
+        peer = by_key.get((r["setting"], peers.get(r["method"], "")))
+        ratio_q = ratio_t = ""
+        if peer and peer["ppl"] == peer["ppl"]:
+            ratio_q = f"{inc / (peer['ppl'] / base_ppl - 1):.2f}"
+            ratio_t = f"{r['seconds'] / peer['seconds']:.2f}"
+        secs = "" if r["seconds"] is None else f"{r['seconds']:.0f}"
+        peak = "" if r["peak_gb"] is None else f"{r['peak_gb']:.2f}"
+        err = f" ({r['error'][:60]})" if r.get("error") else ""
+        lines.append(
+            f"| {r['setting']} | {r['method']}{err} | {r['ppl']:.3f} | {inc:+.1%} | {secs} | {peak} | {ratio_q} | "
+            f"{ratio_t} |"
+        )
+    table = "\n".join(lines)
+    print("\n" + table)
+    results = HERE / "results"
+    results.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d")
+    (results / f"quant_vs_peers-{stamp}.md").write_text(table + "\n")
+    (results / f"quant_vs_peers-{stamp}.json").write_text(json.dumps({"base_ppl": base_ppl, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(os.cpu_count() or 1)
+    main()
