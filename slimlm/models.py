@@ -74,28 +74,47 @@ def check_architecture(config: dict, where: Path | str) -> None:
         raise SlimlmError(f"unsupported architecture {arch} in {where}; supported: {supported}")
 
 
-def load(spec: str, dtype: torch.dtype = torch.float32):
-    """Load (model, tokenizer, model_dir) for a float or slimlm/compressed-tensors checkpoint.
+def _tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
 
-    Quantized checkpoints come back as float models holding the dequantized weights: exactly the
-    function the quantized checkpoint computes, which is what perplexity and calibration need.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from slimlm.compress import checkpoint
-
-    model_dir = resolve(spec)
-    config = read_config(model_dir)
-    check_architecture(config, model_dir)
-    checkpoint.verify(model_dir)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SlimlmError(
             f"cannot load a tokenizer from {model_dir} ({reason}); copy the source model's tokenizer files there"
         ) from None
-    if "quantization_config" in config:
+
+
+def _check(model_dir: Path) -> None:
+    from slimlm.compress import checkpoint
+
+    check_architecture(read_config(model_dir), model_dir)
+    checkpoint.verify(model_dir)
+
+
+def load_empty(model_dir: Path):
+    """(model with meta-device weights, tokenizer) for a float checkpoint: layers are loaded on demand."""
+    from slimlm.compress import offload
+
+    _check(model_dir)
+    return offload.empty_model(model_dir), _tokenizer(model_dir)
+
+
+def load(spec: str, dtype: torch.dtype = torch.float32):
+    """Load (model, tokenizer, model_dir) for a float or quantized (compressed-tensors, GPTQ v1) checkpoint.
+
+    Quantized checkpoints come back as float models holding the dequantized weights: exactly the
+    function the quantized checkpoint computes, which is what perplexity and calibration need.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from slimlm.compress import checkpoint
+
+    model_dir = resolve(spec)
+    _check(model_dir)
+    tokenizer = _tokenizer(model_dir)
+    if "quantization_config" in read_config(model_dir):
         model = checkpoint.load_compressed(model_dir, dtype)
     else:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

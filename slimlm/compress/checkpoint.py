@@ -108,7 +108,7 @@ def atomic_dir(out_dir: Path, overwrite: bool) -> Iterator[Path]:
         raise
 
 
-def _unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's tensors, each stored once: tied weights (lm_head = embed_tokens) keep their first name."""
     seen: set[int] = set()
     out = {}
@@ -138,13 +138,17 @@ def save(
     model: torch.nn.Module,
     tokenizer,
     quantized: dict[str, QuantizedWeight],
+    float_tensors: dict[str, torch.Tensor],
     args: QuantArgs,
     ignore: list[str],
     meta: dict,
     overwrite: bool = False,
     fmt: str = "compressed-tensors",
 ) -> Path:
-    """Write a checkpoint (compressed-tensors, or GPTQ v1 with fmt="gptq") plus slimlm.json, atomically."""
+    """Write a checkpoint (compressed-tensors, or GPTQ v1 with fmt="gptq") plus slimlm.json, atomically.
+
+    `float_tensors` are the tensors stored as they are; `model` supplies the config and generation config.
+    """
     if fmt not in FORMATS:
         raise SlimlmError(f"--format {fmt} is not supported; use one of {', '.join(FORMATS)}")
     method_args = meta.get("arguments", {})
@@ -153,9 +157,9 @@ def save(
     else:
         qconfig = quantization_config(args, ignore, method_args.get("act_order"))
     per_linear = gptq_v1.to_tensors if fmt == "gptq" else compressed_tensors
-    tensors = _unique_state_dict(model)
+    tensors = dict(float_tensors)
     for name, q in quantized.items():
-        del tensors[f"{name}.weight"]
+        tensors.pop(f"{name}.weight", None)
         for key, t in per_linear(q).items():
             tensors[f"{name}.{key}"] = t.cpu()
     out_dir = Path(out_dir).resolve()

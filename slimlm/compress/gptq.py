@@ -137,6 +137,13 @@ def _inverse_hessian_factor(H: torch.Tensor, damp: float, name: str) -> torch.Te
     raise SlimlmError(f"{name}: the Hessian stays singular even with damping {damp * 10**5:g}; check the data")
 
 
+class _Cleanup:
+    """A hook-handle lookalike: the pipeline calls remove() on every handle after the float pass."""
+
+    def __init__(self, fn):
+        self.remove = fn
+
+
 class GPTQ:
     def __init__(self, args: QuantArgs, damp: float = 0.01, act_order: str | None = None):
         if not 0 < damp < 1:
@@ -151,16 +158,35 @@ class GPTQ:
         return {"damp": self.damp, "act_order": self.act_order}
 
     def observe(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> list[Any]:
-        handles = []
-        for name, m in linears.items():
-            acc = self.hessians[name] = HessianAccumulator(m.in_features, m.weight.device)
-            handles.append(m.register_forward_pre_hook(lambda _m, a, acc=acc: acc.add(a[0])))
+        # Linears fed the very same tensor (q/k/v, gate/up) share one Hessian: it is computed once.
+        self.hessians, shared = {}, set()
+        last: dict[str, Any] = {"x": None, "name": None}
+
+        def make_hook(name: str, m: nn.Linear):
+            def hook(_m, a):
+                x = a[0]
+                if name in shared:
+                    return
+                if name not in self.hessians:
+                    if x is last["x"]:
+                        self.hessians[name] = self.hessians[last["name"]]
+                        shared.add(name)
+                        return
+                    self.hessians[name] = HessianAccumulator(m.in_features, m.weight.device)
+                self.hessians[name].add(x)
+                last.update(x=x, name=name)
+
+            return hook
+
+        handles = [m.register_forward_pre_hook(make_hook(n, m)) for n, m in linears.items()]
+        # The last input is held only while hooks run: drop it with them.
+        handles.append(_Cleanup(lambda: last.update(x=None)))
         return handles
 
     def apply(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> dict[str, QuantizedWeight]:
         out = {}
         for name, m in linears.items():
-            acc = self.hessians.pop(name)
+            acc = self.hessians[name]
             if acc.tokens < m.in_features and not self.warned:
                 warnings.warn(
                     f"GPTQ: {acc.tokens} calibration tokens for {m.in_features} input features: the Hessian is "
@@ -171,4 +197,5 @@ class GPTQ:
             q = gptq_quantize(m.weight.data, acc.H, self.args, self.damp, self.act_order, name)
             q.scale = q.scale.to(m.weight.dtype)
             out[name] = q
+        self.hessians = {}
         return out

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from slimlm import data, models
-from slimlm.compress import checkpoint, gptq_v1, pipeline
+from slimlm.compress import checkpoint, gptq_v1, offload, pipeline
 from slimlm.compress.quantize import QuantArgs
 
 
@@ -47,13 +47,27 @@ def quantize_weights(
     if fmt == "gptq":
         gptq_v1.check_exportable(args)
     torch.manual_seed(seed)
-    model, tokenizer, model_dir = models.load(model_spec)
+    model_dir = models.resolve(model_spec)
+    if offload.is_float_checkpoint(model_dir):
+        # Decoder layers stay on disk until their turn: memory is bounded by one layer, not the model.
+        model, tokenizer = models.load_empty(model_dir)
+        weights = offload.LazyWeights(model_dir)
+        weights.materialize(model.model.embed_tokens, "model.embed_tokens", torch.float32, "cpu")
+    else:  # an already-quantized checkpoint is loaded whole, dequantized
+        model, tokenizer, model_dir = models.load(model_spec)
+        weights = None
     pipeline.check_group_size(model, args, ignore)
     start = time.time()
     samples = data.calibration_windows(calib, tokenizer, num_samples, seq_len, seed)
     log(f"[{method_name}] {model_dir.name}: {len(samples)}×{seq_len} calibration tokens from '{calib}'")
-    quantized, report = pipeline.run(model, method, samples, ignore, batch_size, progress)
+    result = pipeline.run(model, method, samples, ignore, batch_size, progress, weights)
+    quantized, report = result.quantized, result.report
     seconds = time.time() - start
+    if weights is None:
+        float_tensors = checkpoint.state_tensors(model)
+    else:
+        outside = weights.read(weights.names_outside("model.layers."))
+        float_tensors = {**outside, **result.float_tensors}
     linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     meta = {
         "method": method_name,
@@ -64,8 +78,7 @@ def quantize_weights(
         "compress_seconds": round(seconds, 2),
         "layers": report,
     }
-    final = checkpoint.save(
-        out, model, tokenizer, quantized, args, sorted(linear_names - set(quantized)), meta, overwrite, fmt
-    )
+    ignored = sorted(linear_names - set(quantized))
+    final = checkpoint.save(out, model, tokenizer, quantized, float_tensors, args, ignored, meta, overwrite, fmt)
     log(f"[{method_name}] quantized {len(quantized)} linears in {seconds:.0f}s; wrote {final}")
     return final

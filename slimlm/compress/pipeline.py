@@ -22,6 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from slimlm import SlimlmError
+from slimlm.compress.offload import LazyWeights
 from slimlm.compress.quantize import QuantArgs, QuantizedWeight
 
 
@@ -123,6 +124,13 @@ def _check_finite(tensors: list[torch.Tensor], what: str) -> None:
         raise SlimlmError(f"non-finite values (NaN/Inf) in {what}; the model or calibration data is broken")
 
 
+@dataclass
+class Result:
+    quantized: dict[str, QuantizedWeight]  # by full module name
+    report: list[dict]  # per decoder layer: output error, seconds
+    float_tensors: dict[str, torch.Tensor]  # the offloaded layers' unquantized tensors (norms, biases)
+
+
 @torch.no_grad()
 def run(
     model: nn.Module,
@@ -131,17 +139,26 @@ def run(
     ignore: list[str] = (),
     batch_size: int = 8,
     progress: bool = True,
-) -> tuple[dict[str, QuantizedWeight], list[dict]]:
-    """Compress every decoder layer of `model` in place; return the quantized weights and per-layer errors."""
+    weights: LazyWeights | None = None,
+) -> Result:
+    """Compress every decoder layer of `model` in place.
+
+    With `weights`, the decoder layers start empty (meta) and each is read from disk just before it is
+    compressed and dropped right after, keeping its unquantized tensors in `Result.float_tensors`.
+    """
     inputs = capture_first_layer_inputs(model, calib, batch_size)
+    device = inputs[0].hidden.device
     layers = decoder_layers(model)
     all_linears = quantizable_linears(model, ignore)
     quantized: dict[str, QuantizedWeight] = {}
+    float_tensors: dict[str, torch.Tensor] = {}
     report = []
     bar = tqdm(range(len(layers)), desc="layers", unit="layer", disable=not progress)
     for i in bar:
         start = time.time()
         layer = layers[i]
+        if weights is not None:
+            weights.materialize(layer, f"model.layers.{i}", inputs[0].hidden.dtype, device)
         linears = {n: m for n, m in all_linears.items() if n.startswith(f"model.layers.{i}.")}
         handles = method.observe(layer, linears)
         try:
@@ -169,4 +186,10 @@ def run(
         )
         bar.set_postfix(rel_err=f"{report[-1]['relative_error']:.2e}")
         inputs = [LayerInputs(o, x.kwargs) for o, x in zip(out, inputs, strict=True)]
-    return quantized, report
+        if weights is not None:
+            for name, t in layer.state_dict().items():
+                full = f"model.layers.{i}.{name}"
+                if full.removesuffix(".weight") not in result:
+                    float_tensors[full] = t.detach().cpu().clone()
+            layer.to("meta")
+    return Result(quantized, report, float_tensors)

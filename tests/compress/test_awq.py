@@ -45,7 +45,7 @@ def test_awq_beats_rtn_with_activation_outliers():
     errors = {}
     for name, method in [("rtn", RTN(args)), ("awq", AWQ(args, search_batches=2))]:
         model = tiny(4)
-        _, report = pipeline.run(model, method, calib, batch_size=4, progress=False)
+        report = pipeline.run(model, method, calib, batch_size=4, progress=False).report
         errors[name] = sum(r["relative_error"] for r in report)
     assert errors["awq"] < 0.8 * errors["rtn"], errors
 

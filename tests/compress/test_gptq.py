@@ -144,3 +144,23 @@ def test_group_act_order_checkpoint_round_trips_g_idx(tiny_llama, calib_txt, tmp
     for name, q in quantized.items():
         assert torch.equal(loaded.get_submodule(name).weight, q.dequantize())
         assert (loaded.get_submodule(name).weight - model.get_submodule(name).weight).abs().max() < 1.0
+
+
+def test_linears_reading_the_same_input_share_one_hessian(tiny_llama):
+    from slimlm.compress import pipeline
+    from slimlm.compress.gptq import GPTQ
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    layer = model.model.layers[0]
+    linears = {n: m for n, m in pipeline.quantizable_linears(model).items() if n.startswith("model.layers.0.")}
+    gptq = GPTQ(QuantArgs(4, 32))
+    handles = gptq.observe(layer, linears)
+    calib = torch.randint(0, 100, (3, 16))
+    for x in pipeline.capture_first_layer_inputs(model, calib, batch_size=1):
+        layer(x.hidden, **x.kwargs)
+    for h in handles:
+        h.remove()
+    h = {n.split(".")[-1]: acc for n, acc in gptq.hessians.items()}
+    assert h["q_proj"] is h["k_proj"] is h["v_proj"] and h["gate_proj"] is h["up_proj"]
+    assert len({id(a) for a in h.values()}) == 4  # qkv, o, gate/up, down
+    assert h["q_proj"].tokens == 3 * 16 and h["down_proj"].tokens == 3 * 16

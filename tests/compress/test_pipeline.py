@@ -48,7 +48,8 @@ def test_layer_by_layer_equals_full_forward(model):
     last = pipeline.decoder_layers(model)[-1]
     last.register_forward_hook(lambda _m, _a, out: captured.append(out[0] if isinstance(out, tuple) else out))
     method = Identity()
-    quantized, report = pipeline.run(model, method, calib, batch_size=4, progress=False)
+    result = pipeline.run(model, method, calib, batch_size=4, progress=False)
+    quantized, report = result.quantized, result.report
     layerwise = torch.cat(captured[-2:])  # the second pass over the last layer, both batches
     assert quantized == {} and len(report) == 2
     torch.testing.assert_close(layerwise, full, rtol=1e-5, atol=1e-5)
@@ -58,7 +59,8 @@ def test_layer_by_layer_equals_full_forward(model):
 
 def test_rtn_quantizes_every_decoder_linear_and_reports_error(model):
     calib = torch.randint(0, model.config.vocab_size, (4, 16))
-    quantized, report = pipeline.run(model, RTN(QuantArgs(4, 32)), calib, progress=False)
+    result = pipeline.run(model, RTN(QuantArgs(4, 32)), calib, progress=False)
+    quantized, report = result.quantized, result.report
     assert len(quantized) == 14 and not any("lm_head" in n or "embed" in n for n in quantized)
     assert all(r["relative_error"] > 0 for r in report)
     w = model.get_submodule("model.layers.1.mlp.down_proj").weight
@@ -84,3 +86,27 @@ def test_nan_weights_fail_loudly(model):
     model.get_submodule("model.layers.1.mlp.up_proj").weight.data[0, 0] = float("nan")
     with pytest.raises(SlimlmError, match="decoder layer 1"):
         pipeline.run(model, RTN(QuantArgs(4, 32)), torch.randint(0, 100, (2, 8)), progress=False)
+
+
+def test_offloaded_layers_give_the_same_checkpoint(tiny_llama):
+    """Layers read from disk one at a time give exactly what the in-memory model gives."""
+    from slimlm import models
+    from slimlm.compress.offload import LazyWeights
+
+    calib = torch.randint(0, 100, (4, 16))
+    in_memory = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    expected = pipeline.run(in_memory, RTN(QuantArgs(4, 32)), calib, progress=False)
+
+    empty, _ = models.load_empty(tiny_llama)
+    assert all(p.is_meta for p in empty.model.layers.parameters())
+    weights = LazyWeights(tiny_llama)
+    weights.materialize(empty.model.embed_tokens, "model.embed_tokens", torch.float32, "cpu")
+    got = pipeline.run(empty, RTN(QuantArgs(4, 32)), calib, progress=False, weights=weights)
+    assert got.quantized.keys() == expected.quantized.keys()
+    for n, q in expected.quantized.items():
+        assert torch.equal(got.quantized[n].codes, q.codes)
+    assert [r["relative_error"] for r in got.report] == pytest.approx([r["relative_error"] for r in expected.report])
+    assert sorted(got.float_tensors) == sorted(
+        f"model.layers.{i}.{n}" for i in range(2) for n in ("input_layernorm.weight", "post_attention_layernorm.weight")
+    )
+    assert all(p.is_meta for p in empty.model.layers.parameters())  # dropped again after use

@@ -1,0 +1,67 @@
+"""Keep the model on disk and bring one decoder layer at a time into memory.
+
+The source checkpoint's safetensors files are the offload store: a quantization job builds the model with
+empty (meta) weights, loads the embeddings, and then, for each decoder layer in turn, reads that layer's
+tensors, compresses it and drops it again. Peak memory is one float decoder layer plus the calibration
+activations plus the (much smaller) quantized codes, whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from slimlm import SlimlmError
+from slimlm.compress import checkpoint
+
+
+class LazyWeights:
+    def __init__(self, model_dir: Path):
+        self.files: dict[str, Path] = {}
+        for path in checkpoint.weight_files(model_dir):
+            with safe_open(path, framework="pt") as f:
+                self.files.update(dict.fromkeys(f.keys(), path))
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Copies of the named tensors. Files are opened per call so their pages never stay mapped."""
+        out = {}
+        by_file: dict[Path, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self.files[n], []).append(n)
+        for path, keys in by_file.items():
+            with safe_open(path, framework="pt") as f:
+                out.update({k: f.get_tensor(k) for k in keys})
+        return out
+
+    def names_outside(self, prefix: str) -> list[str]:
+        return [n for n in self.files if not n.startswith(prefix)]
+
+    def materialize(self, module: nn.Module, prefix: str, dtype: torch.dtype, device: torch.device | str) -> None:
+        """Give a meta-device module its real weights from disk."""
+        wanted = [f"{prefix}.{k}" for k in module.state_dict()]
+        tensors = self.read([n for n in wanted if n in self.files])
+        state = {k[len(prefix) + 1 :]: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
+                 for k, v in tensors.items()}  # fmt: skip
+        missing = set(module.state_dict()) - set(state)
+        if missing:
+            raise SlimlmError(f"the checkpoint lacks {prefix}.{sorted(missing)[0]} (and maybe more)")
+        module.load_state_dict(state, assign=True)
+
+
+def empty_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model with meta-device parameters (no memory) and real buffers (rotary tables)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def is_float_checkpoint(model_dir: Path) -> bool:
+    return "quantization_config" not in json.loads((Path(model_dir) / "config.json").read_text())
