@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("awq", help="AWQ: activation-aware scales folded into the previous op, clipping search")
     _add_calibration(p)
     _add_weight_args(p, sym=False)
-    p.add_argument("--search-batches", type=int, default=4, help="calibration batches used by the scale search")
+    p.add_argument("--search-batches", type=int, default=2, help="calibration batches used by the scale search")
     p.add_argument("--no-clip", dest="clip", action="store_false", help="skip the weight-clipping search")
 
     p = sub.add_parser("eval", help="perplexity of a model or checkpoint")

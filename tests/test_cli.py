@@ -111,3 +111,25 @@ def test_console_script_exit_code_and_message(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: unknown model 'nosuchmodel'") and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "command,flags",
+    [("gptq", ["--act-order"]), ("gptq", ["--format", "gptq"]), ("awq", ["--search-batches", "1"])],
+)
+def test_gptq_and_awq_commands(capsys, tiny_llama, calib_txt, tmp_path, command, flags):
+    out = tmp_path / "q"
+    code, stdout, err = run_cli(capsys, command, "--model", str(tiny_llama), "--calib", str(calib_txt),
+                                "--num-samples", "8", "--seq-len", "32", "--group-size", "32", "--out", str(out),
+                                *flags)  # fmt: skip
+    assert code == 0, err
+    meta = json.loads((out / "slimlm.json").read_text())
+    assert meta["method"] == command and len(meta["layers"]) == 2
+    code, _, err = run_cli(capsys, "eval", str(out), "--ppl", str(calib_txt), "--seq-len", "32", "--max-tokens", "128")
+    assert code == 0, err
+
+
+def test_gptq_format_refuses_asymmetric(capsys, tiny_llama, out_dir):
+    code, _, err = run_cli(capsys, "awq", "--model", str(tiny_llama), "--group-size", "32", "--format", "gptq",
+                           "--out", out_dir)  # fmt: skip
+    assert_one_line_error(code, err, "--format gptq writes symmetric 4- or 8-bit weights only")

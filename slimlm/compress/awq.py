@@ -73,7 +73,7 @@ class _Stats:
 
 
 class AWQ:
-    def __init__(self, args: QuantArgs, search_batches: int = 4, clip: bool = True):
+    def __init__(self, args: QuantArgs, search_batches: int = 2, clip: bool = True):
         self.args, self.search_batches, self.clip = args, search_batches, clip
         self.stats: dict[str, _Stats] = {}
         self.block_inputs: dict[str, list[tuple[tuple, dict]]] = {}
