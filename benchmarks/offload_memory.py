@@ -1,10 +1,11 @@
 """Peak memory of quantizing a model whose weights are far larger than one decoder layer.
 
-Builds a random Llama (real shapes, random weights) on disk, then measures in separate processes:
-  - `import`: the interpreter with torch/transformers/slimlm imported (the floor every run pays);
-  - `load whole model`: transformers loading the float model, what a whole-model pipeline holds at least;
-  - `compress rtn` / `compress gptq`: slimlm quantizing it, decoder layers read from disk one at a time.
-Prints peak RSS above the import floor, as a fraction of the model's size.
+Builds a random Llama (real shapes, random weights) on disk, then, each in a fresh process, measures the
+peak RSS a job adds over the process's resident size just before it starts (Linux clear_refs resets the
+peak mark; a warm-up run first pays the one-time lazy imports, whose transient peak is not the job's):
+  - load whole model: transformers loads the float model and reads every weight, the least any
+    whole-model pipeline holds (the baseline);
+  - compress rtn / gptq: slimlm, decoder layers read from disk one at a time.
 
     .venv/bin/python benchmarks/offload_memory.py [--layers 12 --hidden 2048 --intermediate 5632]
 """
@@ -12,32 +13,57 @@ Prints peak RSS above the import floor, as a fraction of the model's size.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+PROBE = """
+import sys
+def status(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
+def measure(job):
+    job("warmup")
+    open("/proc/self/clear_refs", "w").write("5")
+    before = status("VmRSS")
+    job("measured")
+    print("GROWTH", status("VmHWM") - before)
+model, calib, out, kind = sys.argv[1:5]
+if kind == "whole":
+    from transformers import AutoModelForCausalLM
+    def job(tag):
+        m = AutoModelForCausalLM.from_pretrained(model)
+        print(sum(float(p.double().sum()) for p in m.parameters()))
+else:
+    from slimlm.compress.gptq import GPTQ
+    from slimlm.compress.job import quantize_weights
+    from slimlm.compress.quantize import QuantArgs
+    from slimlm.compress.rtn import RTN
+    args = QuantArgs(4, 128, True)
+    def job(tag):
+        method = RTN(args) if kind == "rtn" else GPTQ(args)
+        quantize_weights(kind, method, args, model, f"{out}-{tag}", calib, 8, 128, progress=False)
+measure(job)
+"""
 
-def peak_rss_gb(code_or_cmd: str | list[str]) -> float:
-    cmd = [sys.executable, "-c", code_or_cmd] if isinstance(code_or_cmd, str) else code_or_cmd
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    if status != 0:
-        raise SystemExit(f"{' '.join(cmd)[:120]} failed:\n{out[-2000:]}")
-    return usage.ru_maxrss / 1e6
+
+def growth_gb(model: Path, calib: Path, out: Path, kind: str) -> float:
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, str(model), str(calib), str(out), kind], capture_output=True, text=True
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("GROWTH")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{kind} failed:\n{proc.stderr[-2000:]}")
+    return int(lines[-1].split()[1]) / 1e9
 
 
-def make_model(path: Path, layers: int, hidden: int, intermediate: int) -> int:
+def make_model(path: Path, layers: int, hidden: int, intermediate: int) -> tuple[int, int]:
     import torch
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     words = ["<unk>", "</s>"] + [f"w{i}" for i in range(510)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    from tokenizers import pre_tokenizers
-
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(path)
     config = LlamaConfig(
@@ -47,7 +73,8 @@ def make_model(path: Path, layers: int, hidden: int, intermediate: int) -> int:
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.save_pretrained(path)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    size = lambda mod: sum(p.numel() * p.element_size() for p in mod.parameters())  # noqa: E731
+    return size(model), size(model.model.layers[0])
 
 
 def main() -> None:
@@ -58,29 +85,17 @@ def main() -> None:
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        model_bytes = make_model(tmp / "model", a.layers, a.hidden, a.intermediate)
-        (tmp / "calib.txt").write_text(
-            "\n\n".join(" ".join(f"w{(i * 7 + j) % 500}" for j in range(200)) for i in range(64))
-        )
-        layer_bytes = (model_bytes - 2 * 512 * a.hidden * 4) / a.layers
-        floor = peak_rss_gb("import torch, transformers, slimlm.cli, slimlm.compress.job")
-        whole = peak_rss_gb(
-            f"from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('{tmp / 'model'}')"
-        )
-        runs = {}
-        for method in ("rtn", "gptq"):
-            cmd = [sys.executable, "-m", "slimlm.cli", method, "--model", str(tmp / "model"), "--calib",
-                   str(tmp / "calib.txt"), "--num-samples", "8", "--seq-len", "128", "--group-size", "128",
-                   "--out", str(tmp / method)]  # fmt: skip
-            runs[method] = peak_rss_gb(cmd)
-        gb = model_bytes / 1e9
-        print(
-            f"model: {a.layers} layers, hidden {a.hidden}, {gb:.2f} GB float32 ({layer_bytes / 1e9:.3f} GB per layer)"
-        )
-        print(f"{'process':28}{'peak RSS GB':>12}{'above import':>14}{'÷ model size':>14}")
-        print(f"{'import only':28}{floor:>12.2f}")
-        for name, peak in [("load whole model (HF)", whole)] + [(f"compress {m}", v) for m, v in runs.items()]:
-            print(f"{name:28}{peak:>12.2f}{peak - floor:>14.2f}{(peak - floor) / gb:>14.2f}")
+        model_bytes, layer_bytes = make_model(tmp / "model", a.layers, a.hidden, a.intermediate)
+        calib = tmp / "calib.txt"
+        calib.write_text("\n\n".join(" ".join(f"w{(i * 7 + j) % 500}" for j in range(200)) for i in range(64)))
+        whole = growth_gb(tmp / "model", calib, tmp / "out", "whole")
+        runs = {kind: growth_gb(tmp / "model", calib, tmp / kind, kind) for kind in ("rtn", "gptq")}
+    gb = model_bytes / 1e9
+    print(f"model: {a.layers} layers, hidden {a.hidden}, intermediate {a.intermediate}: {gb:.2f} GB float32, "
+          f"{layer_bytes / 1e9:.3f} GB per decoder layer")  # fmt: skip
+    print(f"{'job':26}{'peak RSS added GB':>18}{'÷ model size':>14}{'÷ one layer':>13}{'÷ whole-model load':>20}")
+    for name, g in [("load whole model (HF)", whole)] + [(f"compress {k} (slimlm)", v) for k, v in runs.items()]:
+        print(f"{name:26}{g:>18.3f}{g / gb:>14.2f}{g * 1e9 / layer_bytes:>13.1f}{g / whole:>20.2f}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from safetensors.torch import safe_open, save_file
 
 from slimlm import SlimlmError, __version__
 from slimlm.compress import gptq_v1
+from slimlm.compress.memory import return_freed_memory
 from slimlm.compress.packing import pack_int32, unpack_int32
 from slimlm.compress.quantize import QuantArgs, QuantizedWeight
 
@@ -162,6 +163,7 @@ def save(
         tensors.pop(f"{name}.weight", None)
         for key, t in per_linear(q).items():
             tensors[f"{name}.{key}"] = t.cpu()
+    return_freed_memory()
     out_dir = Path(out_dir).resolve()
     with atomic_dir(out_dir, overwrite) as tmp:
         files = _write_shards(tmp, tensors)

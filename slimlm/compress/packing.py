@@ -11,12 +11,20 @@ import math
 
 import torch
 
+CHUNK_ELEMENTS = 1 << 20
+
 
 def pack_int32(codes: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
     """Pack signed `bits`-bit codes into int32 words along `dim`: element i sits at bit i·bits of its row."""
+    rows_first = codes.transpose(0, 1) if dim == 0 else codes
+    # Rows are independent; packing a few at a time keeps the int64 temporaries small.
+    step = max(1, CHUNK_ELEMENTS // max(rows_first.shape[1], 1))
+    out = torch.cat([_pack_rows(rows_first[r : r + step], bits) for r in range(0, rows_first.shape[0], step)])
+    return out.transpose(0, 1).contiguous() if dim == 0 else out
+
+
+def _pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
     u = codes.to(torch.int64) + (1 << (bits - 1))
-    if dim == 0:
-        u = u.transpose(0, 1)
     rows, n = u.shape
     words = math.ceil(n * bits / 32)
     start = torch.arange(n, device=u.device) * bits
@@ -28,8 +36,7 @@ def pack_int32(codes: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
     if spill.any():
         out.index_add_(1, word[spill] + 1, u[:, spill] >> (32 - offset[spill]))
     out = out[:, :words]
-    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
-    return out.transpose(0, 1).contiguous() if dim == 0 else out
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, n: int, dim: int = 1) -> torch.Tensor:

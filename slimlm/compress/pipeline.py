@@ -22,6 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from slimlm import SlimlmError
+from slimlm.compress.memory import return_freed_memory
 from slimlm.compress.offload import LazyWeights
 from slimlm.compress.quantize import QuantArgs, QuantizedWeight
 
@@ -192,4 +193,5 @@ def run(
                 if full.removesuffix(".weight") not in result:
                     float_tensors[full] = t.detach().cpu().clone()
             layer.to("meta")
+            return_freed_memory()
     return Result(quantized, report, float_tensors)
