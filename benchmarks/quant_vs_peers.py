@@ -97,15 +97,24 @@ def main() -> None:
     report(rows, base["perplexity"], a)
 
 
+# A child forked from this (large) process would report this process's RSS as its own peak, since Linux
+# keeps the high-water mark across exec; a small wrapper process runs the job and reports the job's peak.
+WRAPPER = (
+    "import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); "
+    "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)"
+)
+
+
 def run_one(cmd: list[str]) -> tuple[float, float, str]:
-    """Run a job in a child process: wall seconds, the child's own peak RSS in GB, and its output tail."""
+    """Run a job in a child process: wall seconds, the job's own peak RSS in GB, and its output tail."""
     env = dict(os.environ, TQDM_DISABLE="1", GPTQMODEL_CPU_WORKERS="2")
     start = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
+    proc = subprocess.run([sys.executable, "-c", WRAPPER, *cmd], capture_output=True, text=True, env=env)
     seconds = time.time() - start
-    return seconds, (usage.ru_maxrss / 1e6 if status == 0 else float("nan")), out[-4000:]
+    out = proc.stdout + proc.stderr
+    peaks = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("MAXRSS_KB")]
+    peak = peaks[-1] / 1e6 if proc.returncode == 0 and peaks else float("nan")
+    return seconds, peak, out[-4000:]
 
 
 def report(rows: list[dict], base_ppl: float, a: argparse.Namespace) -> None:
