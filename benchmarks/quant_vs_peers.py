@@ -48,7 +48,30 @@ def main() -> None:
     p.add_argument("--settings", default=",".join(SETTINGS))
     p.add_argument("--methods", default="rtn,gptq,gptq-act,awq,llmc-gptq,llmc-awq,gptqmodel")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "slimlm-quant-vs-peers")
+    p.add_argument("--report-only", nargs="+", type=Path, metavar="LOG",
+                   help="merge the JSON rows printed by earlier runs into one table; runs nothing")  # fmt: skip
     a = p.parse_args()
+    if a.report_only:
+        rows = [json.loads(line) for log in a.report_only for line in log.read_text().splitlines()
+                if line.startswith('{"setting"')]  # fmt: skip
+        base = [r for r in rows if r["method"] == "baseline"]
+        report(
+            rows
+            if base
+            else [
+                {
+                    "setting": "float",
+                    "method": "baseline",
+                    "ppl": _base_ppl(a.report_only),
+                    "seconds": None,
+                    "peak_gb": None,
+                }
+            ]
+            + rows,
+            _base_ppl(a.report_only),
+            a,
+        )
+        return
 
     model_dir = models.resolve("smollm2-135m")
     base_model, tokenizer, _ = models.load("smollm2-135m")
@@ -115,6 +138,14 @@ def run_one(cmd: list[str]) -> tuple[float, float, str]:
     peaks = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("MAXRSS_KB")]
     peak = peaks[-1] / 1e6 if proc.returncode == 0 and peaks else float("nan")
     return seconds, peak, out[-4000:]
+
+
+def _base_ppl(logs: list[Path]) -> float:
+    for log in logs:
+        for line in log.read_text().splitlines():
+            if line.startswith("float baseline: wiki ppl"):
+                return float(line.split()[4])
+    raise SystemExit("no 'float baseline' line in the logs")
 
 
 def report(rows: list[dict], base_ppl: float, a: argparse.Namespace) -> None:

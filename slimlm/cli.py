@@ -34,6 +34,7 @@ def _add_weight_args(p: argparse.ArgumentParser, sym: bool = True) -> None:
         "--asym", dest="sym", action="store_false", help="asymmetric, with zero points" + " (default)" * (not sym)
     )
     p.add_argument("--ignore", nargs="*", default=[], metavar="GLOB", help="linears to keep float, e.g. '*.down_proj'")
+    p.add_argument("--quantize-lm-head", action="store_true", help="also quantize lm_head (round-to-nearest)")
     p.add_argument(
         "--format", default="compressed-tensors", choices=["compressed-tensors", "gptq"],
         help="checkpoint layout: compressed-tensors (default; vLLM, transformers) or GPTQ v1 (sym 4/8-bit)",
@@ -153,6 +154,7 @@ def _quantize_and_report(name: str, method, args, a: argparse.Namespace) -> None
         batch_size=a.batch_size,
         overwrite=a.overwrite,
         fmt=a.format,
+        quantize_lm_head=a.quantize_lm_head,
     )
     if not a.ppl:
         print(f"checkpoint: {out}")

@@ -38,7 +38,9 @@ def make_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
-def make_tiny_llama(path: Path, hidden: int = 64, intermediate: int = 96, layers: int = 2, seed: int = 0) -> Path:
+def make_tiny_llama(
+    path: Path, hidden: int = 64, intermediate: int = 96, layers: int = 2, seed: int = 0, tied: bool = True
+) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = make_tokenizer()
@@ -50,7 +52,7 @@ def make_tiny_llama(path: Path, hidden: int = 64, intermediate: int = 96, layers
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )

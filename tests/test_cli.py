@@ -133,3 +133,31 @@ def test_gptq_format_refuses_asymmetric(capsys, tiny_llama, out_dir):
     code, _, err = run_cli(capsys, "awq", "--model", str(tiny_llama), "--group-size", "32", "--format", "gptq",
                            "--out", out_dir)  # fmt: skip
     assert_one_line_error(code, err, "--format gptq writes symmetric 4- or 8-bit weights only")
+
+
+def test_quantize_lm_head_refuses_tied_embeddings(capsys, tiny_llama, out_dir):
+    code, _, err = run_cli(capsys, "rtn", "--model", str(tiny_llama), "--group-size", "32", "--quantize-lm-head",
+                           "--out", out_dir)  # fmt: skip
+    assert_one_line_error(code, err, "ties lm_head to the input embeddings")
+
+
+def test_quantize_lm_head_of_an_untied_model(capsys, calib_txt, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from slimlm.compress import checkpoint
+    from tests.conftest import make_tiny_llama
+
+    src = make_tiny_llama(tmp_path / "untied", tied=False)
+    out = tmp_path / "q"
+    flags = ["--num-samples", "8", "--seq-len", "32", "--group-size", "32", "--quantize-lm-head"]
+    code, _, err = run_cli(capsys, "gptq", "--model", str(src), "--calib", str(calib_txt), *flags, "--out", str(out))
+    assert code == 0, err
+    quantized, rest = checkpoint.read_quantized(out)
+    assert "lm_head" in quantized and "lm_head.weight" not in rest
+    ours = checkpoint.load_compressed(out)
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    x = torch.randint(0, ours.config.vocab_size, (1, 16))
+    with torch.no_grad():
+        a, b = theirs(x).logits, ours(x).logits
+    assert ((a - b).norm() / b.norm()).item() < 1e-4

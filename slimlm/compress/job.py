@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from slimlm import data, models
+from slimlm import SlimlmError, data, models
 from slimlm.compress import checkpoint, gptq_v1, offload, pipeline
-from slimlm.compress.quantize import QuantArgs
+from slimlm.compress.quantize import QuantArgs, quantize_rtn
 
 
 def source_hash(model_dir: Path) -> str:
@@ -23,6 +23,19 @@ def source_hash(model_dir: Path) -> str:
             for chunk in iter(lambda: f.read(1 << 22), b""):
                 h.update(chunk)
     return h.hexdigest()
+
+
+def _check_lm_head(model: torch.nn.Module, args: QuantArgs) -> None:
+    if model.config.tie_word_embeddings:
+        raise SlimlmError(
+            "--quantize-lm-head: this model ties lm_head to the input embeddings (tie_word_embeddings), so "
+            "quantizing it would quantize the embeddings too; drop --quantize-lm-head"
+        )
+    hidden = model.lm_head.in_features
+    if args.group_size != -1 and hidden % args.group_size:
+        raise SlimlmError(
+            f"--quantize-lm-head: --group-size {args.group_size} does not divide lm_head's input dim {hidden}"
+        )
 
 
 def quantize_weights(
@@ -40,6 +53,7 @@ def quantize_weights(
     overwrite: bool = False,
     progress: bool = True,
     fmt: str = "compressed-tensors",
+    quantize_lm_head: bool = False,
 ) -> Path:
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     out = Path(out)
@@ -57,6 +71,8 @@ def quantize_weights(
         model, tokenizer, model_dir = models.load(model_spec)
         weights = None
     pipeline.check_group_size(model, args, ignore)
+    if quantize_lm_head:
+        _check_lm_head(model, args)
     start = time.time()
     samples = data.calibration_windows(calib, tokenizer, num_samples, seq_len, seed)
     log(f"[{method_name}] {model_dir.name}: {len(samples)}×{seq_len} calibration tokens from '{calib}'")
@@ -68,10 +84,18 @@ def quantize_weights(
     else:
         outside = weights.read(weights.names_outside("model.layers."))
         float_tensors = {**outside, **result.float_tensors}
+    if quantize_lm_head:
+        # The lm_head sees the final hidden states only; it is rounded to nearest whatever the method.
+        quantized["lm_head"] = quantize_rtn(float_tensors["lm_head.weight"].float(), args)
     linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     meta = {
         "method": method_name,
-        "arguments": {**asdict(args), "ignore": list(ignore), **method.arguments()},
+        "arguments": {
+            **asdict(args),
+            "ignore": list(ignore),
+            "quantize_lm_head": quantize_lm_head,
+            **method.arguments(),
+        },
         "calibration": {"source": calib, "num_samples": num_samples, "seq_len": seq_len, "seed": seed},
         "source_model": {"spec": model_spec, "path": str(model_dir), "sha256": source_hash(model_dir)},
         "source_size_bytes": checkpoint.checkpoint_size(model_dir),
