@@ -63,6 +63,20 @@ def make_tiny_llama(
     return path
 
 
+def transformers_logits_error(checkpoint_dir: Path, seq_len: int = 24) -> float:
+    """Relative error between transformers' logits on our checkpoint and our own dequantized model's."""
+    from transformers import AutoModelForCausalLM
+
+    from slimlm.compress import checkpoint
+
+    ours = checkpoint.load_compressed(checkpoint_dir)
+    theirs = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32)
+    x = torch.randint(0, ours.config.vocab_size, (2, seq_len))
+    with torch.no_grad():
+        a, b = theirs(x).logits, ours(x).logits
+    return ((a - b).norm() / b.norm()).item()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama")
