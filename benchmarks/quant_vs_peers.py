@@ -50,6 +50,7 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "slimlm-quant-vs-peers")
     p.add_argument("--report-only", nargs="+", type=Path, metavar="LOG",
                    help="merge the JSON rows printed by earlier runs into one table; runs nothing")  # fmt: skip
+    p.add_argument("--note", default="", help="a line printed under the table's header")
     a = p.parse_args()
     if a.report_only:
         rows = [json.loads(line) for log in a.report_only for line in log.read_text().splitlines()
@@ -154,6 +155,7 @@ def report(rows: list[dict], base_ppl: float, a: argparse.Namespace) -> None:
     lines = [
         f"SmolLM2-135M, calibration {a.samples}×{a.seq_len} owt tokens (same windows for all), "
         f"wiki perplexity over {a.ppl_tokens} tokens (same windows for all), 2 CPU cores.",
+        *([a.note] if a.note else []),
         "",
         "| setting | method | wiki ppl | increase | time s | peak RSS GB | ppl increase ratio vs llm-compressor "
         "| time ratio vs llm-compressor |",
