@@ -137,13 +137,6 @@ def _inverse_hessian_factor(H: torch.Tensor, damp: float, name: str) -> torch.Te
     raise SlimlmError(f"{name}: the Hessian stays singular even with damping {damp * 10**5:g}; check the data")
 
 
-class _Cleanup:
-    """A hook-handle lookalike: the pipeline calls remove() on every handle after the float pass."""
-
-    def __init__(self, fn):
-        self.remove = fn
-
-
 class GPTQ:
     def __init__(self, args: QuantArgs, damp: float = 0.01, act_order: str | None = None):
         if not 0 < damp < 1:
@@ -152,6 +145,7 @@ class GPTQ:
             raise SlimlmError(f"--act-order {act_order} is not supported; use one of {', '.join(ACT_ORDERS[1:])}")
         self.args, self.damp, self.act_order = args, damp, act_order
         self.hessians: dict[str, HessianAccumulator] = {}
+        self._last: dict[str, Any] = {"x": None, "name": None}
         self.warned = False
 
     def arguments(self) -> dict[str, Any]:
@@ -160,7 +154,7 @@ class GPTQ:
     def observe(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> list[Any]:
         # Linears fed the very same tensor (q/k/v, gate/up) share one Hessian: it is computed once.
         self.hessians, shared = {}, set()
-        last: dict[str, Any] = {"x": None, "name": None}
+        last = self._last = {"x": None, "name": None}
 
         def make_hook(name: str, m: nn.Linear):
             def hook(_m, a):
@@ -178,12 +172,10 @@ class GPTQ:
 
             return hook
 
-        handles = [m.register_forward_pre_hook(make_hook(n, m)) for n, m in linears.items()]
-        # The last input is held only while hooks run: drop it with them.
-        handles.append(_Cleanup(lambda: last.update(x=None)))
-        return handles
+        return [m.register_forward_pre_hook(make_hook(n, m)) for n, m in linears.items()]
 
     def apply(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> dict[str, QuantizedWeight]:
+        self._last["x"] = None  # the float pass is over: stop holding its last activation
         out = {}
         for name, m in linears.items():
             acc = self.hessians[name]
