@@ -177,7 +177,7 @@ def save(
         meta = dict(meta)
         meta["tool"] = f"slimlm {__version__}"
         meta["size_bytes"] = sum((tmp / f).stat().st_size for f in files)
-        meta["files"] = {f: _sha256(tmp / f) for f in files}
+        meta["files"] = {f: sha256(tmp / f) for f in files}
         (tmp / SLIMLM_JSON).write_text(json.dumps(meta, indent=2) + "\n")
     return out_dir
 
@@ -206,11 +206,13 @@ def _write_shards(out: Path, tensors: dict[str, torch.Tensor]) -> list[str]:
     return names
 
 
-def _sha256(path: Path) -> str:
+def sha256(*paths: Path) -> str:
+    """sha256 over the files' bytes, in order, read in chunks."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
+    for path in paths:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
     return h.hexdigest()
 
 
@@ -255,7 +257,7 @@ def verify(model_dir: Path) -> None:
         for fname, digest in recorded.items():
             if not (model_dir / fname).exists():
                 raise SlimlmError(f"checkpoint {model_dir} is missing {fname}; re-create it")
-            if _sha256(model_dir / fname) != digest:
+            if sha256(model_dir / fname) != digest:
                 raise SlimlmError(
                     f"{model_dir / fname} does not match the sha256 in slimlm.json (corrupted); re-create it"
                 )

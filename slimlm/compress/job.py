@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
 from dataclasses import asdict
@@ -13,16 +12,6 @@ import torch
 from slimlm import SlimlmError, data, models
 from slimlm.compress import checkpoint, gptq_v1, offload, pipeline
 from slimlm.compress.quantize import QuantArgs, quantize_rtn
-
-
-def source_hash(model_dir: Path) -> str:
-    """sha256 over the source's safetensors files, so a checkpoint names exactly what it was made from."""
-    h = hashlib.sha256()
-    for path in checkpoint.weight_files(model_dir):
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def _check_lm_head(model: torch.nn.Module, args: QuantArgs) -> None:
@@ -62,13 +51,13 @@ def quantize_weights(
         gptq_v1.check_exportable(args)
     torch.manual_seed(seed)
     model_dir = models.resolve(model_spec)
-    if offload.is_float_checkpoint(model_dir):
+    if "quantization_config" not in models.read_config(model_dir):
         # Decoder layers stay on disk until their turn: memory is bounded by one layer, not the model.
         model, tokenizer = models.load_empty(model_dir)
         weights = offload.LazyWeights(model_dir)
         weights.materialize(model.model.embed_tokens, "model.embed_tokens", torch.float32, "cpu")
     else:  # an already-quantized checkpoint is loaded whole, dequantized
-        model, tokenizer, model_dir = models.load(model_spec)
+        model, tokenizer, _ = models.load(str(model_dir))
         weights = None
     pipeline.check_group_size(model, args, ignore)
     if quantize_lm_head:
@@ -97,7 +86,11 @@ def quantize_weights(
             **method.arguments(),
         },
         "calibration": {"source": calib, "num_samples": num_samples, "seq_len": seq_len, "seed": seed},
-        "source_model": {"spec": model_spec, "path": str(model_dir), "sha256": source_hash(model_dir)},
+        "source_model": {
+            "spec": model_spec,
+            "path": str(model_dir),
+            "sha256": checkpoint.sha256(*checkpoint.weight_files(model_dir)),
+        },
         "source_size_bytes": checkpoint.checkpoint_size(model_dir),
         "compress_seconds": round(seconds, 2),
         "layers": report,

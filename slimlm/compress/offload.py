@@ -8,7 +8,6 @@ activations plus the (much smaller) quantized codes, whatever the model's size.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -61,7 +60,3 @@ def empty_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> nn.Modul
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
-
-
-def is_float_checkpoint(model_dir: Path) -> bool:
-    return "quantization_config" not in json.loads((Path(model_dir) / "config.json").read_text())
