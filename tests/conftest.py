@@ -13,6 +13,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(1)
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter (must be set before triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 WORDS = (
     "the of and to in is was for on that with as by at from his her an were are which this be or has had not "

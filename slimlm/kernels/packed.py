@@ -1,0 +1,112 @@
+"""The weight layout the quantized GEMMs read, repacked once at load time from a checkpoint's codes.
+
+Checkpoints stay compressed-tensors or GPTQ (row-major codes, one row per output feature). The kernels want
+something else: for every input index k, a short contiguous run of output features, so that one load feeds
+many lanes (AVX-512 on CPU, a Triton tile on GPU) and the whole matrix streams once. So output features are
+cut into blocks of `BLOCK_N` and each block is stored k-major:
+
+    codes   uint8 [N/BLOCK_N, K, BLOCK_N·bits/8]   4-bit: byte j of a row holds feature j (low nibble)
+                                                   and feature j+BLOCK_N/2 (high nibble); 8-bit: one per byte
+    scales  fp16  [N/BLOCK_N, K/group, BLOCK_N]
+    zeros   uint8 [N/BLOCK_N, K/group, BLOCK_N]    unsigned codes: w = scale · (code − zero)
+
+Codes are stored unsigned (signed code − qmin), so symmetric and asymmetric weights take the same path.
+With act-order (a g_idx), input columns are permuted once so every group is contiguous; the kernels then
+read x[:, perm]. N is padded to a multiple of BLOCK_N with zero weights that the caller slices off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slimlm import SlimlmError
+from slimlm.compress.quantize import QuantizedWeight
+
+BLOCK_N = 64
+KERNEL_BITS = (4, 8)
+
+
+@dataclass
+class PackedWeight:
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    bits: int
+    group_size: int  # K when the checkpoint is per channel
+    out_features: int  # before padding to BLOCK_N
+    perm: torch.Tensor | None = None  # int64 [K]: read x[:, perm]
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1]
+
+    @property
+    def padded_out_features(self) -> int:
+        return self.codes.shape[0] * BLOCK_N
+
+    def to(self, device: torch.device | str) -> PackedWeight:
+        perm = None if self.perm is None else self.perm.to(device)
+        return PackedWeight(
+            self.codes.to(device), self.scales.to(device), self.zeros.to(device), self.bits, self.group_size,
+            self.out_features, perm,
+        )  # fmt: skip
+
+    def nbytes(self) -> int:
+        """Bytes a matmul must read for the weight: what decode speed is decided by."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros))
+
+
+def pack(q: QuantizedWeight) -> PackedWeight:
+    """Repack checkpoint codes [N, K] (signed, compressed-tensors convention) into the kernel layout."""
+    bits = q.args.bits
+    if bits not in KERNEL_BITS:
+        raise SlimlmError(f"no quantized kernel for {bits}-bit weights; kernels cover {KERNEL_BITS} bits")
+    n, k = q.codes.shape
+    group = k if q.args.group_size == -1 else q.args.group_size
+    codes = q.codes.to(torch.int16) - q.args.qmin  # unsigned
+    zeros = torch.full_like(q.scale, -q.args.qmin, dtype=torch.int16) if q.zero is None else q.zero - q.args.qmin
+    perm = None
+    if q.g_idx is not None:
+        perm = torch.argsort(q.g_idx.long(), stable=True)
+        if not torch.equal(q.g_idx.long()[perm], torch.arange(k) // group):
+            raise SlimlmError("g_idx does not split the input columns into equal groups; cannot repack this weight")
+        codes = codes[:, perm]
+    pad = -n % BLOCK_N
+    scales = q.scale.to(torch.float16)
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, k)])
+        zeros = torch.cat([zeros.to(torch.int16), zeros.new_zeros(pad, zeros.shape[1], dtype=torch.int16)])
+        scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
+    blocks = codes.shape[0] // BLOCK_N
+    # [N, K] -> [blocks, K, BLOCK_N]
+    codes = codes.reshape(blocks, BLOCK_N, k).transpose(1, 2).to(torch.uint8)
+    if bits == 4:
+        half = BLOCK_N // 2
+        codes = codes[..., :half] | (codes[..., half:] << 4)
+    return PackedWeight(
+        codes=codes.contiguous(),
+        scales=scales.reshape(blocks, BLOCK_N, -1).transpose(1, 2).contiguous(),
+        zeros=zeros.to(torch.uint8).reshape(blocks, BLOCK_N, -1).transpose(1, 2).contiguous(),
+        bits=bits,
+        group_size=group,
+        out_features=n,
+        perm=perm,
+    )
+
+
+def unpacked_codes(p: PackedWeight) -> torch.Tensor:
+    """Unsigned codes [N_padded, K] in the permuted column order."""
+    c = p.codes
+    if p.bits == 4:
+        c = torch.cat([c & 0xF, c >> 4], dim=-1)
+    return c.transpose(1, 2).reshape(p.padded_out_features, p.in_features)
+
+
+def dequantize(p: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Float weight [N_padded, K] in the permuted column order (what x[:, perm] multiplies)."""
+    per_row = p.scales.shape[1]
+    scales = p.scales.to(dtype).transpose(1, 2).reshape(-1, per_row).repeat_interleave(p.group_size, dim=1)
+    zeros = p.zeros.to(dtype).transpose(1, 2).reshape(-1, per_row).repeat_interleave(p.group_size, dim=1)
+    return (unpacked_codes(p).to(dtype) - zeros) * scales

@@ -1,0 +1,97 @@
+"""Random kernel inputs with real structure, shared by the tests, the CPU benchmark and the GPU device check.
+
+Never zeros: weights are Gaussian and quantized by the real quantizer; caches hold Gaussian values in the
+requested dtype; block tables are shuffled so no kernel can get away with assuming contiguous blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slimlm.compress.quantize import QuantArgs, QuantizedWeight, quantize_rtn
+from slimlm.kernels.packed import PackedWeight, pack
+
+
+def quantized_weight(
+    n: int, k: int, bits: int, group_size: int, sym: bool, act_order: bool = False, seed: int = 0
+) -> tuple[QuantizedWeight, PackedWeight]:
+    g = torch.Generator().manual_seed(seed)
+    q = quantize_rtn(torch.randn(n, k, generator=g), QuantArgs(bits, group_size, sym))
+    if act_order:  # shuffle columns the way GPTQ's act-order leaves them: groups scattered over K
+        size = k if group_size == -1 else group_size
+        q.g_idx = (torch.arange(k) // size)[torch.randperm(k, generator=g)].int()
+    return q, pack(q)
+
+
+@dataclass
+class PagedProblem:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start: torch.Tensor
+    scale: float
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+    def args(self) -> tuple:
+        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.query_start, self.scale,
+                self.k_scale, self.v_scale)  # fmt: skip
+
+    def kv_bytes(self) -> int:
+        """Bytes of K and V a kernel must read: every cached token of every sequence, both caches."""
+        per_token = self.k_cache.shape[2] * self.k_cache.shape[3] * self.k_cache.element_size()
+        return 2 * int(self.seq_lens.sum()) * per_token
+
+
+def paged_problem(
+    seq_lens: list[int],
+    q_lens: list[int],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int = 16,
+    kv_dtype: torch.dtype = torch.float16,
+    q_dtype: torch.dtype = torch.float16,
+    device: str = "cpu",
+    seed: int = 0,
+) -> PagedProblem:
+    """Sequences of `seq_lens` cached tokens whose last `q_lens` tokens are the queries."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2  # a couple of blocks nobody owns
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    k_scale = v_scale = None
+    if kv_dtype == torch.int8:
+        k_scale, v_scale = ((torch.rand(kv_heads, generator=g) + 0.5) / 40 for _ in range(2))
+        k = (k / k_scale[:, None]).round().clamp(-127, 127)
+        v = (v / v_scale[:, None]).round().clamp(-127, 127)
+    elif kv_dtype == torch.float8_e4m3fn:
+        k_scale, v_scale = torch.rand(kv_heads, generator=g) + 0.5, torch.rand(kv_heads, generator=g) + 0.5
+    order = torch.randperm(num_blocks, generator=g).int()
+    table = torch.full((len(seq_lens), max(blocks_per_seq) + 1), -1, dtype=torch.int32)
+    start = 0
+    for s, n in enumerate(blocks_per_seq):
+        table[s, :n] = order[start : start + n]
+        start += n
+    query_start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(query_start[-1]), heads, head_dim, generator=g)
+
+    def put(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        return None if t is None else t.to(device=device, dtype=dtype or t.dtype)
+
+    return PagedProblem(
+        q=put(q, q_dtype), k_cache=put(k, kv_dtype), v_cache=put(v, kv_dtype), block_tables=put(table),
+        seq_lens=put(torch.tensor(seq_lens, dtype=torch.int32)), query_start=put(query_start),
+        scale=head_dim**-0.5, k_scale=put(k_scale), v_scale=put(v_scale),
+    )  # fmt: skip
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; NaN anywhere (an unwritten output) makes it NaN."""
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return float((out - ref).norm() / ref.norm())

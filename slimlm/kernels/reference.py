@@ -1,0 +1,63 @@
+"""Plain PyTorch definitions of what every kernel computes. Tests hold the kernels to these (in float64);
+`SLIMLM_KERNELS=reference` runs them in place of the kernels.
+
+Paged attention, shared by the decode and the prefill kernels:
+    q            [T, Hq, D]   query tokens of all sequences packed back to back
+    k/v_cache    [num_blocks, block_size, Hkv, D]   fp32/fp16/bf16, fp8 e4m3 or int8 (then k/v_scale [Hkv])
+    block_tables int32 [S, max_blocks]   the cache blocks of each sequence, in order
+    seq_lens     int32 [S]   tokens in each sequence's cache, the new ones included (already written)
+    query_start  int32 [S+1] sequence s owns queries query_start[s]:query_start[s+1], its last tokens
+Query i of a sequence sits at position seq_len − q_len + i and sees keys 0..that position (causal).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slimlm.kernels.packed import PackedWeight, dequantize
+
+
+def quant_matmul(x: torch.Tensor, w: PackedWeight, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] @ dequantized(w).T -> [M, out_features], computed in `dtype` (x's by default)."""
+    dtype = dtype or x.dtype
+    if w.perm is not None:
+        x = x[:, w.perm]
+    return (x.to(dtype) @ dequantize(w, dtype).T)[:, : w.out_features]
+
+
+def cached_kv(
+    cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor, length: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence, [length, Hkv, D] in `dtype`."""
+    kv = cache[blocks.long()].flatten(0, 1)[:length].to(dtype)
+    return kv if scale is None else kv * scale.to(dtype)[:, None]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    dtype = dtype or q.dtype
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kv_heads
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    for s in range(len(seq_lens)):
+        length = int(seq_lens[s])
+        start, end = int(query_start[s]), int(query_start[s + 1])
+        blocks = block_tables[s, : -(-length // block_size)]
+        k = cached_kv(k_cache, k_scale, blocks, length, dtype).repeat_interleave(group, dim=1)
+        v = cached_kv(v_cache, v_scale, blocks, length, dtype).repeat_interleave(group, dim=1)
+        qs = q[start:end].to(dtype)
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        pos = torch.arange(length - (end - start), length, device=q.device)
+        scores.masked_fill_(torch.arange(length, device=q.device)[None, :] > pos[:, None], float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+    return out

@@ -1,0 +1,35 @@
+import pytest
+import torch
+
+from slimlm import SlimlmError
+from slimlm.compress.quantize import QuantArgs, quantize_rtn
+from slimlm.kernels import packed, reference
+from slimlm.kernels.problems import quantized_weight, relative_error
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [-1, 32, 64])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_repacked_weight_is_the_checkpoint_weight(bits, group_size, sym, act_order):
+    q, p = quantized_weight(100, 192, bits, group_size, sym, act_order, seed=bits + group_size)
+    q.scale = q.scale.half().float()  # the layout keeps fp16 scales; everything else is exact
+    x = torch.randn(3, 192, dtype=torch.float64)
+    expected = x @ q.dequantize(torch.float64).T
+    assert p.out_features == 100 and p.padded_out_features == 128
+    assert relative_error(reference.quant_matmul(x, p), expected) < 1e-12
+
+
+def test_four_bit_codes_take_half_a_byte():
+    _, p = quantized_weight(128, 256, 4, 64, sym=False)
+    assert p.codes.shape == (2, 256, 32) and p.codes.dtype == torch.uint8
+    assert p.nbytes() == 128 * 256 // 2 + 128 * 4 * 3  # codes + fp16 scales + uint8 zeros
+
+
+def test_unsupported_bits_and_ragged_groups_are_refused():
+    with pytest.raises(SlimlmError, match="3-bit"):
+        packed.pack(quantize_rtn(torch.randn(64, 64), QuantArgs(3, 32, True)))
+    q = quantize_rtn(torch.randn(64, 64), QuantArgs(4, 32, True))
+    q.g_idx = torch.zeros(64, dtype=torch.int32)  # every column in group 0: not equal groups
+    with pytest.raises(SlimlmError, match="equal groups"):
+        packed.pack(q)
