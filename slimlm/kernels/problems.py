@@ -6,6 +6,8 @@ requested dtype; block tables are shuffled so no kernel can get away with assumi
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -95,3 +97,20 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float64; NaN anywhere (an unwritten output) makes it NaN."""
     out, ref = out.double().cpu(), ref.double().cpu()
     return float((out - ref).norm() / ref.norm())
+
+
+@contextlib.contextmanager
+def poisoned_allocations() -> Iterator[None]:
+    """While active, every buffer from torch.empty/empty_like starts as NaN (floats) or 77 (integers), so an
+    output element a kernel forgot to write shows up in the comparison instead of passing by luck."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def fill(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan") if t.is_floating_point() else 77)
+
+    torch.empty = lambda *a, **kw: fill(empty(*a, **kw))
+    torch.empty_like = lambda *a, **kw: fill(empty_like(*a, **kw))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = empty, empty_like
