@@ -74,7 +74,7 @@ def check_architecture(config: dict, where: Path | str) -> None:
         raise SlimlmError(f"unsupported architecture {arch} in {where}; supported: {supported}")
 
 
-def _tokenizer(model_dir: Path):
+def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     try:
@@ -86,7 +86,8 @@ def _tokenizer(model_dir: Path):
         ) from None
 
 
-def _check(model_dir: Path) -> None:
+def check(model_dir: Path) -> None:
+    """Supported architecture and intact weight files, or a one-line SlimlmError."""
     from slimlm.compress import checkpoint
 
     check_architecture(read_config(model_dir), model_dir)
@@ -97,8 +98,8 @@ def load_empty(model_dir: Path):
     """(model with meta-device weights, tokenizer) for a float checkpoint: layers are loaded on demand."""
     from slimlm.compress import offload
 
-    _check(model_dir)
-    return offload.empty_model(model_dir), _tokenizer(model_dir)
+    check(model_dir)
+    return offload.empty_model(model_dir), load_tokenizer(model_dir)
 
 
 def load(spec: str, dtype: torch.dtype = torch.float32):
@@ -112,8 +113,8 @@ def load(spec: str, dtype: torch.dtype = torch.float32):
     from slimlm.compress import checkpoint
 
     model_dir = resolve(spec)
-    _check(model_dir)
-    tokenizer = _tokenizer(model_dir)
+    check(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     if "quantization_config" in read_config(model_dir):
         model = checkpoint.load_compressed(model_dir, dtype)
     else:

@@ -1,0 +1,144 @@
+"""Maps sequences to fixed-size KV cache blocks: refcounts, prefix sharing by hash, copy-on-write.
+
+A block holds the K/V of `block_size` consecutive tokens. A full block is identified by the chained hash of
+its tokens and all tokens before it, so two sequences with the same prefix map to the same blocks and the
+prefix is computed once. Freed blocks keep their hash until they are handed out again (least recently
+freed first), so a prefix can be reused after the sequence that computed it is gone.
+
+Only a sequence's last block is ever written. It is private unless the sequence was forked (n > 1); a
+shared last block is copied before the write (copy-on-write), and the runner performs the copies listed in
+`pending_copies` before the next forward pass.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from slimlm.runtime.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and registered for sharing
+    tokens: tuple[int, ...] = ()  # the tokens behind `hash`, to rule out collisions
+
+
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # chain hash -> block id
+        self.pending_copies: list[tuple[int, int]] = []  # (source, destination) block ids
+        self.prefix_hits = 0  # tokens whose computation prefix sharing saved
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _take_free(self) -> Block:
+        block = self.blocks[self.free.popitem(last=False)[0]]
+        if block.hash is not None and self.cached.get(block.hash) == block.block_id:
+            del self.cached[block.hash]  # its old contents are about to be overwritten
+        block.hash, block.tokens, block.ref_count = None, (), 1
+        return block
+
+    def _share(self, block: Block) -> None:
+        if block.ref_count == 0:
+            del self.free[block.block_id]
+        block.ref_count += 1
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None  # most recently freed last: evicted last
+
+    def allocate_prefix(self, seq: Sequence) -> None:
+        """Give a sequence without blocks the cached blocks of its longest cached prefix of full blocks.
+
+        The last token is always left to compute (its logits are needed), so a fully cached prompt still
+        runs one token; the blocks it writes into are never shared ones.
+        """
+        assert not seq.block_table
+        seq.num_computed = 0
+        if not self.prefix_caching or seq.params.prompt_logprobs:  # those need every prompt token computed
+            return
+        parent = None
+        for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
+            tokens = tuple(seq.token_ids[start : start + self.block_size])
+            h = chain_hash(parent, tokens)
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].tokens != tokens:
+                break
+            self._share(self.blocks[block_id])
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+            seq.num_computed += self.block_size
+            parent = h
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed
+        self.prefix_hits += seq.num_computed
+
+    def can_append(self, seq: Sequence, num_new: int) -> bool:
+        needed = self.blocks_needed(seq.num_computed + num_new) - len(seq.block_table)
+        return needed + self._needs_copy(seq, num_new) <= self.num_free
+
+    def _needs_copy(self, seq: Sequence, num_new: int) -> int:
+        written = seq.num_computed // self.block_size  # index of the block the first new token lands in
+        return int(num_new > 0 and written < len(seq.block_table) and self.blocks[seq.block_table[written]].ref_count > 1)
+
+    def append(self, seq: Sequence, num_new: int) -> bool:
+        """Blocks for `num_new` more tokens of `seq` (copying a shared block before it is written).
+        False, changing nothing, when there are not enough free blocks."""
+        if not self.can_append(seq, num_new):
+            return False
+        written = seq.num_computed // self.block_size
+        if self._needs_copy(seq, num_new):
+            old = seq.block_table[written]
+            new = self._take_free()
+            self.pending_copies.append((old, new.block_id))
+            self._release(old)
+            seq.block_table[written] = new.block_id
+            del seq.block_hashes[written:]  # the copy is private: registered again once full
+        while len(seq.block_table) < self.blocks_needed(seq.num_computed + num_new):
+            seq.block_table.append(self._take_free().block_id)
+        return True
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """After a step: hash the blocks that became full so later sequences can share them."""
+        if not self.prefix_caching:
+            return
+        while len(seq.block_hashes) < seq.num_computed // self.block_size:
+            i = len(seq.block_hashes)
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.hash, block.tokens = h, tokens
+                self.cached.setdefault(h, block.block_id)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares all of the parent's blocks, including the partial last one."""
+        for block_id in parent.block_table:
+            self._share(self.blocks[block_id])
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed = parent.num_computed
+
+    def free_sequence(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):  # the tail is least likely to be shared: evict it first
+            self._release(block_id)
+        seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0

@@ -1,0 +1,55 @@
+"""The offline API, vLLM's shape: LLM(model).generate(prompts, SamplingParams) and a streaming variant."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from slimlm import SlimlmError
+from slimlm.runtime.engine import Engine, EngineConfig, RequestOutput
+from slimlm.runtime.sampling import SamplingParams
+
+Prompts = str | Sequence[str] | Sequence[Sequence[int]]
+
+
+class LLM:
+    def __init__(self, model: str, **config) -> None:
+        """`model`: a bundled asset, a local directory or a hub id; keyword arguments: EngineConfig fields."""
+        self.engine = Engine(model, EngineConfig(**config))
+        self.tokenizer = self.engine.tokenizer
+
+    def _submit(self, prompts: Prompts, params: SamplingParams | Sequence[SamplingParams] | None) -> list:
+        """Queue every prompt; a prompt that cannot be served becomes an error output, the rest still run."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise SlimlmError(f"{len(prompts)} prompts but {len(params_list)} sampling parameter sets")
+        submitted = []
+        for prompt, p in zip(prompts, params_list, strict=True):
+            try:
+                submitted.append(self.engine.add_request(prompt, p))
+            except SlimlmError as e:
+                submitted.append(RequestOutput("rejected", [], [], 0.0, finished=True, error=str(e)))
+        return submitted
+
+    def generate(
+        self, prompts: Prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Run all prompts to completion in one continuous batch; outputs in prompt order."""
+        submitted = self._submit(prompts, params)
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [s if isinstance(s, RequestOutput) else done[s] for s in submitted]
+
+    def stream(
+        self, prompts: Prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield each request's output every time it grows, and a last time when it finishes."""
+        for s in self._submit(prompts, params):
+            if isinstance(s, RequestOutput):
+                yield s
+        while self.engine.has_unfinished():
+            yield from self.engine.step()

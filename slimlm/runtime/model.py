@@ -1,0 +1,166 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2; SmolLM is Llama) over one packed batch of tokens per step.
+
+Tokens of all scheduled sequences are concatenated: every linear layer sees a single [tokens, hidden] matrix,
+and only attention knows where one sequence ends and the next begins (through `StepInputs`). Module and
+parameter names follow transformers', so checkpoints load by name. Linear layers hold either a float
+weight or a PackedWeight that slimlm.kernels multiplies without ever materializing the float matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slimlm import kernels
+from slimlm.kernels.packed import PackedWeight
+
+
+@dataclass
+class StepInputs:
+    """Where each packed token sits: its position, its KV slot, and each sequence's cache (see kernels)."""
+
+    positions: torch.Tensor  # int64 [T]
+    slots: torch.Tensor  # int64 [T]: block_id · block_size + offset, where the token's K/V are written
+    block_tables: torch.Tensor  # int32 [S, max_blocks]
+    seq_lens: torch.Tensor  # int32 [S]: cached tokens per sequence after this step
+    query_start: torch.Tensor  # int32 [S+1]
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.packed: PackedWeight | None = None
+
+    def set_packed(self, packed: PackedWeight) -> None:
+        self.packed = packed
+        self.weight = None  # the float weight is never needed again
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        y = kernels.quant_matmul(x, self.packed)
+        return y if self.bias is None else y + self.bias
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # in fp32, then back: what transformers does, so half-precision runs round the same way
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, transformers' half-split convention: x·cos + rotate_half(x)·sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        hidden = config.hidden_size
+        self.q_proj = Linear(hidden, self.heads * self.head_dim, bias, dtype)
+        self.k_proj = Linear(hidden, self.kv_heads * self.head_dim, bias, dtype)
+        self.v_proj = Linear(hidden, self.kv_heads * self.head_dim, bias, dtype)
+        self.o_proj = Linear(self.heads * self.head_dim, hidden, getattr(config, "attention_bias", False), dtype)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = rotate(self.q_proj(x).view(t, self.heads, self.head_dim), cos, sin)
+        k = rotate(self.k_proj(x).view(t, self.kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
+        k_cache.view(-1, self.kv_heads, self.head_dim)[step.slots] = k.to(k_cache.dtype)
+        v_cache.view(-1, self.kv_heads, self.head_dim)[step.slots] = v.to(v_cache.dtype)
+        out = kernels.paged_attention(
+            q, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start, self.scale
+        )
+        return self.o_proj(out.reshape(t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, False, dtype)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, False, dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, dtype)
+        self.mlp = MLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, x, cos, sin, step: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, config, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config, dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        self.cos = self.sin = None  # [positions, head_dim], from set_rope
+
+    def set_rope(self, max_positions: int, device: str) -> None:
+        cos, sin = rope_tables(self.config, max_positions)
+        dtype = self.model.norm.weight.dtype
+        self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
+
+    def forward(self, input_ids: torch.Tensor, step: StepInputs, kv_caches: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; kv_caches [layers, 2, blocks, block_size, kv_heads, D]."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.cos[step.positions], self.sin[step.positions]
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, step, kv_cache)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+def rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [positions, head_dim] from transformers' own rotary module, so every RoPE variant
+    (default, linear, llama3, yarn...) matches the reference implementation exactly."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(config=config)
+    positions = torch.arange(max_positions)[None]
+    cos, sin = rotary(torch.empty(1, dtype=torch.float32), positions)
+    return cos[0], sin[0]

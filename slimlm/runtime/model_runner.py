@@ -1,0 +1,66 @@
+"""Owns the model and the KV cache pool; turns a scheduled Batch into tensors and runs one forward pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from slimlm.runtime.loader import load_model
+from slimlm.runtime.model import StepInputs
+from slimlm.runtime.scheduler import Batch
+
+
+class ModelRunner:
+    def __init__(
+        self, model_dir: Path, dtype: torch.dtype, device: str, kv_cache_bytes: int, block_size: int, max_len: int
+    ) -> None:
+        self.device = device
+        self.block_size = block_size
+        self.model = load_model(model_dir, dtype, device, max_len)
+        attn = self.model.model.layers[0].self_attn
+        layers = len(self.model.model.layers)
+        per_block = layers * 2 * block_size * attn.kv_heads * attn.head_dim * dtype.itemsize
+        self.num_blocks = max(1, kv_cache_bytes // per_block)
+        # one preallocated pool: [layer, K/V, block, offset, kv_head, head_dim]
+        shape = (layers, 2, self.num_blocks, block_size, attn.kv_heads, attn.head_dim)
+        self.kv_cache = torch.empty(shape, dtype=dtype, device=device)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_cache[:, :, 0, 0].numel() * self.kv_cache.element_size()
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        for src, dst in copies:
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def inputs(self, batch: Batch) -> tuple[torch.Tensor, StepInputs]:
+        ids, positions, slots, seq_lens, query_start = [], [], [], [], [0]
+        for item in batch.items:
+            seq, start = item.seq, item.seq.num_computed
+            end = start + item.num_tokens
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
+            seq_lens.append(end)
+            query_start.append(query_start[-1] + item.num_tokens)
+        width = max(len(item.seq.block_table) for item in batch.items)
+        tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch.items]
+
+        def tensor(values, dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        step = StepInputs(
+            positions=tensor(positions, torch.int64), slots=tensor(slots, torch.int64),
+            block_tables=tensor(tables, torch.int32), seq_lens=tensor(seq_lens, torch.int32),
+            query_start=tensor(query_start, torch.int32),
+        )  # fmt: skip
+        return tensor(ids, torch.int64), step
+
+    @torch.inference_mode()
+    def run(self, batch: Batch, logit_rows: list[int]) -> torch.Tensor:
+        """Forward pass over the batch; fp32 logits [len(logit_rows), vocab] for the requested token rows."""
+        self.copy_blocks(batch.copies)
+        ids, step = self.inputs(batch)
+        hidden = self.model(ids, step, self.kv_cache)
+        return self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])

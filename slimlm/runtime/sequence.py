@@ -1,0 +1,51 @@
+"""One sequence being generated: its tokens, how many of them have KV in the cache, its blocks, its clock."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from slimlm.runtime.sampling import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"  # no KV blocks (new, or preempted and to be recomputed)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    token_ids: list[int]  # prompt, then output
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator
+    arrival: float = field(default_factory=time.perf_counter)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # leading tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block, in order
+    logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str = ""
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
