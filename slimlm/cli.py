@@ -75,7 +75,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=16384, help="tokens taken from the source")
     p.add_argument("--output", type=Path, help="write the results as JSON here")
+
+    p = sub.add_parser("generate", help="generate text with the bundled runtime (float or quantized checkpoint)")
+    p.add_argument("model", help="asset name, local directory or hub id")
+    p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-memory", type=parse_size, default="512M", help="KV block pool size (e.g. 512M, 2G)")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     return parser
+
+
+def parse_size(text: str) -> int:
+    """'512M', '2G', '1.5GB' or a byte count -> bytes."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    number, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+    try:
+        size = int(float(number) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size; write e.g. 512M or 2G") from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"'{text}' must be a positive size")
+    return size
 
 
 def cmd_assets(a: argparse.Namespace) -> None:
@@ -173,7 +200,42 @@ def _quantize_and_report(name: str, method, args, a: argparse.Namespace) -> None
     print(f"checkpoint: {out}")
 
 
-COMMANDS = {"assets": cmd_assets, "rtn": cmd_rtn, "gptq": cmd_gptq, "awq": cmd_awq, "eval": cmd_eval}
+def cmd_generate(a: argparse.Namespace) -> None:
+    from slimlm.runtime.llm import LLM
+    from slimlm.runtime.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                            seed=a.seed, stop=a.stop)  # fmt: skip
+    llm = LLM(a.model, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory)
+    shown: dict[str, int] = {}
+    outputs = []
+    for out in llm.stream(a.prompt, params):
+        if a.stream and len(a.prompt) == 1 and out.outputs:
+            text = out.outputs[0].text
+            print(text[shown.get(out.request_id, 0) :], end="", flush=True)
+            shown[out.request_id] = len(text)
+        if out.finished:
+            outputs.append(out)
+    if a.stream and len(a.prompt) == 1:
+        print(flush=True)
+    for out in outputs:
+        if out.error:
+            print(f"error: {out.error}", file=sys.stderr)
+            continue
+        c = out.outputs[0]
+        if not (a.stream and len(a.prompt) == 1):
+            print(c.text)
+        ttft = (c.first_token_time - out.arrival) * 1e3 if c.first_token_time else float("nan")
+        rate = (len(c.token_times) - 1) / (c.token_times[-1] - c.token_times[0]) if len(c.token_times) > 1 else 0
+        print(f"[{len(c.token_ids)} tokens, finish: {c.finish_reason}, first token {ttft:.0f} ms, "
+              f"{rate:.1f} tokens/s after it]", file=sys.stderr)  # fmt: skip
+    if any(out.error for out in outputs):
+        raise SlimlmError(f"{sum(bool(out.error) for out in outputs)} of {len(outputs)} prompts were rejected")
+
+
+COMMANDS = {
+    "assets": cmd_assets, "rtn": cmd_rtn, "gptq": cmd_gptq, "awq": cmd_awq, "eval": cmd_eval, "generate": cmd_generate,
+}  # fmt: skip
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:

@@ -97,7 +97,8 @@ class BlockManager:
 
     def _needs_copy(self, seq: Sequence, num_new: int) -> int:
         written = seq.num_computed // self.block_size  # index of the block the first new token lands in
-        return int(num_new > 0 and written < len(seq.block_table) and self.blocks[seq.block_table[written]].ref_count > 1)
+        shared = written < len(seq.block_table) and self.blocks[seq.block_table[written]].ref_count > 1
+        return int(num_new > 0 and shared)
 
     def append(self, seq: Sequence, num_new: int) -> bool:
         """Blocks for `num_new` more tokens of `seq` (copying a shared block before it is written).

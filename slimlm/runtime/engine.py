@@ -118,7 +118,9 @@ class Engine:
     def _new_sequence(self, request: _Request, index: int, token_ids: list[int]) -> Sequence:
         seed = request.params.seed
         generator = torch.Generator().manual_seed(seed + index if seed is not None else torch.seed())
-        seq = Sequence(next(self._ids), request.request_id, token_ids, len(request.prompt_ids), request.params, generator)
+        seq = Sequence(
+            next(self._ids), request.request_id, token_ids, len(request.prompt_ids), request.params, generator
+        )
         request.seqs.append(seq)
         return seq
 

@@ -41,7 +41,8 @@ class ModelRunner:
             end = start + item.num_tokens
             ids += seq.token_ids[start:end]
             positions += range(start, end)
-            slots += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
+            bs = self.block_size
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
             seq_lens.append(end)
             query_start.append(query_start[-1] + item.num_tokens)
         width = max(len(item.seq.block_table) for item in batch.items)

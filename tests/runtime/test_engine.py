@@ -1,0 +1,175 @@
+"""The engine on a tiny random Llama: parity with transformers, batching, prefix sharing, bad input."""
+
+import pytest
+import torch
+
+from slimlm import SlimlmError
+from slimlm.runtime.llm import LLM
+from slimlm.runtime.sampling import SamplingParams
+from tests.conftest import make_text
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(
+        tiny_llama
+    )
+
+
+@pytest.fixture(scope="module")
+def prompts(hf) -> list[list[int]]:
+    _, tok = hf
+    words = make_text(40, seed=3).split()
+    lengths = [3, 7, 16, 17, 31, 45, 60, 90]
+    return [tok.encode(" ".join(words[i * 5 : i * 5 + n])) for i, n in enumerate(lengths)]
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    model, _ = hf
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    model, _ = hf
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), ids[1:]]
+
+
+def test_greedy_equals_transformers_one_by_one_and_in_one_batch(tiny_llama, hf, prompts):
+    expected = [hf_greedy(hf, p, 12) for p in prompts]
+    llm = LLM(str(tiny_llama))
+    assert [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts] == expected
+    # all at once, prompts cut into 16-token chunks, and a pool so small that sequences get preempted
+    small = LLM(str(tiny_llama), max_num_batched_tokens=16, kv_cache_memory=12 * 16 * 2 * 2 * 2 * 16 * 4)
+    outs = small.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert small.engine.blocks.num_free == small.engine.runner.num_blocks
+
+
+def test_preemption_really_happens_with_a_tiny_pool(tiny_llama, prompts):
+    llm = LLM(str(tiny_llama), max_num_batched_tokens=16, kv_cache_memory=12 * 16 * 2 * 2 * 2 * 16 * 4)
+    engine = llm.engine
+    for p in prompts:
+        engine.add_request(p, GREEDY)
+    preempted = 0
+    while engine.has_unfinished():
+        seqs = [s for r in engine.requests.values() for s in r.seqs]
+        engine.step()
+        preempted = max(preempted, sum(s.num_preemptions for s in seqs))
+    assert preempted > 0
+    assert engine.blocks.num_free == engine.runner.num_blocks
+
+
+def test_prompt_logprobs_equal_transformers(tiny_llama, hf, prompts):
+    llm = LLM(str(tiny_llama), max_num_batched_tokens=16)
+    out = llm.generate([prompts[6]], SamplingParams(max_tokens=1, prompt_logprobs=True, logprobs=True))[0]
+    expected = hf_logprobs(hf, prompts[6])
+    assert torch.allclose(torch.tensor(out.prompt_logprobs), expected, atol=1e-5)
+    full = prompts[6] + out.outputs[0].token_ids
+    assert out.outputs[0].logprobs[0] == pytest.approx(float(hf_logprobs(hf, full)[-1]), abs=1e-5)
+
+
+def test_shared_prefix_blocks_are_reused_and_change_nothing(tiny_llama, hf):
+    _, tok = hf
+    words = make_text(60, seed=5).split()
+    prefix = tok.encode(" ".join(words[:400]))[:200]
+    a, b = prefix + tok.encode(" river music"), prefix + tok.encode(" school team war")
+    alone = LLM(str(tiny_llama), prefix_caching=False)
+    expected = [o.outputs[0].token_ids for o in alone.generate([a, b], GREEDY)]
+
+    llm = LLM(str(tiny_llama))
+    engine = llm.engine
+    engine.add_request(a, GREEDY, "a")
+    engine.step()  # a's whole prompt (one chunk of up to 512 tokens): its 12 full blocks are now cached
+    seq_a = engine.requests["a"].seqs[0]
+    free_before = engine.blocks.num_free
+    engine.add_request(b, GREEDY, "b")
+    seq_b = engine.requests["b"].seqs[0]
+    engine.step()  # a decodes one token (no new block: 203 tokens fit its 13 blocks), b prefills
+    assert seq_b.block_table[:12] == seq_a.block_table[:12]
+    assert all(engine.blocks.blocks[i].ref_count == 2 for i in seq_a.block_table[:12])
+    assert free_before - engine.blocks.num_free == len(seq_b.block_table) - 12 == 1  # only b's own tail block
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outputs["b"].num_cached_tokens == 12 * 16
+    assert [outputs["a"].outputs[0].token_ids, outputs["b"].outputs[0].token_ids] == expected
+
+
+def test_parallel_samples_share_the_prompt_and_diverge_safely(tiny_llama, hf, prompts):
+    params = SamplingParams(max_tokens=10, temperature=1.0, n=3, seed=11, logprobs=True)
+    llm = LLM(str(tiny_llama))
+    prompt = prompts[6][:30]  # the samples share its partial second block, copied when each writes into it
+    out = llm.generate([prompt], params)[0]
+    assert len(out.outputs) == 3 and len({tuple(c.token_ids) for c in out.outputs}) > 1
+    # each sample's log-probabilities are transformers' on that sample's own text: one sample writing into
+    # another's KV (a copy-on-write bug) would break this
+    for c in out.outputs:
+        expected = hf_logprobs(hf, prompt + c.token_ids)[-len(c.token_ids) :]
+        assert torch.allclose(torch.tensor(c.logprobs), expected, atol=1e-5)
+    assert llm.engine.blocks.num_free == llm.engine.runner.num_blocks
+
+
+def test_same_seed_same_sample(tiny_llama, prompts):
+    llm = LLM(str(tiny_llama))
+    p = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, top_k=20, seed=3)
+    first = llm.generate(prompts[:3], p)
+    again = llm.generate(prompts[:3], p)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+
+
+def test_stop_conditions(tiny_llama, prompts):
+    llm = LLM(str(tiny_llama))
+    base = llm.generate([prompts[2]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 12
+    stop_id = base.token_ids[5]
+    out = llm.generate([prompts[2]], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_id]))
+    c = out[0].outputs[0]
+    assert c.finish_reason == "stop" and c.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]
+    word = base.text.split()[3]
+    c = llm.generate([prompts[2]], SamplingParams(max_tokens=12, temperature=0, stop=[word]))[0].outputs[0]
+    assert c.finish_reason == "stop" and word not in c.text and base.text.startswith(c.text)
+
+
+def test_timings_and_streaming(tiny_llama, prompts):
+    llm = LLM(str(tiny_llama))
+    events = list(llm.stream(prompts[:2], SamplingParams(max_tokens=5, temperature=0)))
+    final = [e for e in events if e.finished]
+    assert len(final) == 2 and len(events) >= 10
+    for out in final:
+        c = out.outputs[0]
+        assert out.arrival <= c.first_token_time == c.token_times[0]
+        assert c.token_times == sorted(c.token_times) and len(c.token_times) == 5
+
+
+def test_bad_requests_are_rejected_one_by_one(tiny_llama, prompts):
+    llm = LLM(str(tiny_llama), kv_cache_memory=8 * 16 * 2 * 2 * 2 * 16 * 4)  # 8 blocks = 128 tokens
+    outs = llm.generate([[], prompts[0], list(range(5, 5 + 200)), prompts[1]], GREEDY)
+    assert "empty" in outs[0].error
+    assert "KV cache pool" in outs[2].error
+    assert outs[1].outputs[0].token_ids and outs[3].outputs[0].token_ids
+    too_long = LLM(str(tiny_llama)).generate([list(range(5, 5 + 600))], GREEDY)[0]
+    assert "model's context holds 512" in too_long.error
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0), dict(n=0)):
+        with pytest.raises(SlimlmError, match="invalid sampling parameters"):
+            SamplingParams(**bad)
+
+
+def test_abort_frees_everything(tiny_llama, prompts):
+    llm = LLM(str(tiny_llama), max_num_batched_tokens=16)
+    engine = llm.engine
+    ids = [engine.add_request(p, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)) for p in prompts]
+    for _ in range(4):
+        engine.step()
+    for r in ids[::2]:
+        engine.abort(r)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.blocks.num_free == engine.runner.num_blocks
