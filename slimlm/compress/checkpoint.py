@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import safe_open, save_file
 
 from slimlm import SlimlmError, __version__
-from slimlm.compress import gptq_v1
+from slimlm.compress import awq_gemm, gptq_v1
 from slimlm.compress.memory import return_freed_memory
 from slimlm.compress.packing import pack_int32, unpack_int32
 from slimlm.compress.quantize import QuantArgs, QuantizedWeight
@@ -70,12 +70,17 @@ def _args_from_config(qcfg: dict) -> QuantArgs:
     if qcfg.get("quant_method") != "compressed-tensors" or qcfg.get("format") != "pack-quantized":
         raise SlimlmError(
             f"quantization config {qcfg.get('quant_method')}/{qcfg.get('format')} is not supported yet; "
-            "slimlm reads compressed-tensors pack-quantized checkpoints"
+            "slimlm reads compressed-tensors pack-quantized, GPTQ v1 and AWQ GEMM checkpoints"
         )
     groups = list(qcfg.get("config_groups", {}).values())
     if len(groups) != 1 or not groups[0].get("weights"):
         raise SlimlmError("only checkpoints with one weight quantization group are supported")
+    if groups[0].get("input_activations"):
+        raise SlimlmError("activation quantization (W·A· schemes) is not supported; slimlm serves weight-only schemes")
     w = groups[0]["weights"]
+    if w.get("type", "int") != "int" or w.get("strategy") not in (None, "group", "channel"):
+        raise SlimlmError(f"weight scheme type={w.get('type')} strategy={w.get('strategy')} is not supported; "
+                          "slimlm serves integer per-group or per-channel weights")  # fmt: skip
     return QuantArgs(bits=w["num_bits"], group_size=w.get("group_size") or -1, sym=w["symmetric"])
 
 
@@ -292,15 +297,17 @@ def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def read_quantized(model_dir: Path) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor]]:
-    """Split a checkpoint (compressed-tensors or GPTQ v1) into its quantized linears and the float rest."""
+    """Split a checkpoint (compressed-tensors, GPTQ v1 or AWQ GEMM) into its quantized linears and the float rest."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     qcfg = config["quantization_config"]
     tensors = read_tensors(model_dir)
-    if qcfg.get("quant_method") == "gptq":
-        args = gptq_v1.args_from_config(qcfg)
+    if qcfg.get("quant_method") in ("gptq", "awq"):
+        v1 = qcfg["quant_method"] == "gptq"
+        fmt = gptq_v1 if v1 else awq_gemm
+        args = fmt.args_from_config(qcfg)
         names = [k[: -len(".qweight")] for k in tensors if k.endswith(".qweight")]
-        keys = ("qweight", "qzeros", "scales", "g_idx")
-        return {n: gptq_v1.from_tensors({k: tensors.pop(f"{n}.{k}") for k in keys}, args) for n in names}, tensors
+        keys = ("qweight", "qzeros", "scales", "g_idx") if v1 else ("qweight", "qzeros", "scales")
+        return {n: fmt.from_tensors({k: tensors.pop(f"{n}.{k}") for k in keys}, args) for n in names}, tensors
     args = _args_from_config(qcfg)
     names = [k[: -len(".weight_packed")] for k in tensors if k.endswith(".weight_packed")]
     quantized = {}

@@ -1,0 +1,48 @@
+"""Reading the AutoAWQ "GEMM" checkpoint layout (`quant_method: awq`, `version: gemm`), 4-bit only.
+
+Per quantized linear `name`, transposed relative to GPTQ's output-major codes:
+    name.qweight  int32 [in, out/8]      8 unsigned codes per int32, packed along the output dim
+    name.qzeros   int32 [in/group, out/8] unsigned zero points, same packing
+    name.scales   float16 [in/group, out]
+and w[i, o] = scales[g, o] · (q[i, o] − zeros[g, o]) with g = i // group. Within each int32 the nibble at
+bits 4j..4j+3 holds output column 8c + ORDER[j]: AutoAWQ interleaves even and odd columns for its kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slimlm import SlimlmError
+from slimlm.compress.quantize import QuantArgs, QuantizedWeight
+
+ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of a packed int32 -> column offset ORDER[j]
+
+
+def unpack_columns(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [rows, cols/8] -> unsigned 4-bit codes [rows, cols] in natural column order."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    nibbles = (packed[:, :, None] >> shifts) & 0xF  # [rows, cols/8, 8] in packing order
+    natural = torch.empty_like(nibbles)
+    natural[:, :, list(ORDER)] = nibbles
+    return natural.reshape(packed.shape[0], -1)
+
+
+def args_from_config(qcfg: dict) -> QuantArgs:
+    version = str(qcfg.get("version", "gemm")).lower()
+    bits = qcfg.get("bits", qcfg.get("w_bit"))
+    if version != "gemm" or bits != 4 or not qcfg.get("zero_point", True):
+        raise SlimlmError(
+            f"AWQ checkpoint (version {version}, {bits}-bit, zero_point={qcfg.get('zero_point')}) is not supported; "
+            "slimlm reads AWQ GEMM 4-bit with zero points"
+        )
+    return QuantArgs(bits=4, group_size=qcfg.get("group_size", qcfg.get("q_group_size", 128)), sym=False)
+
+
+def from_tensors(t: dict[str, torch.Tensor], args: QuantArgs) -> QuantizedWeight:
+    """A QuantizedWeight (signed codes and zeros, compressed-tensors convention) from one linear's tensors."""
+    offset = 2 ** (args.bits - 1)
+    codes = unpack_columns(t["qweight"]).T - offset  # [out, in]
+    zeros = unpack_columns(t["qzeros"]).T - offset  # [out, groups]
+    return QuantizedWeight(
+        codes.to(torch.int8).contiguous(), t["scales"].T.contiguous(), zeros.to(torch.int8).contiguous(), args
+    )

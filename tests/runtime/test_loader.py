@@ -1,0 +1,200 @@
+"""Every checkpoint family the runtime serves gives the logits of the model it encodes."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from slimlm import SlimlmError
+from slimlm.compress import checkpoint
+from slimlm.compress.gptq import GPTQ
+from slimlm.compress.job import quantize_weights
+from slimlm.compress.quantize import QuantArgs
+from slimlm.compress.rtn import RTN
+from slimlm.runtime.llm import LLM
+from slimlm.runtime.sampling import SamplingParams
+from tests.conftest import make_text, make_tokenizer
+
+FIXTURES = Path(__file__).parent.parent / "fixtures"
+
+
+def runtime_logprobs(model_dir: Path, ids: list[int]) -> torch.Tensor:
+    out = LLM(str(model_dir)).generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=True))[0]
+    return torch.tensor(out.prompt_logprobs)
+
+
+def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), ids[1:]]
+
+
+def ids_for(model_dir: Path, n: int = 40) -> list[int]:
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def tiny(path: Path, kind: str) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    tok = make_tokenizer()
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    config = {
+        "qwen2": lambda: Qwen2Config(**common, tie_word_embeddings=False),  # q/k/v biases, separate lm_head
+        "mistral": lambda: MistralConfig(**common, sliding_window=128, head_dim=24),  # head_dim != hidden/heads
+        "llama-rope-scaled": lambda: LlamaConfig(
+            **common,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),  # fmt: skip
+    }[kind]()
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # transformers zero-initialises biases; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "llama-rope-scaled"])
+def test_architectures_match_transformers(tmp_path, kind):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny(tmp_path / kind, kind)
+    ids = ids_for(model_dir, 100)
+    expected = reference_logprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), ids)
+    assert torch.allclose(runtime_logprobs(model_dir, ids), expected, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def calibrated(tiny_llama):
+    (tiny_llama.parent / "calib.txt").write_text(make_text(100))
+    return tiny_llama
+
+
+def quantize(src: Path, out: Path, method: str, args: QuantArgs, **kw) -> Path:
+    impl = {"rtn": lambda: RTN(args), "gptq": lambda: GPTQ(args, act_order=kw.pop("act_order", None))}[method]()
+    return quantize_weights(method, impl, args, str(src), out, calib=str(src.parent / "calib.txt"), num_samples=4,
+                            seq_len=32, progress=False, **kw)  # fmt: skip
+
+
+def test_w4_checkpoint_matches_transformers(calibrated, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = quantize(calibrated, tmp_path / "w4", "rtn", QuantArgs(4, 32, True))
+    ids = ids_for(out)
+    expected = reference_logprobs(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), ids)
+    # the kernel layout keeps scales in fp16 (transformers uses the checkpoint's fp32): ~1e-4 relative per weight
+    assert torch.allclose(runtime_logprobs(out, ids), expected, atol=2e-3)
+
+
+@pytest.mark.parametrize(
+    "method,args,kw",
+    [
+        ("rtn", QuantArgs(4, 32, False), {}),
+        ("rtn", QuantArgs(8, -1, True), {}),
+        ("gptq", QuantArgs(4, 32, True), {"act_order": "group"}),  # g_idx: columns permuted at load
+        ("gptq", QuantArgs(4, 32, True), {"fmt": "gptq"}),
+        ("rtn", QuantArgs(3, 32, True), {}),  # no 3-bit kernel: served dequantized, with a warning
+    ],
+    ids=["ct-w4g32-asym", "ct-w8-channel", "ct-w4-act-order-group", "gptq-v1-w4g32", "ct-w3g32"],
+)
+def test_quantized_layouts_match_their_dequantized_model(calibrated, tmp_path, method, args, kw):
+    out = quantize(calibrated, tmp_path / "q", method, args, **kw)
+    ids = ids_for(out)
+    expected = reference_logprobs(checkpoint.load_compressed(out), ids)
+    if args.bits == 3:
+        with pytest.warns(UserWarning, match="no kernel for \\[3\\]-bit"):
+            got = runtime_logprobs(out, ids)
+    else:
+        got = runtime_logprobs(out, ids)
+    assert torch.allclose(got, expected, atol=2e-3)
+
+
+@pytest.mark.parametrize("name", ["llmcompressor-gptq-w4g32-sym", "llmcompressor-gptq-w4g32-asym"])
+def test_llmcompressor_checkpoints_serve(name):
+    from safetensors.torch import load_file
+
+    ref = load_file(FIXTURES / name / "reference.safetensors")  # llm-compressor's own logits
+    ids = ref["input_ids"][0].tolist()
+    expected = torch.log_softmax(ref["logits"][0].float(), -1)[torch.arange(len(ids) - 1), ids[1:]]
+    assert torch.allclose(runtime_logprobs(FIXTURES / name, ids), expected, atol=2e-3)
+
+
+AUTOAWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # written out here, not imported: the test must not share the reader's
+
+
+def pack_awq_gemm(codes_u: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] unsigned 4-bit -> int32 [rows, cols/8], nibble j = column 8c + ORDER[j] (AutoAWQ's rule)."""
+    rows, cols = codes_u.shape
+    grouped = codes_u.reshape(rows, cols // 8, 8).to(torch.int64)
+    packed = torch.zeros(rows, cols // 8, dtype=torch.int64)
+    for j, col in enumerate(AUTOAWQ_ORDER):
+        packed |= grouped[:, :, col] << (4 * j)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def test_awq_gemm_checkpoint_serves(calibrated, tmp_path):
+    ct = quantize(calibrated, tmp_path / "ct", "rtn", QuantArgs(4, 32, False))
+    quantized, rest = checkpoint.read_quantized(ct)
+    tensors = dict(rest)
+    for name, q in quantized.items():
+        tensors[f"{name}.qweight"] = pack_awq_gemm((q.codes.to(torch.int16) + 8).T.contiguous())
+        tensors[f"{name}.qzeros"] = pack_awq_gemm((q.zero.to(torch.int16) + 8).T.contiguous())
+        tensors[f"{name}.scales"] = q.scale.T.half().contiguous()
+    awq = tmp_path / "awq"
+    awq.mkdir()
+    for f in ct.iterdir():
+        if f.suffix != ".safetensors" and f.name != "slimlm.json":
+            shutil.copy(f, awq / f.name)
+    save_file(tensors, awq / "model.safetensors")
+    config = json.loads((ct / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                                     "version": "gemm"}  # fmt: skip
+    (awq / "config.json").write_text(json.dumps(config))
+    ids = ids_for(ct)
+    expected = reference_logprobs(checkpoint.load_compressed(ct), ids)
+    assert torch.allclose(runtime_logprobs(awq, ids), expected, atol=2e-3)
+
+
+@pytest.mark.parametrize(
+    "qcfg,message",
+    [
+        ({"quant_method": "bitsandbytes"}, "bitsandbytes"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "version gemv"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "pack-quantized",
+                "config_groups": {
+                    "g": {
+                        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+                        "input_activations": {"num_bits": 8, "type": "int"},
+                    }
+                },
+            },
+            "activation quantization",
+        ),  # fmt: skip
+    ],
+    ids=["unknown-method", "awq-gemv", "w8a8"],
+)
+def test_unservable_quantization_is_named(tiny_llama, tmp_path, qcfg, message):
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_llama, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = qcfg
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SlimlmError, match=message):
+        LLM(str(model_dir))
