@@ -96,3 +96,15 @@ def smollm2() -> Path:
     from slimlm import assets
 
     return assets.fetch("smollm2-135m", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_w4(smollm2, tmp_path_factory) -> Path:
+    """The default model quantized RTN W4 g64 symmetric (a layout transformers can load too)."""
+    from slimlm.compress.job import quantize_weights
+    from slimlm.compress.quantize import QuantArgs
+    from slimlm.compress.rtn import RTN
+
+    args = QuantArgs(4, 64, True)
+    out = tmp_path_factory.mktemp("smol") / "rtn-w4g64"
+    return quantize_weights("rtn", RTN(args), args, "smollm2-135m", out, "owt", 8, 256, progress=False)

@@ -7,9 +7,6 @@ import torch
 
 from slimlm import models
 from slimlm.compress import checkpoint
-from slimlm.compress.job import quantize_weights
-from slimlm.compress.quantize import QuantArgs
-from slimlm.compress.rtn import RTN
 from slimlm.eval.perplexity import perplexity
 from tests.conftest import transformers_logits_error
 
@@ -17,10 +14,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def rtn_checkpoint(smollm2, tmp_path_factory):
-    args = QuantArgs(4, 64, True)
-    out = tmp_path_factory.mktemp("smol") / "rtn-w4g64"
-    return quantize_weights("rtn", RTN(args), args, "smollm2-135m", out, "owt", 8, 256, progress=False)
+def rtn_checkpoint(smollm2_w4):
+    return smollm2_w4
 
 
 def test_converted_model_is_the_real_smollm2(smollm2):
