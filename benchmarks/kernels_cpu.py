@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from slimlm.kernels import cpu
+from slimlm.kernels import cpu_gemm
 from slimlm.kernels.problems import quantized_weight, relative_error
 
 SMOLLM2 = {"q_proj/o_proj": (576, 576), "k_proj/v_proj": (192, 576), "gate/up_proj": (1536, 576),
@@ -64,11 +64,12 @@ def run(shapes: dict[str, list[tuple[int, int]]], rows: list[int]) -> list[dict]
             for bits in (4, 8):
                 ws = packed[bits]
                 # fp32 activations always take the fused loop; bf16 ones switch path above FUSED_MAX_ROWS_BF16
-                t32 = median_ms(each(cpu.quant_matmul, xs, ws))
-                t16 = median_ms(each(cpu.quant_matmul, xs_bf16, ws))
+                t32 = median_ms(each(cpu_gemm.quant_matmul, xs, ws))
+                t16 = median_ms(each(cpu_gemm.quant_matmul, xs_bf16, ws))
                 best, best_x = (t32, "fused fp32") if t32 <= t16 else (t16, "bf16 " + path(m))
                 row[f"int{bits}_ms"], row[f"int{bits}_path"] = best, best_x
-                row[f"int{bits}_err"] = relative_error(cpu.quant_matmul(xs[0], ws[0]), xs[0].double() @ _deq(ws[0]).T)
+                exact = xs[0].double() @ _deq(ws[0]).T
+                row[f"int{bits}_err"] = relative_error(cpu_gemm.quant_matmul(xs[0], ws[0]), exact)
             row["k"] = k_in
             results.append(row)
             print(format_row(row), flush=True)
@@ -82,7 +83,7 @@ def _deq(w) -> torch.Tensor:
 
 
 def path(m: int) -> str:
-    return "fused" if m <= cpu.FUSED_MAX_ROWS_BF16 else "dequant-slices+matmul"
+    return "fused" if m <= cpu_gemm.FUSED_MAX_ROWS_BF16 else "dequant-slices+matmul"
 
 
 HEADER = (f"{'shape':<14}{'M':>4}{'fp32 ms':>9}{'bf16 ms':>9}{'int8 ms':>9}{'÷fp32':>7}{'÷bf16':>7}"

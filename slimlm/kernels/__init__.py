@@ -1,7 +1,7 @@
 """The one place that picks an implementation for each kernel.
 
     cuda tensors  -> Triton (triton_gemm, triton_attention)
-    cpu tensors   -> the AVX-512 GEMM (cpu.py) for quantized linears, PyTorch for attention
+    cpu tensors   -> the AVX-512 GEMM (cpu_gemm.py) for quantized linears, PyTorch for attention
     SLIMLM_KERNELS=reference  -> the plain PyTorch definitions (reference.py) everywhere
 
 Callers (the runtime's layers) only see quant_matmul and paged_attention.
@@ -15,19 +15,17 @@ import warnings
 
 import torch
 
-from slimlm.kernels import reference
+from slimlm.kernels import cpu_attention, cpu_library, reference
 from slimlm.kernels.packed import PackedWeight, pack
 
 __all__ = ["PackedWeight", "backend", "pack", "paged_attention", "quant_matmul"]
 
 
 @functools.cache
-def _cpu_gemm_available() -> bool:
-    from slimlm.kernels import cpu
-
-    if cpu.available():
+def cpu_kernels_available() -> bool:
+    if cpu_library.available():
         return True
-    warnings.warn("slimlm: the AVX-512 CPU kernels could not be built here; using the PyTorch path", stacklevel=3)
+    warnings.warn("the AVX-512 CPU kernels could not be built here; using the PyTorch paths", stacklevel=3)
     return False
 
 
@@ -47,10 +45,10 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         from slimlm.kernels import triton_gemm
 
         return triton_gemm.quant_matmul(x, w)
-    if chosen == "cpu" and _cpu_gemm_available():
-        from slimlm.kernels import cpu
+    if chosen == "cpu" and cpu_kernels_available():
+        from slimlm.kernels import cpu_gemm
 
-        return cpu.quant_matmul(x, w)
+        return cpu_gemm.quant_matmul(x, w)
     return reference.quant_matmul(x, w)
 
 
@@ -66,10 +64,12 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over their sequences' paged KV (see reference.py for shapes)."""
-    if backend(q.device) == "triton":
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, k_scale, v_scale)
+    chosen = backend(q.device)
+    if chosen == "triton":
         from slimlm.kernels import triton_attention
 
-        return triton_attention.paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, k_scale, v_scale
-        )
-    return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, k_scale, v_scale)
+        return triton_attention.paged_attention(*args)
+    if chosen == "cpu":
+        return cpu_attention.paged_attention(*args, native=cpu_kernels_available())
+    return reference.paged_attention(*args)

@@ -1,0 +1,106 @@
+"""Paged attention on CPU. Same contract as reference.paged_attention.
+
+Decoding sequences (one query each) are done together: by the C kernel (cpu_attention.c) for fp32 caches,
+which reads K and V in place through the block table; otherwise in PyTorch with one gather of their blocks
+into a padded [S, L, Hkv, D] tensor, two batched matmuls and a masked softmax. Prompt chunks (several
+queries) go one sequence at a time in PyTorch, causal mask included. GQA is a reshape of the queries to
+[Hkv, group, ...] that broadcasts against the KV heads, never a copy of K and V per query head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slimlm.kernels import cpu_library
+
+
+def _dequantized(kv: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    kv = kv.to(dtype)
+    return kv if scale is None else kv * scale.to(dtype)[:, None]
+
+
+def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, native) -> torch.Tensor:
+    """q [S, Hq, D], one query per sequence at its last position -> [S, Hq, D]."""
+    s, heads, dim = q.shape
+    if native and _native_applies(q, k_cache, k_scale):
+        return _decode_native(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    blocks = -(-int(seq_lens.max()) // block_size)
+    table = block_tables[:, :blocks].long()
+    # [S, blocks, block_size, Hkv, D] -> [S, Hkv, L, D]
+    k = _dequantized(k_cache[table], k_scale, q.dtype).flatten(1, 2).transpose(1, 2)
+    v = _dequantized(v_cache[table], v_scale, q.dtype).flatten(1, 2).transpose(1, 2)
+    qg = q.view(s, kv_heads, heads // kv_heads, dim)
+    scores = torch.matmul(qg, k.transpose(2, 3)) * scale  # [S, Hkv, group, L]
+    unseen = torch.arange(k.shape[2], device=q.device)[None, :] >= seq_lens[:, None]
+    scores.masked_fill_(unseen[:, None, None, :], float("-inf"))
+    return torch.matmul(scores.softmax(-1), v).view(s, heads, dim)
+
+
+def _native_applies(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
+    group = q.shape[1] // k_cache.shape[2]
+    return (q.dtype == k_cache.dtype == torch.float32 and k_scale is None and q.shape[2] % 16 == 0
+            and q.shape[2] <= 256 and group <= 16 and k_cache.is_contiguous())  # fmt: skip
+
+
+def _decode_native(q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+    q = q.contiguous()
+    tables, lens = block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(q)
+    status = cpu_library.load().slimlm_paged_decode_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+        q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("paged decode attention could not allocate its score buffers")
+    return out
+
+
+def _prefill(q, k_cache, v_cache, blocks, length, scale, k_scale, v_scale) -> torch.Tensor:
+    """q [n, Hq, D], the last n tokens of one sequence of `length` cached tokens -> [n, Hq, D]."""
+    n, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    k = _dequantized(k_cache[blocks.long()].flatten(0, 1)[:length], k_scale, q.dtype).permute(1, 2, 0)  # [Hkv, D, L]
+    v = _dequantized(v_cache[blocks.long()].flatten(0, 1)[:length], v_scale, q.dtype).transpose(0, 1)  # [Hkv, L, D]
+    qg = q.view(n, kv_heads, heads // kv_heads, dim).permute(1, 2, 0, 3)  # [Hkv, group, n, D]
+    scores = torch.matmul(qg, k[:, None]) * scale  # [Hkv, group, n, L]
+    pos = torch.arange(length - n, length, device=q.device)
+    scores.masked_fill_(torch.arange(length, device=q.device)[None, :] > pos[:, None], float("-inf"))
+    out = torch.matmul(scores.softmax(-1), v[:, None])  # [Hkv, group, n, D]
+    return out.permute(2, 0, 1, 3).reshape(n, heads, dim)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    native: bool = True,
+) -> torch.Tensor:
+    """`native`: use the C kernel where it applies (fp32 cache and queries, head_dim a multiple of 16)."""
+    q_lens = (query_start[1:] - query_start[:-1]).tolist()
+    if all(n == 1 for n in q_lens):
+        return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, native)
+    out = torch.empty_like(q)
+    decoding = [s for s, n in enumerate(q_lens) if n == 1]
+    if decoding:
+        rows = query_start[decoding].long()
+        idx = torch.tensor(decoding, device=q.device)
+        out[rows] = _decode(
+            q[rows], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale, k_scale, v_scale, native
+        )
+    block_size = k_cache.shape[1]
+    for s, n in enumerate(q_lens):
+        if n > 1:
+            start, length = int(query_start[s]), int(seq_lens[s])
+            blocks = block_tables[s, : -(-length // block_size)]
+            out[start : start + n] = _prefill(
+                q[start : start + n], k_cache, v_cache, blocks, length, scale, k_scale, v_scale
+            )
+    return out

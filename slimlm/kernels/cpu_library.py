@@ -1,0 +1,70 @@
+"""The CPU kernels (cpu_gemm.c, cpu_attention.c) as one shared library: built with gcc on first use, cached
+by source hash, called through ctypes.
+
+A plain shared library rather than a torch extension: it needs no torch headers, so it builds in about a
+second from a clean clone, and the OpenMP runtime it links is the one torch has already loaded (same soname).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from slimlm import SlimlmError
+from slimlm.assets import cache_dir
+
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_attention.c")]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+
+i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+SIGNATURES = {  # name: (argument types, return type)
+    "slimlm_quant_matmul": ([c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, c_int], None),
+    "slimlm_dequantize_bf16": ([c_int, i64, ptr, ptr, ptr, i64, i64, i64, ptr, c_int], None),
+    "slimlm_paged_decode_f32": (
+        [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, c_int],
+        c_int,
+    ),  # fmt: skip
+}
+
+
+def library_path() -> Path:
+    """Where the built library lives: keyed by sources and flags, so an edit rebuilds it."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode())
+    return cache_dir() / "kernels" / digest.hexdigest()[:16] / "libslimlm_cpu.so"
+
+
+@functools.cache
+def load() -> ctypes.CDLL:
+    path = library_path()
+    if not path.exists():
+        compiler = os.environ.get("CC", "gcc")
+        if shutil.which(compiler) is None:
+            raise SlimlmError(f"the CPU kernels need a C compiler ({compiler} not found); install gcc or set CC")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            built = Path(tmp) / path.name
+            command = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"]
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise SlimlmError(f"building the CPU kernels failed: {result.stderr.strip().splitlines()[-1]}")
+            built.replace(path)  # atomic: concurrent builders each rename a complete file
+    lib = ctypes.CDLL(str(path))
+    for name, (args, result) in SIGNATURES.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
+    return lib
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the library builds and loads here (it needs gcc and AVX-512)."""
+    try:
+        load()
+    except (SlimlmError, OSError):
+        return False
+    return True

@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from slimlm.kernels import cpu_attention, cpu_library, reference
+from slimlm.kernels.problems import paged_problem, relative_error
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,kv_dtype,q_dtype",
+    [
+        (6, 2, 64, torch.float32, torch.float32),
+        (4, 4, 128, torch.float32, torch.float32),
+        (9, 3, 64, torch.int8, torch.float32),
+        (9, 3, 64, torch.float8_e4m3fn, torch.float32),
+        (8, 8, 48, torch.bfloat16, torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize(
+    "seq_lens,q_lens",
+    [
+        ([1, 5, 16, 17, 55], [1, 1, 1, 1, 1]),  # all decoding: the batched path
+        ([23, 50, 30, 41, 9], [23, 20, 1, 37, 1]),  # prompts, a chunk after cached tokens, decodes mixed in
+    ],
+    ids=["decode", "mixed"],
+)
+@pytest.mark.parametrize("native", [True, False], ids=["c-kernel", "torch"])
+def test_matches_reference(poisoned, heads, kv_heads, head_dim, kv_dtype, q_dtype, seq_lens, q_lens, native):
+    if native and not cpu_library.available():
+        pytest.skip("needs gcc and AVX-512")
+    p = paged_problem(seq_lens, q_lens, heads, kv_heads, head_dim, 16, kv_dtype, q_dtype, seed=len(seq_lens))
+    out = cpu_attention.paged_attention(*p.args(), native=native)
+    assert out.shape == p.q.shape and out.dtype == q_dtype
+    assert relative_error(out, reference.paged_attention(*p.args(), dtype=torch.float64)) < TOLERANCE[q_dtype]
+
+
+def test_c_kernel_takes_fp32_decodes():
+    p = paged_problem([40, 7], [1, 1], 8, 2, 64, kv_dtype=torch.float32, q_dtype=torch.float32)
+    assert cpu_attention._native_applies(p.q, p.k_cache, p.k_scale)
+    p = paged_problem([40, 7], [1, 1], 8, 2, 40, kv_dtype=torch.float32, q_dtype=torch.float32)
+    assert not cpu_attention._native_applies(p.q, p.k_cache, p.k_scale)  # head_dim not a multiple of 16
