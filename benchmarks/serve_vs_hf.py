@@ -302,14 +302,14 @@ def main() -> None:
               f"ITL p50 {s['itl_p50_ms']:.0f} ms (wall {results[system]['wall_s']:.0f} s)", flush=True)  # fmt: skip
 
     base = "hf-static"
-    print(f"\n{'system':<11}{'out tok/s':>10}{'TTFT mean':>10}{'p50':>7}{'p99':>7}{'ITL mean':>9}{'p50':>6}{'p99':>6}"
-          f"{'peak GB':>8}{'tok/s ÷ ' + base:>18}{'TTFT p50 ÷':>12}")  # fmt: skip
+    print(f"\n{'system':<11}{'out tok/s':>10}{'TTFT mean':>11}{'p50':>9}{'p99':>9}{'ITL mean':>10}{'p50':>8}{'p99':>8}"
+          f"{'peak GB':>9}{'tok/s ÷ ' + base:>18}{'TTFT p50 ÷':>12}")  # fmt: skip
     for system, s in summary.items():
         ratio = s["output_tok_s"] / summary[base]["output_tok_s"] if base in summary else float("nan")
         tratio = s["ttft_p50_s"] / summary[base]["ttft_p50_s"] if base in summary else float("nan")
-        print(f"{system:<11}{s['output_tok_s']:>10.1f}{s['ttft_mean_s']:>9.2f}s{s['ttft_p50_s']:>6.2f}s"
-              f"{s['ttft_p99_s']:>6.2f}s{s['itl_mean_ms']:>7.0f}ms{s['itl_p50_ms']:>4.0f}ms{s['itl_p99_ms']:>4.0f}ms"
-              f"{s['peak_rss_gb']:>8.2f}{ratio:>17.2f}×{tratio:>11.2f}×")  # fmt: skip
+        print(f"{system:<11}{s['output_tok_s']:>10.1f}{s['ttft_mean_s']:>10.2f}s{s['ttft_p50_s']:>8.2f}s"
+              f"{s['ttft_p99_s']:>8.2f}s{s['itl_mean_ms']:>8.0f}ms{s['itl_p50_ms']:>6.0f}ms{s['itl_p99_ms']:>6.0f}ms"
+              f"{s['peak_rss_gb']:>9.2f}{ratio:>17.2f}×{tratio:>11.2f}×")  # fmt: skip
 
     floor = {}
     if "slimlm" in results:

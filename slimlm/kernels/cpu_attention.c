@@ -1,4 +1,4 @@
-// Paged decode attention for CPUs, fp32 cache: one query per sequence, keys and values read in place
+// Paged decode attention for CPUs, fp32 or bf16 cache (fp32 arithmetic): one query per sequence, keys and values read in place
 // through the block table (no gathered copy), each KV head read once for its whole query group (GQA).
 //
 // Why not torch: a decode step's attention is dozens of tiny batched matmuls whose per-call and per-batch
@@ -13,9 +13,16 @@
 #define MAX_GROUP 16
 #define MAX_DIM 256
 
-static inline float dot(const float *a, const float *b, int64_t d) {
+// 16 cache values as fp32: bf16 is the top half of an fp32, so widening is a shift
+static inline __m512 load16(const void *p, int bf16) {
+    if (!bf16) return _mm512_loadu_ps(p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline float dot(const float *a, const void *b, int64_t d, int bf16) {
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    for (int64_t i = 0; i < d; i += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16((const char *)b + i * (bf16 ? 2 : 4), bf16), acc);
     return _mm512_reduce_add_ps(acc);
 }
 
@@ -37,12 +44,12 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-// q, out [S, Hq, D]; caches [blocks, block_size, Hkv, D]; tables [S, width]. D a multiple of 16, <= MAX_DIM;
-// Hq / Hkv <= MAX_GROUP. Returns 0, or -1 when a task could not get its score buffer.
-int slimlm_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *tables,
-                            int64_t width, const int32_t *seq_lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                            int64_t block_size, float scale, float *out, int nthreads) {
-    const int64_t G = Hq / Hkv;
+// q, out [S, Hq, D] fp32; caches [blocks, block_size, Hkv, D] fp32 or (bf16 = 1) bf16; tables [S, width].
+// D a multiple of 16, <= MAX_DIM; Hq / Hkv <= MAX_GROUP. Returns 0, or -1 when a task got no score buffer.
+int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache, int bf16, const int32_t *tables,
+                        int64_t width, const int32_t *seq_lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
+                        int64_t block_size, float scale, float *out, int nthreads) {
+    const int64_t G = Hq / Hkv, elem = bf16 ? 2 : 4;
     int failed = 0;
 #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(nthreads)
     for (int64_t s = 0; s < S; s++) {
@@ -57,10 +64,11 @@ int slimlm_paged_decode_f32(const float *q, const float *k_cache, const float *v
             float top[MAX_GROUP], total[MAX_GROUP];
             for (int64_t g = 0; g < G; g++) top[g] = -INFINITY;
             for (int64_t t0 = 0; t0 < L; t0 += block_size) {  // block by block: no division per token
-                const float *k = k_cache + ((int64_t)tables[s * width + t0 / block_size] * block_size * Hkv + h) * D;
-                for (int64_t t = t0; t < t0 + block_size && t < L; t++, k += Hkv * D) {
+                const char *k = (const char *)k_cache +
+                                ((int64_t)tables[s * width + t0 / block_size] * block_size * Hkv + h) * D * elem;
+                for (int64_t t = t0; t < t0 + block_size && t < L; t++, k += Hkv * D * elem) {
                     for (int64_t g = 0; g < G; g++) {
-                        const float x = dot(qh + g * D, k, D) * scale;
+                        const float x = dot(qh + g * D, k, D, bf16) * scale;
                         scores[g * L + t] = x;
                         if (x > top[g]) top[g] = x;
                     }
@@ -82,12 +90,13 @@ int slimlm_paged_decode_f32(const float *q, const float *k_cache, const float *v
             for (int64_t g = 0; g < G; g++)
                 for (int64_t i = 0; i < D / 16; i++) acc[g][i] = _mm512_setzero_ps();
             for (int64_t t0 = 0; t0 < L; t0 += block_size) {
-                const float *v = v_cache + ((int64_t)tables[s * width + t0 / block_size] * block_size * Hkv + h) * D;
-                for (int64_t t = t0; t < t0 + block_size && t < L; t++, v += Hkv * D) {
+                const char *v = (const char *)v_cache +
+                                ((int64_t)tables[s * width + t0 / block_size] * block_size * Hkv + h) * D * elem;
+                for (int64_t t = t0; t < t0 + block_size && t < L; t++, v += Hkv * D * elem) {
                     for (int64_t g = 0; g < G; g++) {
                         const __m512 p = _mm512_set1_ps(scores[g * L + t]);
                         for (int64_t i = 0; i < D / 16; i++)
-                            acc[g][i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * i), acc[g][i]);
+                            acc[g][i] = _mm512_fmadd_ps(p, load16(v + 16 * i * elem, bf16), acc[g][i]);
                     }
                 }
             }

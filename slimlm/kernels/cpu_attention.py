@@ -1,6 +1,6 @@
 """Paged attention on CPU. Same contract as reference.paged_attention.
 
-Decoding sequences (one query each) are done together: by the C kernel (cpu_attention.c) for fp32 caches,
+Decoding sequences (one query each) are done together: by the C kernel (cpu_attention.c) for fp32 and bf16 caches,
 which reads K and V in place through the block table; otherwise in PyTorch with one gather of their blocks
 into a padded [S, L, Hkv, D] tensor, two batched matmuls and a masked softmax. Prompt chunks (several
 queries) go one sequence at a time in PyTorch, causal mask included. GQA is a reshape of the queries to
@@ -39,22 +39,22 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
 
 def _native_applies(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
     group = q.shape[1] // k_cache.shape[2]
-    return (q.dtype == k_cache.dtype == torch.float32 and k_scale is None and q.shape[2] % 16 == 0
+    return (k_cache.dtype in (torch.float32, torch.bfloat16) and k_scale is None and q.shape[2] % 16 == 0
             and q.shape[2] <= 256 and group <= 16 and k_cache.is_contiguous())  # fmt: skip
 
 
 def _decode_native(q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
-    q = q.contiguous()
+    qf = q.to(torch.float32).contiguous()
     tables, lens = block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
-    out = torch.empty_like(q)
-    status = cpu_library.load().slimlm_paged_decode_f32(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-        q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, out.data_ptr(),
-        torch.get_num_threads(),
+    out = torch.empty_like(qf)
+    status = cpu_library.load().slimlm_paged_decode(
+        qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+        tables.data_ptr(), tables.shape[1], lens.data_ptr(), q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2],
+        k_cache.shape[1], scale, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("paged decode attention could not allocate its score buffers")
-    return out
+    return out.to(q.dtype)
 
 
 def _prefill(q, k_cache, v_cache, blocks, length, scale, k_scale, v_scale) -> torch.Tensor:

@@ -26,8 +26,8 @@ i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 SIGNATURES = {  # name: (argument types, return type)
     "slimlm_quant_matmul": ([c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, c_int], None),
     "slimlm_dequantize_bf16": ([c_int, i64, ptr, ptr, ptr, i64, i64, i64, ptr, c_int], None),
-    "slimlm_paged_decode_f32": (
-        [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, c_int],
+    "slimlm_paged_decode": (
+        [ptr, ptr, ptr, c_int, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, c_int],
         c_int,
     ),  # fmt: skip
 }
