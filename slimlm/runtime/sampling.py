@@ -66,12 +66,16 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
 ) -> tuple[list[int], list[float]]:
-    """One token per row of `logits` [B, V] and its log-probability under the unmodified model."""
+    """One token per row of `logits` [B, V] and its log-probability under the unmodified model.
+
+    Greedy rows never leave the logits' device; sampled rows are drawn on the host, where each request's
+    seeded generator lives."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = logits.argmax(dim=-1).tolist()
     for i, (p, g) in enumerate(zip(params, generators, strict=True)):
         if not p.greedy:
-            probs = filter_logits(logits[i], p).softmax(-1)
+            probs = filter_logits(logits[i].cpu(), p).softmax(-1)
             tokens[i] = int(torch.multinomial(probs, 1, generator=g))
-    return tokens, [float(logprobs[i, t]) for i, t in enumerate(tokens)]
+    rows = torch.arange(len(tokens), device=logits.device)
+    return tokens, logprobs[rows, torch.tensor(tokens, device=logits.device)].tolist()
