@@ -61,27 +61,28 @@ def paged_problem(
     device: str = "cpu",
     seed: int = 0,
 ) -> PagedProblem:
-    """Sequences of `seq_lens` cached tokens whose last `q_lens` tokens are the queries."""
-    g = torch.Generator().manual_seed(seed)
+    """Sequences of `seq_lens` cached tokens whose last `q_lens` tokens are the queries. Values are drawn on
+    `device` (a GPU check's caches run to gigabytes); the block order is drawn on the host."""
+    g = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 2  # a couple of blocks nobody owns
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    k, v = torch.randn(shape, generator=g, device=device), torch.randn(shape, generator=g, device=device)
     k_scale = v_scale = None
     if kv_dtype == torch.int8:
-        k_scale, v_scale = ((torch.rand(kv_heads, generator=g) + 0.5) / 40 for _ in range(2))
+        k_scale, v_scale = ((torch.rand(kv_heads, generator=g, device=device) + 0.5) / 40 for _ in range(2))
         k = (k / k_scale[:, None]).round().clamp(-127, 127)
         v = (v / v_scale[:, None]).round().clamp(-127, 127)
     elif kv_dtype == torch.float8_e4m3fn:
-        k_scale, v_scale = torch.rand(kv_heads, generator=g) + 0.5, torch.rand(kv_heads, generator=g) + 0.5
-    order = torch.randperm(num_blocks, generator=g).int()
+        k_scale, v_scale = (torch.rand(kv_heads, generator=g, device=device) + 0.5 for _ in range(2))
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).int()
     table = torch.full((len(seq_lens), max(blocks_per_seq) + 1), -1, dtype=torch.int32)
     start = 0
     for s, n in enumerate(blocks_per_seq):
         table[s, :n] = order[start : start + n]
         start += n
     query_start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(int(query_start[-1]), heads, head_dim, generator=g)
+    q = torch.randn(int(query_start[-1]), heads, head_dim, generator=g, device=device)
 
     def put(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         return None if t is None else t.to(device=device, dtype=dtype or t.dtype)
