@@ -58,11 +58,11 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, transformers' half-split convention: x·cos + rotate_half(x)·sin."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, transformers' half-split convention, x·cos + rotate_half(x)·sin, written as
+    x·cos + roll(x, D/2)·[−sin₁, sin₂]: the same products and sums (negation is exact), half the calls.
+    cos and signed_sin are [tokens, 1, D]."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -134,17 +134,19 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = Decoder(config, dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
-        self.cos = self.sin = None  # [positions, head_dim], from set_rope
+        self.cos = self.sin = None  # [positions, head_dim], from set_rope (sin with its first half negated)
 
     def set_rope(self, max_positions: int, device: str) -> None:
         cos, sin = rope_tables(self.config, max_positions)
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # pairs with roll() in rotate()
         dtype = self.model.norm.weight.dtype
-        self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)
+        self.cos, self.sin = cos.to(device, dtype), signed_sin.to(device, dtype)
 
     def forward(self, input_ids: torch.Tensor, step: StepInputs, kv_caches: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; kv_caches [layers, 2, blocks, block_size, kv_heads, D]."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.cos[step.positions], self.sin[step.positions]
+        cos, sin = self.cos[step.positions, None], self.sin[step.positions, None]
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, step, kv_cache)
         return self.model.norm(x)
