@@ -13,18 +13,19 @@ from __future__ import annotations
 import torch
 
 from slimlm import SlimlmError
+from slimlm.compress.packing import unpack_int32
 from slimlm.compress.quantize import QuantArgs, QuantizedWeight
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of a packed int32 -> column offset ORDER[j]
 
 
 def unpack_columns(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [rows, cols/8] -> unsigned 4-bit codes [rows, cols] in natural column order."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    nibbles = (packed[:, :, None] >> shifts) & 0xF  # [rows, cols/8, 8] in packing order
-    natural = torch.empty_like(nibbles)
-    natural[:, :, list(ORDER)] = nibbles
-    return natural.reshape(packed.shape[0], -1)
+    """int32 [rows, cols/8] -> signed 4-bit codes (code − 8) [rows, cols] in natural column order."""
+    rows = packed.shape[0]
+    in_packing_order = unpack_int32(packed, 4, packed.shape[1] * 8, dim=1).view(rows, -1, 8)
+    natural = torch.empty_like(in_packing_order)
+    natural[:, :, list(ORDER)] = in_packing_order
+    return natural.view(rows, -1)
 
 
 def args_from_config(qcfg: dict) -> QuantArgs:
@@ -40,9 +41,6 @@ def args_from_config(qcfg: dict) -> QuantArgs:
 
 def from_tensors(t: dict[str, torch.Tensor], args: QuantArgs) -> QuantizedWeight:
     """A QuantizedWeight (signed codes and zeros, compressed-tensors convention) from one linear's tensors."""
-    offset = 2 ** (args.bits - 1)
-    codes = unpack_columns(t["qweight"]).T - offset  # [out, in]
-    zeros = unpack_columns(t["qzeros"]).T - offset  # [out, groups]
-    return QuantizedWeight(
-        codes.to(torch.int8).contiguous(), t["scales"].T.contiguous(), zeros.to(torch.int8).contiguous(), args
-    )
+    codes = unpack_columns(t["qweight"]).T.contiguous()  # [out, in]
+    zeros = unpack_columns(t["qzeros"]).T.contiguous()  # [out, groups]
+    return QuantizedWeight(codes, t["scales"].T.contiguous(), zeros, args)

@@ -38,7 +38,6 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # chain hash -> block id
         self.pending_copies: list[tuple[int, int]] = []  # (source, destination) block ids
-        self.prefix_hits = 0  # tokens whose computation prefix sharing saved
 
     @property
     def num_free(self) -> int:
@@ -89,7 +88,6 @@ class BlockManager:
             parent = h
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed
-        self.prefix_hits += seq.num_computed
 
     def can_append(self, seq: Sequence, num_new: int) -> bool:
         needed = self.blocks_needed(seq.num_computed + num_new) - len(seq.block_table)
