@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from slimlm.kernels import cpu_gemm
+from slimlm.kernels import cpu_gemm, reference
 from slimlm.kernels.problems import quantized_weight, relative_error
 
 SMOLLM2 = {"q_proj/o_proj": (576, 576), "k_proj/v_proj": (192, 576), "gate/up_proj": (1536, 576),
@@ -68,18 +68,12 @@ def run(shapes: dict[str, list[tuple[int, int]]], rows: list[int]) -> list[dict]
                 t16 = median_ms(each(cpu_gemm.quant_matmul, xs_bf16, ws))
                 best, best_x = (t32, "fused fp32") if t32 <= t16 else (t16, "bf16 " + path(m))
                 row[f"int{bits}_ms"], row[f"int{bits}_path"] = best, best_x
-                exact = xs[0].double() @ _deq(ws[0]).T
+                exact = reference.quant_matmul(xs[0].double(), ws[0])
                 row[f"int{bits}_err"] = relative_error(cpu_gemm.quant_matmul(xs[0], ws[0]), exact)
             row["k"] = k_in
             results.append(row)
             print(format_row(row), flush=True)
     return results
-
-
-def _deq(w) -> torch.Tensor:
-    from slimlm.kernels.packed import dequantize
-
-    return dequantize(w, torch.float64)[: w.out_features]
 
 
 def path(m: int) -> str:

@@ -12,11 +12,7 @@ from __future__ import annotations
 import torch
 
 from slimlm.kernels import cpu_library
-
-
-def _dequantized(kv: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    kv = kv.to(dtype)
-    return kv if scale is None else kv * scale.to(dtype)[:, None]
+from slimlm.kernels.reference import cached_kv, dequantized
 
 
 def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, native) -> torch.Tensor:
@@ -28,8 +24,8 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
     blocks = -(-int(seq_lens.max()) // block_size)
     table = block_tables[:, :blocks].long()
     # [S, blocks, block_size, Hkv, D] -> [S, Hkv, L, D]
-    k = _dequantized(k_cache[table], k_scale, q.dtype).flatten(1, 2).transpose(1, 2)
-    v = _dequantized(v_cache[table], v_scale, q.dtype).flatten(1, 2).transpose(1, 2)
+    k = dequantized(k_cache[table], k_scale, q.dtype).flatten(1, 2).transpose(1, 2)
+    v = dequantized(v_cache[table], v_scale, q.dtype).flatten(1, 2).transpose(1, 2)
     qg = q.view(s, kv_heads, heads // kv_heads, dim)
     scores = torch.matmul(qg, k.transpose(2, 3)) * scale  # [S, Hkv, group, L]
     unseen = torch.arange(k.shape[2], device=q.device)[None, :] >= seq_lens[:, None]
@@ -61,8 +57,8 @@ def _prefill(q, k_cache, v_cache, blocks, length, scale, k_scale, v_scale) -> to
     """q [n, Hq, D], the last n tokens of one sequence of `length` cached tokens -> [n, Hq, D]."""
     n, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
-    k = _dequantized(k_cache[blocks.long()].flatten(0, 1)[:length], k_scale, q.dtype).permute(1, 2, 0)  # [Hkv, D, L]
-    v = _dequantized(v_cache[blocks.long()].flatten(0, 1)[:length], v_scale, q.dtype).transpose(0, 1)  # [Hkv, L, D]
+    k = cached_kv(k_cache, k_scale, blocks, length, q.dtype).permute(1, 2, 0)  # [Hkv, D, L]
+    v = cached_kv(v_cache, v_scale, blocks, length, q.dtype).transpose(0, 1)  # [Hkv, L, D]
     qg = q.view(n, kv_heads, heads // kv_heads, dim).permute(1, 2, 0, 3)  # [Hkv, group, n, D]
     scores = torch.matmul(qg, k[:, None]) * scale  # [Hkv, group, n, L]
     pos = torch.arange(length - n, length, device=q.device)

@@ -25,12 +25,17 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight, dtype: torch.dtype | None = N
     return (x.to(dtype) @ dequantize(w, dtype).T)[:, : w.out_features]
 
 
+def dequantized(kv: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cached K or V [..., Hkv, D] in `dtype`, times its per-head scale (fp8/int8 caches)."""
+    kv = kv.to(dtype)
+    return kv if scale is None else kv * scale.to(dtype)[:, None]
+
+
 def cached_kv(
     cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor, length: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """The first `length` cached tokens of one sequence, [length, Hkv, D] in `dtype`."""
-    kv = cache[blocks.long()].flatten(0, 1)[:length].to(dtype)
-    return kv if scale is None else kv * scale.to(dtype)[:, None]
+    return dequantized(cache[blocks.long()].flatten(0, 1)[:length], scale, dtype)
 
 
 def paged_attention(
