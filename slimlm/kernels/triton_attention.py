@@ -48,6 +48,27 @@ def _attend_block(q, k, v, visible, m_i, l_i, acc, scale, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _attend_cached(q, pos, scale, k_cache, v_cache, k_scale, v_scale, table, length, end, kvh, offs_d, d_ok,
+                   stride_b, stride_t, stride_h, ROWS: tl.constexpr, HEAD_PAD: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """Attention of q's ROWS rows over one sequence's cached keys 0..end−1, block by block through its block
+    table; row i sees the keys up to its absolute position pos[i]. Returns the unnormalised output and sums."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
+    offs_t = tl.arange(0, BLOCK_SIZE)
+    for b in range(0, tl.cdiv(end, BLOCK_SIZE)):
+        block = tl.load(table + b).to(tl.int64)
+        key_pos = b * BLOCK_SIZE + offs_t
+        t_ok = key_pos < length
+        k = _load_kv(k_cache, k_scale, block, kvh, offs_t, t_ok, offs_d, d_ok, stride_b, stride_t, stride_h, HAS_SCALE)
+        v = _load_kv(v_cache, v_scale, block, kvh, offs_t, t_ok, offs_d, d_ok, stride_b, stride_t, stride_h, HAS_SCALE)
+        visible = t_ok[None, :] & (key_pos[None, :] <= pos[:, None])
+        m_i, l_i, acc = _attend_block(q, k, v, visible, m_i, l_i, acc, scale, IEEE)
+    return acc, l_i
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, out_ptr, scale,
     stride_qt, stride_qh, stride_b, stride_t, stride_h, stride_bt, stride_ot, stride_oh,
@@ -63,16 +84,11 @@ def _decode_kernel(
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_DIM
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], g_ok[:, None] & d_ok[None, :])
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
-    offs_t = tl.arange(0, BLOCK_SIZE)
-    for b in range(0, tl.cdiv(length, BLOCK_SIZE)):
-        block = tl.load(block_tables + seq * stride_bt + b).to(tl.int64)
-        t_ok = b * BLOCK_SIZE + offs_t < length
-        k = _load_kv(k_cache, k_scale, block, kvh, offs_t, t_ok, offs_d, d_ok, stride_b, stride_t, stride_h, HAS_SCALE)
-        v = _load_kv(v_cache, v_scale, block, kvh, offs_t, t_ok, offs_d, d_ok, stride_b, stride_t, stride_h, HAS_SCALE)
-        m_i, l_i, acc = _attend_block(q, k, v, t_ok[None, :], m_i, l_i, acc, scale, IEEE)
+    pos = tl.zeros([GROUP_PAD], tl.int32) + length - 1  # every head of the group queries the last position
+    acc, l_i = _attend_cached(
+        q, pos, scale, k_cache, v_cache, k_scale, v_scale, block_tables + seq * stride_bt, length, length, kvh,
+        offs_d, d_ok, stride_b, stride_t, stride_h, GROUP_PAD, HEAD_PAD, BLOCK_SIZE, HAS_SCALE, IEEE,
+    )  # fmt: skip
     out = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(out, acc / l_i[:, None], g_ok[:, None] & d_ok[None, :])
 
@@ -99,19 +115,11 @@ def _prefill_kernel(
     d_ok = offs_d < HEAD_DIM
     q_rows = q_ptr + (q_begin + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
     q = tl.load(q_rows, m_ok[:, None] & d_ok[None, :], 0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    offs_t = tl.arange(0, BLOCK_SIZE)
     last = tl.minimum(length - q_len + first + BLOCK_M, length)  # keys past the tile's last query are unseen
-    for b in range(0, tl.cdiv(last, BLOCK_SIZE)):
-        block = tl.load(block_tables + seq * stride_bt + b).to(tl.int64)
-        key_pos = b * BLOCK_SIZE + offs_t
-        t_ok = key_pos < length
-        k = _load_kv(k_cache, k_scale, block, kvh, offs_t, t_ok, offs_d, d_ok, stride_b, stride_t, stride_h, HAS_SCALE)
-        v = _load_kv(v_cache, v_scale, block, kvh, offs_t, t_ok, offs_d, d_ok, stride_b, stride_t, stride_h, HAS_SCALE)
-        visible = t_ok[None, :] & (key_pos[None, :] <= pos[:, None])
-        m_i, l_i, acc = _attend_block(q, k, v, visible, m_i, l_i, acc, scale, IEEE)
+    acc, l_i = _attend_cached(
+        q, pos, scale, k_cache, v_cache, k_scale, v_scale, block_tables + seq * stride_bt, length, last, kvh,
+        offs_d, d_ok, stride_b, stride_t, stride_h, BLOCK_M, HEAD_PAD, BLOCK_SIZE, HAS_SCALE, IEEE,
+    )  # fmt: skip
     l_i = tl.where(m_ok, l_i, 1.0)
     out = out_ptr + (q_begin + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(out, acc / l_i[:, None], m_ok[:, None] & d_ok[None, :])
