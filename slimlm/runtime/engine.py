@@ -136,8 +136,9 @@ class Engine:
 
     # ---- one step -------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one batch; outputs of every request that produced a token or finished in it."""
+    def step(self, detokenize: bool = True) -> list[RequestOutput]:
+        """Run one batch; outputs of every request that produced a token or finished in it. Unfinished
+        outputs carry their text so far only with `detokenize` (streaming); finished ones always do."""
         batch = self.scheduler.schedule()
         if not batch.items:
             return []
@@ -177,7 +178,7 @@ class Engine:
             for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
                 self._append(seq, token, logprob, now)
                 touched[seq.request_id] = None
-        return [self._output(self.requests[r]) for r in touched]
+        return [self._output(self.requests[r], detokenize) for r in touched]
 
     def _fork_if_first(self, seq: Sequence) -> list[Sequence]:
         """At the end of its prompt, a request with n > 1 splits into n sequences sharing the prompt's blocks."""
@@ -217,17 +218,18 @@ class Engine:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _output(self, request: _Request) -> RequestOutput:
+    def _output(self, request: _Request, detokenize: bool) -> RequestOutput:
+        first = request.seqs[0]
+        finished = len(request.seqs) == first.params.n and all(s.is_finished for s in request.seqs)
         outputs = []
         for i, seq in enumerate(request.seqs):
-            text = seq.text if (seq.params.stop and seq.finish_reason == "stop") else self._text(seq)
+            # with stop strings _append already decoded (and cut) the text this step
+            text = seq.text if seq.params.stop else self._text(seq) if (detokenize or finished) else ""
             outputs.append(CompletionOutput(
                 index=i, text=text, token_ids=list(seq.output_ids), finish_reason=seq.finish_reason,
                 logprobs=list(seq.logprobs) if seq.params.logprobs else None,
                 first_token_time=seq.token_times[0] if seq.token_times else None, token_times=list(seq.token_times),
             ))  # fmt: skip
-        first = request.seqs[0]
-        finished = len(request.seqs) == first.params.n and all(s.is_finished for s in request.seqs)
         if finished:
             del self.requests[request.request_id]
         return RequestOutput(

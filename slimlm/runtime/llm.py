@@ -39,7 +39,7 @@ class LLM:
         submitted = self._submit(prompts, params)
         done: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished():
-            for out in self.engine.step():
+            for out in self.engine.step(detokenize=False):
                 if out.finished:
                     done[out.request_id] = out
         return [s if isinstance(s, RequestOutput) else done[s] for s in submitted]
