@@ -7,6 +7,7 @@ from slimlm import models
 from slimlm.compress import checkpoint
 from slimlm.runtime.llm import LLM
 from slimlm.runtime.sampling import SamplingParams
+from tests.runtime.conftest import model_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -75,15 +76,10 @@ def test_w4_checkpoint_logits_equal_transformers(smollm2_w4):
     out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=True))[0]
     got = torch.tensor(out.prompt_logprobs)
 
-    def logprobs(model) -> torch.Tensor:
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0]
-        return torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), ids[1:]]
-
     # The kernels keep scales in fp16 (4 bytes less per group than fp32); transformers uses the checkpoint's
     # fp32 scales. Over 30 layers that moves log-probabilities by up to ~0.01 (measured 0.009)...
     hf = AutoModelForCausalLM.from_pretrained(smollm2_w4, dtype=torch.float32)
-    assert torch.allclose(got, logprobs(hf), atol=2e-2)
+    assert torch.allclose(got, model_logprobs(hf, ids), atol=2e-2)
     # ...and it is the only difference: against the same checkpoint with fp16-rounded scales, 1.8e-5.
     model = checkpoint.load_compressed(smollm2_w4)
     quantized, _ = checkpoint.read_quantized(smollm2_w4)
@@ -91,4 +87,4 @@ def test_w4_checkpoint_logits_equal_transformers(smollm2_w4):
         for name, q in quantized.items():
             q.scale = q.scale.half().float()
             model.get_submodule(name).weight.copy_(q.dequantize())
-    assert torch.allclose(got, logprobs(model), atol=1e-4)
+    assert torch.allclose(got, model_logprobs(model, ids), atol=1e-4)

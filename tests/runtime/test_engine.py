@@ -7,6 +7,7 @@ from slimlm import SlimlmError
 from slimlm.runtime.llm import LLM
 from slimlm.runtime.sampling import SamplingParams
 from tests.conftest import make_text
+from tests.runtime.conftest import model_logprobs
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
@@ -36,10 +37,7 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
 
 
 def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
-    model, _ = hf
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float()
-    return torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), ids[1:]]
+    return model_logprobs(hf[0], ids)
 
 
 def test_greedy_equals_transformers_one_by_one_and_in_one_batch(tiny_llama, hf, prompts):

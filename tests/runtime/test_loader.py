@@ -17,6 +17,7 @@ from slimlm.compress.rtn import RTN
 from slimlm.runtime.llm import LLM
 from slimlm.runtime.sampling import SamplingParams
 from tests.conftest import make_text, make_tokenizer
+from tests.runtime.conftest import model_logprobs, next_token_logprobs
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 
@@ -24,12 +25,6 @@ FIXTURES = Path(__file__).parent.parent / "fixtures"
 def runtime_logprobs(model_dir: Path, ids: list[int]) -> torch.Tensor:
     out = LLM(str(model_dir)).generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=True))[0]
     return torch.tensor(out.prompt_logprobs)
-
-
-def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float()
-    return torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), ids[1:]]
 
 
 def ids_for(model_dir: Path, n: int = 40) -> list[int]:
@@ -74,7 +69,7 @@ def test_architectures_match_transformers(tmp_path, kind):
 
     model_dir = tiny(tmp_path / kind, kind)
     ids = ids_for(model_dir, 100)
-    expected = reference_logprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), ids)
+    expected = model_logprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), ids)
     assert torch.allclose(runtime_logprobs(model_dir, ids), expected, atol=1e-5)
 
 
@@ -95,7 +90,7 @@ def test_w4_checkpoint_matches_transformers(calibrated, tmp_path):
 
     out = quantize(calibrated, tmp_path / "w4", "rtn", QuantArgs(4, 32, True))
     ids = ids_for(out)
-    expected = reference_logprobs(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), ids)
+    expected = model_logprobs(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), ids)
     # the kernel layout keeps scales in fp16 (transformers uses the checkpoint's fp32): ~1e-4 relative per weight
     assert torch.allclose(runtime_logprobs(out, ids), expected, atol=2e-3)
 
@@ -114,7 +109,7 @@ def test_w4_checkpoint_matches_transformers(calibrated, tmp_path):
 def test_quantized_layouts_match_their_dequantized_model(calibrated, tmp_path, method, args, kw):
     out = quantize(calibrated, tmp_path / "q", method, args, **kw)
     ids = ids_for(out)
-    expected = reference_logprobs(checkpoint.load_compressed(out), ids)
+    expected = model_logprobs(checkpoint.load_compressed(out), ids)
     if args.bits == 3:
         with pytest.warns(UserWarning, match="no kernel for \\[3\\]-bit"):
             got = runtime_logprobs(out, ids)
@@ -129,7 +124,7 @@ def test_llmcompressor_checkpoints_serve(name):
 
     ref = load_file(FIXTURES / name / "reference.safetensors")  # llm-compressor's own logits
     ids = ref["input_ids"][0].tolist()
-    expected = torch.log_softmax(ref["logits"][0].float(), -1)[torch.arange(len(ids) - 1), ids[1:]]
+    expected = next_token_logprobs(ref["logits"][0], ids)
     assert torch.allclose(runtime_logprobs(FIXTURES / name, ids), expected, atol=2e-3)
 
 
@@ -165,7 +160,7 @@ def test_awq_gemm_checkpoint_serves(calibrated, tmp_path):
                                      "version": "gemm"}  # fmt: skip
     (awq / "config.json").write_text(json.dumps(config))
     ids = ids_for(ct)
-    expected = reference_logprobs(checkpoint.load_compressed(ct), ids)
+    expected = model_logprobs(checkpoint.load_compressed(ct), ids)
     assert torch.allclose(runtime_logprobs(awq, ids), expected, atol=2e-3)
 
 
