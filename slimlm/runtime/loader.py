@@ -26,7 +26,7 @@ def hf_config(model_dir: Path):
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: int) -> CausalLM:
-    models.check(model_dir)
+    """The model in `model_dir`, which the caller has checked (models.check: architecture, file hashes)."""
     config = hf_config(model_dir)
     with torch.device("meta"):  # no memory until the checkpoint's tensors are put in place
         model = CausalLM(config, dtype)
