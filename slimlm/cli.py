@@ -207,30 +207,31 @@ def cmd_generate(a: argparse.Namespace) -> None:
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed, stop=a.stop)  # fmt: skip
     llm = LLM(a.model, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory)
-    shown: dict[str, int] = {}
-    outputs = []
-    for out in llm.stream(a.prompt, params):
-        if a.stream and len(a.prompt) == 1 and out.outputs:
-            text = out.outputs[0].text
-            print(text[shown.get(out.request_id, 0) :], end="", flush=True)
-            shown[out.request_id] = len(text)
-        if out.finished:
-            outputs.append(out)
-    if a.stream and len(a.prompt) == 1:
+    streaming = a.stream and len(a.prompt) == 1  # several prompts would interleave: they print when done
+    if streaming:
+        shown = 0
+        for out in llm.stream(a.prompt, params):
+            if out.outputs:
+                print(out.outputs[0].text[shown:], end="", flush=True)
+                shown = len(out.outputs[0].text)
+            if out.finished:
+                outputs = [out]
         print(flush=True)
+    else:
+        outputs = llm.generate(a.prompt, params)  # in prompt order
+    rejected = [f"prompt {i + 1}: {out.error}" for i, out in enumerate(outputs) if out.error]
     for out in outputs:
         if out.error:
-            print(f"error: {out.error}", file=sys.stderr)
             continue
         c = out.outputs[0]
-        if not (a.stream and len(a.prompt) == 1):
+        if not streaming:
             print(c.text)
         ttft = (c.first_token_time - out.arrival) * 1e3 if c.first_token_time else float("nan")
         rate = (len(c.token_times) - 1) / (c.token_times[-1] - c.token_times[0]) if len(c.token_times) > 1 else 0
         print(f"[{len(c.token_ids)} tokens, finish: {c.finish_reason}, first token {ttft:.0f} ms, "
               f"{rate:.1f} tokens/s after it]", file=sys.stderr)  # fmt: skip
-    if any(out.error for out in outputs):
-        raise SlimlmError(f"{sum(bool(out.error) for out in outputs)} of {len(outputs)} prompts were rejected")
+    if rejected:  # the others were served; all rejections on one line
+        raise SlimlmError("; ".join(rejected))
 
 
 COMMANDS = {

@@ -155,3 +155,36 @@ def test_quantize_lm_head_of_an_untied_model(capsys, calib_txt, tmp_path):
     quantized, rest = checkpoint.read_quantized(out)
     assert "lm_head" in quantized and "lm_head.weight" not in rest
     assert transformers_logits_error(out) < 1e-4
+
+
+def test_generate_serves_good_prompts_and_names_the_rejected_one(capsys, tiny_llama):
+    code, out, err = run_cli(capsys, "generate", str(tiny_llama), "--prompt", "the city", "--prompt", "",
+                             "--max-tokens", "3")  # fmt: skip
+    assert_one_line_error(code, err, "prompt 2: the prompt is empty")
+    assert err.count("finish:") == 1  # prompt 1 was still served
+
+
+@pytest.mark.parametrize(
+    "flags,fragment",
+    [
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--max-tokens", "0"], "max_tokens must be a positive integer"),
+    ],
+)
+def test_generate_rejects_bad_sampling_parameters(capsys, tiny_llama, flags, fragment):
+    code, _, err = run_cli(capsys, "generate", str(tiny_llama), "--prompt", "the city", *flags)
+    assert_one_line_error(code, err, fragment)
+
+
+def test_generate_rejects_a_prompt_longer_than_the_context(capsys, tiny_llama):
+    long_prompt = " ".join(["the city river music"] * 200)  # well over the tiny model's 512 positions
+    code, _, err = run_cli(capsys, "generate", str(tiny_llama), "--prompt", long_prompt)
+    assert_one_line_error(code, err, "model's context holds 512")
+
+
+def test_generate_rejects_a_malformed_memory_size(capsys, tiny_llama):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", str(tiny_llama), "--prompt", "x", "--kv-cache-memory", "lots"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "'lots' is not a size; write e.g. 512M or 2G" in err.splitlines()[-1]
