@@ -35,7 +35,7 @@ import triton  # noqa: E402
 
 from slimlm.kernels import reference, triton_attention, triton_gemm  # noqa: E402
 from slimlm.kernels.packed import BLOCK_N, PackedWeight  # noqa: E402
-from slimlm.kernels.problems import paged_problem, poisoned_allocations, quantized_weight, relative_error  # noqa: E402
+from tests.kernels.problems import paged_problem, poisoned_allocations, quantized_weight, relative_error  # noqa: E402
 
 GEMM_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 28672)]  # (K, N)
 GEMM_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -177,7 +177,8 @@ def random_llama(path: Path, shape: dict) -> Path:
 
 def to_w4(engine) -> None:
     """Every decoder-layer linear quantized RTN W4 g128 symmetric and swapped for the packed kernel path."""
-    from slimlm.compress.quantize import QuantArgs, quantize_rtn
+    from slimlm.compress.quantize import quantize_rtn
+    from slimlm.formats.quantized import QuantArgs
     from slimlm.kernels import pack
     from slimlm.runtime.model import Linear
 

@@ -19,7 +19,7 @@ import time
 import torch
 
 from slimlm.kernels import cpu_gemm, reference
-from slimlm.kernels.problems import quantized_weight, relative_error
+from tests.kernels.problems import quantized_weight, relative_error
 
 SMOLLM2 = {"q_proj/o_proj": (576, 576), "k_proj/v_proj": (192, 576), "gate/up_proj": (1536, 576),
            "down_proj": (576, 1536), "lm_head": (49152, 576)}  # fmt: skip

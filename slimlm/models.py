@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 
 from slimlm import SlimlmError, assets
+from slimlm.formats import manifest, reader
+from slimlm.formats.reader import read_config
 
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
 }
+
+SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "vocab_size")  # fmt: skip
 
 
 def resolve(spec: str) -> Path:
@@ -58,20 +62,20 @@ def _download_from_hub(repo_id: str) -> Path:
         ) from None
 
 
-def read_config(model_dir: Path) -> dict:
-    try:
-        with open(model_dir / "config.json", encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise SlimlmError(f"cannot read {model_dir / 'config.json'}: {e}") from None
-
-
 def check_architecture(config: dict, where: Path | str) -> None:
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
-        arch = ",".join(config.get("architectures") or []) or model_type
-        supported = ", ".join(SUPPORTED_ARCHITECTURES.values())
-        raise SlimlmError(f"unsupported architecture {arch} in {where}; supported: {supported}")
+        supported = ", ".join(f"{a} (model_type {t})" for t, a in SUPPORTED_ARCHITECTURES.items())
+        archs = config.get("architectures") or []
+        if set(archs) & set(SUPPORTED_ARCHITECTURES.values()):  # a supported class name on another model type
+            what = f"model_type {model_type!r} (architectures {','.join(archs)})"
+        else:
+            what = f"architecture {','.join(archs) or model_type}"
+        raise SlimlmError(f"unsupported {what} in {where}; supported: {supported}")
+    for key in SIZE_FIELDS:
+        value = config.get(key)
+        if (value is not None or key != "num_key_value_heads") and not (type(value) is int and value > 0):
+            raise SlimlmError(f"{where}/config.json: {key} is {value!r}, not a positive integer")
 
 
 def load_tokenizer(model_dir: Path):
@@ -86,39 +90,53 @@ def load_tokenizer(model_dir: Path):
         ) from None
 
 
-def check(model_dir: Path) -> None:
-    """Supported architecture and intact weight files, or a one-line SlimlmError."""
-    from slimlm.compress import checkpoint
+def check(model_dir: Path) -> dict:
+    """Supported architecture and intact weight files, or a one-line SlimlmError; returns config.json."""
+    config = read_config(model_dir)
+    check_architecture(config, model_dir)
+    manifest.verify(model_dir)
+    return config
 
-    check_architecture(read_config(model_dir), model_dir)
-    checkpoint.verify(model_dir)
+
+def empty_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The transformers model with meta-device parameters (no memory) and real buffers (rotary tables)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        config = AutoConfig.from_pretrained(model_dir)  # no trust_remote_code: only the built-in architectures
+        if hasattr(config, "quantization_config"):  # slimlm's readers dequantize; transformers' must not run
+            del config.quantization_config
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SlimlmError(f"{model_dir}/config.json does not describe a model transformers builds ({reason})") from None
+    return model.eval()
 
 
-def load_empty(model_dir: Path):
-    """(model with meta-device weights, tokenizer) for a float checkpoint: layers are loaded on demand."""
-    from slimlm.compress import offload
-
-    check(model_dir)
-    return offload.empty_model(model_dir), load_tokenizer(model_dir)
+def tied_lm_head(config) -> set[str]:
+    """Parameter names a checkpoint may leave out because they are tied to another one."""
+    return {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
 
 
 def load(spec: str, dtype: torch.dtype = torch.float32):
-    """Load (model, tokenizer, model_dir) for a float or quantized (compressed-tensors, GPTQ v1) checkpoint.
+    """Load (model, tokenizer, model_dir) for a float or quantized checkpoint of any format slimlm reads.
 
     Quantized checkpoints come back as float models holding the dequantized weights: exactly the
-    function the quantized checkpoint computes, which is what perplexity and calibration need.
+    function the quantized checkpoint computes, which is what perplexity and calibration need. Every
+    parameter must come from the checkpoint (a missing one is an error, never a random initialisation).
     """
-    from transformers import AutoModelForCausalLM
-
-    from slimlm.compress import checkpoint
-
     model_dir = resolve(spec)
     check(model_dir)
     tokenizer = load_tokenizer(model_dir)
-    if "quantization_config" in read_config(model_dir):
-        model = checkpoint.load_compressed(model_dir, dtype)
-    else:
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    model.eval()
-    return model, tokenizer, model_dir
+    model = empty_model(model_dir, dtype)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    quantized, tensors = reader.read_checkpoint(model_dir, expected, tied_lm_head(model.config))
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    state.update({f"{n}.weight": q.dequantize(dtype) for n, q in quantized.items()})
+    model.load_state_dict(state, strict=False, assign=True)
+    if tied_lm_head(model.config):
+        model.tie_weights()
+    return model.eval(), tokenizer, model_dir

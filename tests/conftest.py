@@ -69,9 +69,9 @@ def transformers_logits_error(checkpoint_dir: Path, seq_len: int = 24) -> float:
     """Relative error between transformers' logits on our checkpoint and our own dequantized model's."""
     from transformers import AutoModelForCausalLM
 
-    from slimlm.compress import checkpoint
+    from slimlm import models
 
-    ours = checkpoint.load_compressed(checkpoint_dir)
+    ours = models.load(str(checkpoint_dir))[0]
     theirs = AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.float32)
     x = torch.randint(0, ours.config.vocab_size, (2, seq_len))
     with torch.no_grad():
@@ -102,8 +102,8 @@ def smollm2() -> Path:
 def smollm2_w4(smollm2, tmp_path_factory) -> Path:
     """The default model quantized RTN W4 g64 symmetric (a layout transformers can load too)."""
     from slimlm.compress.job import quantize_weights
-    from slimlm.compress.quantize import QuantArgs
     from slimlm.compress.rtn import RTN
+    from slimlm.formats.quantized import QuantArgs
 
     args = QuantArgs(4, 64, True)
     out = tmp_path_factory.mktemp("smol") / "rtn-w4g64"

@@ -75,7 +75,7 @@ def test_bad_quantization_settings(capsys, tiny_llama, out_dir, flags, fragment)
 def test_empty_calibration_file(capsys, tiny_llama, tmp_path, out_dir):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    code, _, err = run_cli(capsys, "rtn", "--model", str(tiny_llama), "--calib", str(empty), "--group-size", "32",
+    code, _, err = run_cli(capsys, "gptq", "--model", str(tiny_llama), "--calib", str(empty), "--group-size", "32",
                            "--out", out_dir)  # fmt: skip
     assert_one_line_error(code, err, "empty.txt holds no text")
 
@@ -144,7 +144,7 @@ def test_quantize_lm_head_refuses_tied_embeddings(capsys, tiny_llama, out_dir):
 
 def test_quantize_lm_head_of_an_untied_model(capsys, calib_txt, tmp_path):
 
-    from slimlm.compress import checkpoint
+    from slimlm.formats import reader
     from tests.conftest import make_tiny_llama
 
     src = make_tiny_llama(tmp_path / "untied", tied=False)
@@ -152,7 +152,7 @@ def test_quantize_lm_head_of_an_untied_model(capsys, calib_txt, tmp_path):
     flags = ["--num-samples", "8", "--seq-len", "32", "--group-size", "32", "--quantize-lm-head"]
     code, _, err = run_cli(capsys, "gptq", "--model", str(src), "--calib", str(calib_txt), *flags, "--out", str(out))
     assert code == 0, err
-    quantized, rest = checkpoint.read_quantized(out)
+    quantized, rest = reader.read_checkpoint(out)
     assert "lm_head" in quantized and "lm_head.weight" not in rest
     assert transformers_logits_error(out) < 1e-4
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from slimlm import models
-from slimlm.compress import checkpoint
 from slimlm.eval.perplexity import perplexity
+from slimlm.formats import shards
 from tests.conftest import transformers_logits_error
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ def test_rtn_w4_g64_quality_and_size(smollm2, rtn_checkpoint):
     p1 = perplexity(quant, tok, "wiki", seq_len=512, max_tokens=2048, progress=False)["perplexity"]
     assert 10 < p0 < 60
     assert p0 < p1 < 1.6 * p0  # 4-bit RTN costs something, but the model still works
-    assert checkpoint.checkpoint_size(rtn_checkpoint) < 0.35 * checkpoint.checkpoint_size(smollm2)
+    assert shards.total_size(rtn_checkpoint) < 0.35 * shards.total_size(smollm2)
     meta = json.loads((rtn_checkpoint / "slimlm.json").read_text())
     assert len(meta["layers"]) == 30 and meta["calibration"]["source"] == "owt"
 

@@ -5,8 +5,10 @@ Per decoder layer, for each (previous op → linears that read its output) pair:
   s_x = mean |x| per input channel;  search α ∈ {0, 1/20, …, 19/20}, s = s_x^α (normalised), for the α whose
   fake-quantized linears Q(W·s)/s give the smallest output error of the enclosing block on calibration data;
   then W ← W·s and the previous op's output ← /s, which leaves the float model's function unchanged.
-After scaling, a clipping search shrinks each group's range where that lowers the output error, and the
-weights are quantized round-to-nearest (asymmetric, groups of 128, by default).
+After scaling, a clipping search shrinks each group's range where that lowers the output error.
+
+AWQ is a transform: it leaves float weights that are easier to quantize, and the next step quantizes them
+(`compress awq` = AWQ + RTN, the paper's method; `compress awq --then gptq` = AWQ + GPTQ).
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from slimlm.compress.quantize import QuantArgs, QuantizedWeight, compute_qparams, quantize, quantize_rtn
+from slimlm import SlimlmError, arch
+from slimlm.arch import Mapping
+from slimlm.compress.pipeline import StepResult
+from slimlm.compress.quantize import compute_qparams, quantize, quantize_rtn
+from slimlm.formats.quantized import QuantArgs
 
 GRID = 20
 CLIP_GRID = 20
@@ -26,21 +32,8 @@ CLIP_TOKENS = 1024
 CLIP_CHUNK_ELEMENTS = 64 * 1024 * 1024  # bounds the [rows, tokens, groups] products of the clipping search
 
 
-@dataclass
-class Mapping:
-    prev: str  # module whose output feeds the balanced linears (an RMSNorm or a linear)
-    linears: list[str]  # linears reading that output; their input columns get scaled
-    block: str  # module whose output error judges a scale (it contains the linears)
-
-
 def layer_mappings(layer: nn.Module) -> list[Mapping]:
-    """Llama/Mistral/Qwen2 decoder layer. v→o only when every query head has its own KV head (no GQA)."""
-    maps = [Mapping("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "self_attn")]
-    if layer.self_attn.v_proj.weight.shape == layer.self_attn.o_proj.weight.shape:
-        maps.append(Mapping("self_attn.v_proj", ["self_attn.o_proj"], "self_attn.o_proj"))
-    maps.append(Mapping("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"], "mlp"))
-    maps.append(Mapping("mlp.up_proj", ["mlp.down_proj"], "mlp.down_proj"))
-    return maps
+    return arch.awq_mappings(gqa=layer.self_attn.v_proj.weight.shape != layer.self_attn.o_proj.weight.shape)
 
 
 @torch.no_grad()
@@ -73,7 +66,13 @@ class _Stats:
 
 
 class AWQ:
+    """The scale search and clipping; `args` is the quantization the search optimises for."""
+
+    needs_data = True
+
     def __init__(self, args: QuantArgs, search_batches: int = 2, clip: bool = True):
+        if not (type(search_batches) is int and search_batches > 0):
+            raise SlimlmError(f"--search-batches {search_batches!r} must be a positive integer (2 is the default)")
         self.args, self.search_batches, self.clip = args, search_batches, clip
         self.stats: dict[str, _Stats] = {}
         self.block_inputs: dict[str, list[tuple[tuple, dict]]] = {}
@@ -100,7 +99,7 @@ class AWQ:
         return handles
 
     @torch.no_grad()
-    def apply(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> dict[str, QuantizedWeight]:
+    def apply(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> StepResult:
         prefix = next(iter(linears)).rsplit(".", 2)[0] + "." if linears else ""
         local_to_full = {n[len(prefix) :]: n for n in linears}
         for m in layer_mappings(layer):
@@ -110,16 +109,14 @@ class AWQ:
             fold_scales(layer, m, s)
             for lin in m.linears:  # the stored inputs now reach the linears divided by s
                 self.stats[lin].samples = [x / s for x in self.stats[lin].samples]
-        out = {}
-        for local, full in local_to_full.items():
-            w = layer.get_submodule(local).weight.data
+        for local in local_to_full:
+            weight = layer.get_submodule(local).weight
             if self.clip and local in self.stats and not local.endswith(("q_proj", "k_proj")):
                 x = torch.cat(self.stats[local].samples)
-                w = self._clip(w, x[torch.linspace(0, len(x) - 1, min(CLIP_TOKENS, len(x))).long()])
-            q = quantize_rtn(w.float(), self.args)
-            q.scale = q.scale.to(w.dtype)
-            out[full] = q
-        return out
+                x = x[torch.linspace(0, len(x) - 1, min(CLIP_TOKENS, len(x)), device=x.device).long()]
+                weight.data = self._clip(weight.data, x)
+        self.stats, self.block_inputs = {}, {}
+        return StepResult()
 
     def _block_output(self, block: nn.Module, inputs: list[tuple[tuple, dict]]) -> list[torch.Tensor]:
         outs = []
@@ -144,7 +141,7 @@ class AWQ:
                 scaled = w.float() * s[None, :]
                 mod.weight.data = (quantize_rtn(scaled, self.args).dequantize() / s[None, :]).to(w.dtype)
             out = self._block_output(block, inputs)
-            loss = sum(((o - r).float().pow(2).mean() for o, r in zip(out, ref, strict=True)), torch.tensor(0.0))
+            loss = sum(((o - r).float().pow(2).mean() for o, r in zip(out, ref, strict=True)), 0.0)
             if loss.item() < best:
                 best, best_s = loss.item(), s
         for mod, w in zip(mods, originals, strict=True):
@@ -164,7 +161,7 @@ class AWQ:
         xg = x.float().reshape(x.shape[0], -1, gs)  # [tokens, G, gs]
         ref = torch.einsum("ogk,tgk->otg", wg, xg)
         amax = wg.abs().amax(dim=-1, keepdim=True)
-        best_err = torch.full((out_f, wg.shape[1]), float("inf"))
+        best_err = torch.full((out_f, wg.shape[1]), float("inf"), device=w.device)
         best_max = amax.clone()
         for i in range(int(CLIP_MAX_SHRINK * CLIP_GRID) + 1):
             cur = amax * (1 - i / CLIP_GRID)

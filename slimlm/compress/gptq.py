@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from slimlm import SlimlmError
-from slimlm.compress.quantize import QuantArgs, QuantizedWeight, compute_qparams
+from slimlm.compress.pipeline import StepResult
+from slimlm.compress.quantize import compute_qparams
+from slimlm.formats.quantized import QuantArgs, QuantizedWeight
 
 BLOCK = 128
 ACT_ORDERS = (None, "weight", "group")
@@ -71,20 +73,21 @@ def gptq_quantize(
     # each group's qparams come from its (already updated) columns when the group is reached.
     static = compute_qparams(W, args) if act_order == "weight" or args.group_size == -1 else None
 
-    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(in_features)
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(in_features, device=W.device)
     W, H = W[:, perm], H[perm][:, perm]
     # Group of each column in processing order: by original position for static groups, by processing
     # position otherwise (act-order then needs g_idx to say which group each original column fell in).
-    group_of = perm // gs if static is not None else torch.arange(in_features) // gs
+    group_of = perm // gs if static is not None else torch.arange(in_features, device=W.device) // gs
 
     U = _inverse_hessian_factor(H, damp, name)
     n_groups = args.groups(in_features)
-    scale = torch.zeros(out_features, n_groups, dtype=W.dtype)
-    zero = None if args.sym else torch.zeros(out_features, n_groups, dtype=torch.int8)
+    scale = torch.zeros(out_features, n_groups, dtype=W.dtype, device=W.device)
+    zero = None if args.sym else torch.zeros(out_features, n_groups, dtype=torch.int8, device=W.device)
     if static is not None:
         scale, zero = static[0].clone(), None if static[1] is None else static[1].clone()
-    codes = torch.zeros(out_features, in_features, dtype=torch.int8)
+    codes = torch.zeros(out_features, in_features, dtype=torch.int8, device=W.device)
 
+    group_list = group_of.tolist()  # one host copy, not one per column
     for i1 in range(0, in_features, BLOCK):
         i2 = min(i1 + BLOCK, in_features)
         W1 = W[:, i1:i2].clone()
@@ -92,7 +95,7 @@ def gptq_quantize(
         U1 = U[i1:i2, i1:i2]
         for i in range(i2 - i1):
             j = i1 + i
-            g = int(group_of[j])
+            g = group_list[j]
             if static is None and j % gs == 0:
                 # A group never straddles blocks (128 is a multiple of every group size); W1 holds its
                 # columns with all the error compensation applied so far.
@@ -123,7 +126,7 @@ def _inverse_hessian_factor(H: torch.Tensor, damp: float, name: str) -> torch.Te
     mean_diag = torch.mean(torch.diag(H)).item()
     for attempt in range(6):
         lam = damp * (10**attempt) * mean_diag
-        Hd = H + lam * torch.eye(H.shape[0], dtype=H.dtype)
+        Hd = H + lam * torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
         L, info = torch.linalg.cholesky_ex(Hd)
         if info == 0:
             Hinv = torch.cholesky_inverse(L)
@@ -138,6 +141,8 @@ def _inverse_hessian_factor(H: torch.Tensor, damp: float, name: str) -> torch.Te
 
 
 class GPTQ:
+    needs_data = True
+
     def __init__(self, args: QuantArgs, damp: float = 0.01, act_order: str | None = None):
         if not 0 < damp < 1:
             raise SlimlmError(f"--damp {damp} must be in (0, 1); 0.01 is the usual value")
@@ -174,7 +179,7 @@ class GPTQ:
 
         return [m.register_forward_pre_hook(make_hook(n, m)) for n, m in linears.items()]
 
-    def apply(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> dict[str, QuantizedWeight]:
+    def apply(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> StepResult:
         self._last["x"] = None  # the float pass is over: stop holding its last activation
         out = {}
         for name, m in linears.items():
@@ -190,4 +195,4 @@ class GPTQ:
             q.scale = q.scale.to(m.weight.dtype)
             out[name] = q
         self.hessians = {}
-        return out
+        return StepResult(quantized=out)

@@ -1,4 +1,4 @@
-"""One weight-quantization job end to end: load, calibrate layer by layer, write, optionally measure."""
+"""One compression job end to end: check everything, load, calibrate layer by layer, write atomically."""
 
 from __future__ import annotations
 
@@ -9,9 +9,18 @@ from pathlib import Path
 
 import torch
 
-from slimlm import SlimlmError, data, models
-from slimlm.compress import checkpoint, gptq_v1, offload, pipeline
-from slimlm.compress.quantize import QuantArgs, quantize_rtn
+from slimlm import SlimlmError, arch, data, models
+from slimlm.compress import offload, pipeline
+from slimlm.compress.quantize import quantize_rtn
+from slimlm.devices import resolve_device
+from slimlm.formats import atomic, gptq_v1, shards, writer
+from slimlm.formats.quantized import SUPPORTED_GROUP_SIZES, QuantArgs
+
+
+def default_group_size(model_dir: Path, ignore: list[str] = ()) -> int:
+    """The largest standard group size that divides every decoder linear's input dim (-1 if none does)."""
+    dims = set(arch.linear_input_dims(models.read_config(model_dir)).values())
+    return next((g for g in sorted(SUPPORTED_GROUP_SIZES, reverse=True) if g > 0 and all(d % g == 0 for d in dims)), -1)
 
 
 def _check_lm_head(model: torch.nn.Module, args: QuantArgs) -> None:
@@ -29,7 +38,7 @@ def _check_lm_head(model: torch.nn.Module, args: QuantArgs) -> None:
 
 def quantize_weights(
     method_name: str,
-    method: pipeline.LayerMethod,
+    steps: pipeline.Step | list[pipeline.Step],
     args: QuantArgs,
     model_spec: str,
     out: Path,
@@ -43,59 +52,84 @@ def quantize_weights(
     progress: bool = True,
     fmt: str = "compressed-tensors",
     quantize_lm_head: bool = False,
+    device: str | None = None,
+    report_error: bool = True,
+    checks: list = (),
 ) -> Path:
+    """`checks`: callables run after the inputs are validated and before any work (e.g. the --ppl source)."""
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
-    out = Path(out)
-    checkpoint.prepare_output(out, overwrite)  # fail now, not after calibration
+    steps = steps if isinstance(steps, list) else [steps]
+    for name, value in (("--num-samples", num_samples), ("--seq-len", seq_len), ("--batch-size", batch_size)):
+        if not (type(value) is int and value > 0):
+            raise SlimlmError(f"{name} {value!r} must be a positive integer")
     if fmt == "gptq":
         gptq_v1.check_exportable(args)
-    torch.manual_seed(seed)
+    writer.quantization_config(fmt, args, [], {})  # an unknown --format fails here, not after calibration
+    dev = resolve_device(device)
     model_dir = models.resolve(model_spec)
-    if "quantization_config" not in models.read_config(model_dir):
-        # Decoder layers stay on disk until their turn: memory is bounded by one layer, not the model.
-        model, tokenizer = models.load_empty(model_dir)
-        weights = offload.LazyWeights(model_dir)
-        weights.materialize(model.model.embed_tokens, "model.embed_tokens", torch.float32, "cpu")
-    else:  # an already-quantized checkpoint is loaded whole, dequantized
-        model, tokenizer, _ = models.load(str(model_dir))
-        weights = None
-    pipeline.check_group_size(model, args, ignore)
-    if quantize_lm_head:
-        _check_lm_head(model, args)
-    start = time.time()
-    samples = data.calibration_windows(calib, tokenizer, num_samples, seq_len, seed)
-    log(f"[{method_name}] {model_dir.name}: {len(samples)}×{seq_len} calibration tokens from '{calib}'")
-    result = pipeline.run(model, method, samples, ignore, batch_size, progress, weights)
-    quantized, report = result.quantized, result.report
-    seconds = time.time() - start
-    if weights is None:
-        float_tensors = checkpoint.state_tensors(model)
-    else:
-        outside = weights.read(weights.names_outside("model.layers."))
-        float_tensors = {**outside, **result.float_tensors}
-    if quantize_lm_head:
-        # The lm_head sees the final hidden states only; it is rounded to nearest whatever the method.
-        quantized["lm_head"] = quantize_rtn(float_tensors["lm_head.weight"].float(), args)
-    linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    meta = {
-        "method": method_name,
-        "arguments": {
-            **asdict(args),
-            "ignore": list(ignore),
-            "quantize_lm_head": quantize_lm_head,
-            **method.arguments(),
-        },
-        "calibration": {"source": calib, "num_samples": num_samples, "seq_len": seq_len, "seed": seed},
-        "source_model": {
-            "spec": model_spec,
-            "path": str(model_dir),
-            "sha256": checkpoint.sha256(*checkpoint.weight_files(model_dir)),
-        },
-        "source_size_bytes": checkpoint.checkpoint_size(model_dir),
-        "compress_seconds": round(seconds, 2),
-        "layers": report,
-    }
-    ignored = sorted(linear_names - set(quantized))
-    final = checkpoint.save(out, model, tokenizer, quantized, float_tensors, args, ignored, meta, overwrite, fmt)
-    log(f"[{method_name}] quantized {len(quantized)} linears in {seconds:.0f}s; wrote {final}")
-    return final
+    models.check(model_dir)
+    with_data = report_error or any(s.needs_data for s in steps)
+    data.check_source(calib)  # even when no step reads it: a mistyped --calib is worth saying
+    for check in checks:
+        check()
+    torch.manual_seed(seed)
+    out = atomic.check_output(out, overwrite, sources=[model_dir])
+    with atomic.atomic_dir(out, overwrite, sources=[model_dir]) as tmp:
+        quantized_source = "quantization_config" in models.read_config(model_dir)
+        if not quantized_source:
+            # Decoder layers stay on disk until their turn: memory is bounded by one layer, not the model.
+            model, tokenizer = models.empty_model(model_dir), models.load_tokenizer(model_dir)
+            weights = offload.LazyWeights(model_dir)
+            weights.materialize(model.get_submodule(arch.EMBED), arch.EMBED, torch.float32, dev)
+        else:  # an already-quantized checkpoint is loaded whole, dequantized
+            model, tokenizer, _ = models.load(str(model_dir))
+            model.to(dev)
+            weights = None
+        pipeline.check_group_size(model, args, ignore)
+        if quantize_lm_head:
+            _check_lm_head(model, args)
+        start = time.time()
+        samples = None
+        if with_data:
+            samples = data.calibration_windows(calib, tokenizer, num_samples, seq_len, seed)
+            log(f"[{method_name}] {model_dir.name}: {len(samples)}×{seq_len} calibration tokens from '{calib}', {dev}")
+        else:
+            log(f"[{method_name}] {model_dir.name}: no calibration data needed, on {dev}")
+        result = pipeline.run(model, steps, samples, ignore, batch_size, progress, weights, dev, report_error)
+        quantized = result.quantized
+        seconds = time.time() - start
+        if weights is None:
+            float_tensors = {k: v.cpu() for k, v in writer.state_tensors(model).items()}
+        else:
+            outside = weights.read(weights.names_outside(arch.LAYERS + "."))
+            float_tensors = {**outside, **result.float_tensors}
+        if quantize_lm_head:
+            # The lm_head sees the final hidden states only; it is rounded to nearest whatever the method.
+            quantized["lm_head"] = quantize_rtn(float_tensors["lm_head.weight"].float(), args)
+        method_args: dict = {}
+        for step in steps:
+            method_args.update(step.arguments())
+        meta = {
+            "method": method_name,
+            "arguments": {**asdict(args), "ignore": list(ignore), "quantize_lm_head": quantize_lm_head, **method_args},
+            "calibration": {"source": calib, "num_samples": num_samples, "seq_len": seq_len, "seed": seed}
+            if with_data else None,
+            "source_model": {"spec": model_spec, "path": str(model_dir),
+                             "sha256": shards.sha256(*shards.weight_files(model_dir))},
+            "source_size_bytes": shards.total_size(model_dir),
+            "compress_seconds": round(seconds, 2),
+            "device": str(dev),
+            "layers": result.report,
+        }  # fmt: skip
+        linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        ignored = sorted(linear_names - set(quantized))
+        qconfig = writer.quantization_config(fmt, args, ignored, method_args)
+        tensors = writer.quantized_tensors(quantized, float_tensors, fmt)
+        config_patch = {**result.config_patch, "quantization_config": qconfig}
+        del quantized, float_tensors, result
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        writer.write(tmp, tensors, config, tokenizer, meta, config_patch, getattr(model, "generation_config", None))
+    log(f"[{method_name}] compressed {model_dir.name} in {seconds:.0f}s; wrote {out}")
+    return out

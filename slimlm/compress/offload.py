@@ -15,13 +15,13 @@ from safetensors import safe_open
 from torch import nn
 
 from slimlm import SlimlmError
-from slimlm.compress import checkpoint
+from slimlm.formats import shards
 
 
 class LazyWeights:
     def __init__(self, model_dir: Path):
         self.files: dict[str, Path] = {}
-        for path in checkpoint.weight_files(model_dir):
+        for path in shards.weight_files(model_dir):
             with safe_open(path, framework="pt") as f:
                 self.files.update(dict.fromkeys(f.keys(), path))
 
@@ -49,14 +49,3 @@ class LazyWeights:
         if missing:
             raise SlimlmError(f"the checkpoint lacks {prefix}.{sorted(missing)[0]} (and maybe more)")
         module.load_state_dict(state, assign=True)
-
-
-def empty_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The model with meta-device parameters (no memory) and real buffers (rotary tables)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()

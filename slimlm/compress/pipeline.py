@@ -1,11 +1,14 @@
-"""The layer-by-layer calibration pipeline every method runs on.
+"""The layer-by-layer calibration pipeline every compression step runs on.
 
 1. Run the embeddings for every calibration batch and catch what the first decoder layer receives.
-2. For each decoder layer: attach the method's hooks, run all batches through the float layer (the hooks
-   gather statistics; the outputs are the reference), let the method compress the layer's linears, write
-   the dequantized weights back, and run the batches again. Those quantized outputs feed the next layer,
-   so each layer is calibrated on inputs that already carry the earlier layers' quantization error.
+2. For each decoder layer, run the steps in order (e.g. AWQ's scale search, then GPTQ). A step that needs
+   data attaches hooks and the batches go through the layer as it stands (the first such pass gives the
+   float reference); then the step changes the layer: it may fold scales into weights, quantize linears
+   (their dequantized weights are written back), replace modules, add tensors or patch the config.
+3. Run the batches through the finished layer. Those outputs feed the next layer, so each layer is
+   calibrated on inputs that already carry the earlier layers' compression error.
 
+A run where no step needs data (RTN) skips the passes unless the per-layer error report is asked for.
 Only one decoder layer and the calibration activations are live on the compute device at a time.
 """
 
@@ -14,7 +17,7 @@ from __future__ import annotations
 import fnmatch
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -24,22 +27,34 @@ from tqdm import tqdm
 from slimlm import SlimlmError
 from slimlm.compress.memory import return_freed_memory
 from slimlm.compress.offload import LazyWeights
-from slimlm.compress.quantize import QuantArgs, QuantizedWeight
+from slimlm.formats.quantized import QuantArgs, QuantizedWeight
 
 
-class LayerMethod(Protocol):
-    """A compression method, seen one decoder layer at a time."""
+@dataclass
+class StepResult:
+    """What a step did to one decoder layer, beyond changing float weights in place."""
+
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)  # by full module name
+    modules: dict[str, nn.Module] = field(default_factory=dict)  # replacements, by name within the layer
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # extra tensors to store, by full name
+    config_patch: dict[str, Any] = field(default_factory=dict)  # merged into config.json
+
+
+class Step(Protocol):
+    """A compression step, seen one decoder layer at a time."""
+
+    needs_data: bool  # whether observe() needs the calibration batches run through the layer
 
     def observe(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> list[Any]:
-        """Attach hooks that gather statistics during the float pass; return their handles."""
+        """Attach hooks that gather statistics during the pass that follows; return their handles."""
         ...
 
-    def apply(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> dict[str, QuantizedWeight]:
-        """Quantize the layer's linears (the float pass has run); return them by full module name."""
+    def apply(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> StepResult:
+        """Change the layer (the pass has run); `linears` are the ones no earlier step quantized."""
         ...
 
     def arguments(self) -> dict[str, Any]:
-        """Method-specific settings, recorded in slimlm.json (and `act_order` in the quantization config)."""
+        """Settings recorded in slimlm.json (and `act_order` in the quantization config)."""
         ...
 
 
@@ -127,71 +142,98 @@ def _check_finite(tensors: list[torch.Tensor], what: str) -> None:
 
 @dataclass
 class Result:
-    quantized: dict[str, QuantizedWeight]  # by full module name
-    report: list[dict]  # per decoder layer: output error, seconds
-    float_tensors: dict[str, torch.Tensor]  # the offloaded layers' unquantized tensors (norms, biases)
+    quantized: dict[str, QuantizedWeight]  # by full module name, on the CPU
+    report: list[dict]  # per decoder layer: output error (when measured), seconds
+    float_tensors: dict[str, torch.Tensor]  # offloaded layers' unquantized tensors, plus steps' extra tensors
+    config_patch: dict[str, Any] = field(default_factory=dict)
+
+
+def _output_error(out: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:
+    err = sum(((o - r).float().pow(2).sum() for o, r in zip(out, ref, strict=True)), torch.tensor(0.0))
+    energy = sum((r.float().pow(2).sum() for r in ref), torch.tensor(0.0))
+    numel = sum(r.numel() for r in ref)
+    return {"output_mse": err.item() / numel, "relative_error": (err / energy.clamp(min=1e-30)).item()}
+
+
+def _on_cpu(q: QuantizedWeight) -> QuantizedWeight:
+    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+    return QuantizedWeight(q.codes.cpu(), q.scale.cpu(), cpu(q.zero), q.args, cpu(q.g_idx))
 
 
 @torch.no_grad()
 def run(
     model: nn.Module,
-    method: LayerMethod,
-    calib: torch.Tensor,
+    steps: list[Step],
+    calib: torch.Tensor | None,
     ignore: list[str] = (),
     batch_size: int = 8,
     progress: bool = True,
     weights: LazyWeights | None = None,
+    device: torch.device | str = "cpu",
+    report_error: bool = True,
 ) -> Result:
-    """Compress every decoder layer of `model` in place.
+    """Compress every decoder layer of `model` in place, running `steps` on each layer in order.
 
-    With `weights`, the decoder layers start empty (meta) and each is read from disk just before it is
-    compressed and dropped right after, keeping its unquantized tensors in `Result.float_tensors`.
+    With `weights`, the decoder layers start empty (meta) and each is read from disk onto `device` just
+    before it is compressed and dropped right after, keeping its unquantized tensors in
+    `Result.float_tensors`. `calib` may be None when no step needs data and no error report is wanted.
     """
-    inputs = capture_first_layer_inputs(model, calib, batch_size)
-    device = inputs[0].hidden.device
+    with_data = report_error or any(s.needs_data for s in steps)
+    inputs = capture_first_layer_inputs(model, calib, batch_size) if with_data else []
+    dtype = inputs[0].hidden.dtype if inputs else torch.float32
     layers = decoder_layers(model)
     all_linears = quantizable_linears(model, ignore)
     quantized: dict[str, QuantizedWeight] = {}
     float_tensors: dict[str, torch.Tensor] = {}
+    config_patch: dict[str, Any] = {}
     report = []
     bar = tqdm(range(len(layers)), desc="layers", unit="layer", disable=not progress)
     for i in bar:
         start = time.time()
-        layer = layers[i]
         if weights is not None:
-            weights.materialize(layer, f"model.layers.{i}", inputs[0].hidden.dtype, device)
+            weights.materialize(layers[i], f"model.layers.{i}", dtype, device)
+        layer = layers[i]
         linears = {n: m for n, m in all_linears.items() if n.startswith(f"model.layers.{i}.")}
-        handles = method.observe(layer, linears)
-        try:
-            ref = _run_layer(layer, inputs)
-        finally:
-            for h in handles:
-                h.remove()
-        _check_finite(ref, f"the float outputs of decoder layer {i}")
-        result = method.apply(layer, linears)
-        for name, q in result.items():
-            linears[name].weight.data = q.dequantize(linears[name].weight.dtype)
-        quantized.update(result)
-        out = _run_layer(layer, inputs)
-        _check_finite(out, f"the quantized outputs of decoder layer {i}")
-        err = sum(((o - r).float().pow(2).sum() for o, r in zip(out, ref, strict=True)), torch.tensor(0.0))
-        ref_energy = sum((r.float().pow(2).sum() for r in ref), torch.tensor(0.0))
-        numel = sum(r.numel() for r in ref)
-        report.append(
-            {
-                "layer": i,
-                "output_mse": err.item() / numel,
-                "relative_error": (err / ref_energy.clamp(min=1e-30)).item(),
-                "seconds": round(time.time() - start, 3),
-            }
-        )
-        bar.set_postfix(rel_err=f"{report[-1]['relative_error']:.2e}")
-        inputs = [LayerInputs(o, x.kwargs) for o, x in zip(out, inputs, strict=True)]
+        done: dict[str, QuantizedWeight] = {}
+        ref = None
+        for step in steps:
+            if step.needs_data or (report_error and ref is None):
+                handles = step.observe(layer, linears) if step.needs_data else []
+                try:
+                    outs = _run_layer(layer, inputs)
+                finally:
+                    for h in handles:
+                        h.remove()
+                if ref is None:
+                    _check_finite(outs, f"the float outputs of decoder layer {i}")
+                    ref = outs
+            result = step.apply(layer, {n: m for n, m in linears.items() if n not in done})
+            for name, q in result.quantized.items():
+                linears[name].weight.data = q.dequantize(linears[name].weight.dtype)
+            for local, module in result.modules.items():
+                layer.set_submodule(local, module)
+            done.update(result.quantized)
+            float_tensors.update({k: v.detach().cpu() for k, v in result.tensors.items()})
+            config_patch.update(result.config_patch)
+        entry = {"layer": i}
+        if with_data:
+            out = _run_layer(layer, inputs)
+            _check_finite(out, f"the compressed outputs of decoder layer {i}")
+            if report_error:
+                entry.update(_output_error(out, ref))
+                bar.set_postfix(rel_err=f"{entry['relative_error']:.2e}")
+            inputs = [LayerInputs(o, x.kwargs) for o, x in zip(out, inputs, strict=True)]
+        else:
+            for name, q in done.items():
+                _check_finite([q.scale], f"the quantization scales of {name}")
+        entry["seconds"] = round(time.time() - start, 3)
+        report.append(entry)
+        quantized.update({n: _on_cpu(q) for n, q in done.items()})
         if weights is not None:
             for name, t in layer.state_dict().items():
                 full = f"model.layers.{i}.{name}"
-                if full.removesuffix(".weight") not in result:
+                if full.removesuffix(".weight") not in done:
                     float_tensors[full] = t.detach().cpu().clone()
             layer.to("meta")
             return_freed_memory()
-    return Result(quantized, report, float_tensors)
+    return Result(quantized, report, float_tensors, config_patch)

@@ -1,4 +1,4 @@
-"""Round-to-nearest: the baseline every other method must beat. Needs no statistics."""
+"""Round-to-nearest: the baseline every other method must beat. Needs no calibration data."""
 
 from __future__ import annotations
 
@@ -6,18 +6,27 @@ from typing import Any
 
 from torch import nn
 
-from slimlm.compress.quantize import QuantArgs, QuantizedWeight, quantize_rtn
+from slimlm.compress.pipeline import StepResult
+from slimlm.compress.quantize import quantize_rtn
+from slimlm.formats.quantized import QuantArgs
 
 
 class RTN:
+    needs_data = False
+
     def __init__(self, args: QuantArgs):
         self.args = args
 
     def observe(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> list[Any]:
         return []
 
-    def apply(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> dict[str, QuantizedWeight]:
-        return {name: quantize_rtn(m.weight.data, self.args) for name, m in linears.items()}
+    def apply(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> StepResult:
+        out = {}
+        for name, m in linears.items():
+            q = quantize_rtn(m.weight.data.float(), self.args)
+            q.scale = q.scale.to(m.weight.dtype)
+            out[name] = q
+        return StepResult(quantized=out)
 
     def arguments(self) -> dict[str, Any]:
         return {}

@@ -16,8 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from slimlm import SlimlmError
-from slimlm.assets import cache_dir
+from slimlm import SlimlmError, cache_dir
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_attention.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from slimlm import SlimlmError
-from slimlm.compress.quantize import QuantizedWeight
+from slimlm.formats.quantized import QuantizedWeight
 
 BLOCK_N = 64
 KERNEL_BITS = (4, 8)

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import torch
 
-from slimlm import SlimlmError, models
-from slimlm.compress import checkpoint
+from slimlm.formats import reader
 from slimlm.kernels import pack
 from slimlm.kernels.packed import KERNEL_BITS
 from slimlm.runtime.model import CausalLM
@@ -30,12 +29,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: 
     config = hf_config(model_dir)
     with torch.device("meta"):  # no memory until the checkpoint's tensors are put in place
         model = CausalLM(config, dtype)
-    quantized = {}
-    if "quantization_config" in models.read_config(model_dir):
-        quantized, tensors = checkpoint.read_quantized(model_dir)
-    else:
-        tensors = checkpoint.read_tensors(model_dir)
-    if config.tie_word_embeddings or ("lm_head.weight" not in tensors and "lm_head" not in quantized):
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    quantized, tensors = reader.read_checkpoint(model_dir, expected, optional=tied)
+    if tied:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     narrow = sorted({q.args.bits for q in quantized.values()} - set(KERNEL_BITS))
     if narrow:
@@ -46,8 +43,6 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: 
         else:
             tensors[f"{name}.weight"] = q.dequantize(dtype)
     for name, _ in list(model.named_parameters()):
-        if name not in tensors:
-            raise SlimlmError(f"{model_dir} has no tensor '{name}': the checkpoint is incomplete")
         module, _, attr = name.rpartition(".")
         weight = torch.nn.Parameter(tensors[name].to(device, dtype), requires_grad=False)
         setattr(model.get_submodule(module), attr, weight)

@@ -4,8 +4,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from slimlm.compress import pipeline
 from slimlm.compress.awq import AWQ, fold_scales, layer_mappings
-from slimlm.compress.quantize import QuantArgs
 from slimlm.compress.rtn import RTN
+from slimlm.formats.quantized import QuantArgs
 
 
 def tiny(kv_heads: int, seed: int = 0) -> LlamaForCausalLM:
@@ -45,7 +45,7 @@ def test_awq_beats_rtn_with_activation_outliers():
     errors = {}
     for name, method in [("rtn", RTN(args)), ("awq", AWQ(args, search_batches=2))]:
         model = tiny(4)
-        report = pipeline.run(model, method, calib, batch_size=4, progress=False).report
+        report = pipeline.run(model, [method], calib, batch_size=4, progress=False).report
         errors[name] = sum(r["relative_error"] for r in report)
     assert errors["awq"] < 0.8 * errors["rtn"], errors
 

@@ -7,7 +7,8 @@ from transformers import AutoModelForCausalLM
 
 from slimlm import SlimlmError
 from slimlm.compress.gptq import HessianAccumulator, gptq_quantize
-from slimlm.compress.quantize import QuantArgs, quantize, quantize_rtn
+from slimlm.compress.quantize import quantize, quantize_rtn
+from slimlm.formats.quantized import QuantArgs
 from tests.conftest import transformers_logits_error
 
 
@@ -122,9 +123,10 @@ def test_act_order_checkpoint_loads_in_transformers(tiny_llama, calib_txt, tmp_p
 
 
 def test_group_act_order_checkpoint_round_trips_g_idx(tiny_llama, calib_txt, tmp_path):
-    from slimlm.compress import checkpoint
+    from slimlm import models
     from slimlm.compress.gptq import GPTQ
     from slimlm.compress.job import quantize_weights
+    from slimlm.formats import reader
 
     args = QuantArgs(4, 32, False)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
@@ -132,9 +134,9 @@ def test_group_act_order_checkpoint_round_trips_g_idx(tiny_llama, calib_txt, tmp
         "gptq", GPTQ(args, act_order="group"), args, str(tiny_llama), tmp_path / "q", str(calib_txt), 8, 32,
         progress=False,
     )  # fmt: skip
-    quantized, _ = checkpoint.read_quantized(out)
+    quantized, _ = reader.read_checkpoint(out)
     assert all(q.g_idx is not None for q in quantized.values())
-    loaded = checkpoint.load_compressed(out)
+    loaded = models.load(str(out))[0]
     for name, q in quantized.items():
         assert torch.equal(loaded.get_submodule(name).weight, q.dequantize())
         assert (loaded.get_submodule(name).weight - model.get_submodule(name).weight).abs().max() < 1.0

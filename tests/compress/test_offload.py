@@ -8,7 +8,7 @@ import pytest
 PROBE = """
 import sys
 from slimlm.compress.job import quantize_weights
-from slimlm.compress.quantize import QuantArgs
+from slimlm.formats.quantized import QuantArgs
 from slimlm.compress.rtn import RTN
 
 def status(key):

@@ -4,12 +4,14 @@ from transformers import AutoModelForCausalLM
 
 from slimlm import SlimlmError
 from slimlm.compress import pipeline
-from slimlm.compress.quantize import QuantArgs, QuantizedWeight
 from slimlm.compress.rtn import RTN
+from slimlm.formats.quantized import QuantArgs, QuantizedWeight
 
 
 class Identity:
     """Quantizes nothing; also counts how many calibration rows each linear saw during the float pass."""
+
+    needs_data = True
 
     def __init__(self):
         self.rows: dict[str, int] = {}
@@ -23,8 +25,8 @@ class Identity:
 
         return [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
 
-    def apply(self, layer, linears) -> dict[str, QuantizedWeight]:
-        return {}
+    def apply(self, layer, linears) -> pipeline.StepResult:
+        return pipeline.StepResult()
 
     def arguments(self):
         return {}
@@ -48,7 +50,7 @@ def test_layer_by_layer_equals_full_forward(model):
     last = pipeline.decoder_layers(model)[-1]
     last.register_forward_hook(lambda _m, _a, out: captured.append(out[0] if isinstance(out, tuple) else out))
     method = Identity()
-    result = pipeline.run(model, method, calib, batch_size=4, progress=False)
+    result = pipeline.run(model, [method], calib, batch_size=4, progress=False)
     quantized, report = result.quantized, result.report
     layerwise = torch.cat(captured[-2:])  # the second pass over the last layer, both batches
     assert quantized == {} and len(report) == 2
@@ -59,7 +61,7 @@ def test_layer_by_layer_equals_full_forward(model):
 
 def test_rtn_quantizes_every_decoder_linear_and_reports_error(model):
     calib = torch.randint(0, model.config.vocab_size, (4, 16))
-    result = pipeline.run(model, RTN(QuantArgs(4, 32)), calib, progress=False)
+    result = pipeline.run(model, [RTN(QuantArgs(4, 32))], calib, progress=False)
     quantized, report = result.quantized, result.report
     assert len(quantized) == 14 and not any("lm_head" in n or "embed" in n for n in quantized)
     assert all(r["relative_error"] > 0 for r in report)
@@ -85,7 +87,7 @@ def test_group_size_that_does_not_divide_names_layers(model):
 def test_nan_weights_fail_loudly(model):
     model.get_submodule("model.layers.1.mlp.up_proj").weight.data[0, 0] = float("nan")
     with pytest.raises(SlimlmError, match="decoder layer 1"):
-        pipeline.run(model, RTN(QuantArgs(4, 32)), torch.randint(0, 100, (2, 8)), progress=False)
+        pipeline.run(model, [RTN(QuantArgs(4, 32))], torch.randint(0, 100, (2, 8)), progress=False)
 
 
 def test_offloaded_layers_give_the_same_checkpoint(tiny_llama):
@@ -95,13 +97,13 @@ def test_offloaded_layers_give_the_same_checkpoint(tiny_llama):
 
     calib = torch.randint(0, 100, (4, 16))
     in_memory = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    expected = pipeline.run(in_memory, RTN(QuantArgs(4, 32)), calib, progress=False)
+    expected = pipeline.run(in_memory, [RTN(QuantArgs(4, 32))], calib, progress=False)
 
-    empty, _ = models.load_empty(tiny_llama)
+    empty = models.empty_model(tiny_llama)
     assert all(p.is_meta for p in empty.model.layers.parameters())
     weights = LazyWeights(tiny_llama)
     weights.materialize(empty.model.embed_tokens, "model.embed_tokens", torch.float32, "cpu")
-    got = pipeline.run(empty, RTN(QuantArgs(4, 32)), calib, progress=False, weights=weights)
+    got = pipeline.run(empty, [RTN(QuantArgs(4, 32))], calib, progress=False, weights=weights)
     assert got.quantized.keys() == expected.quantized.keys()
     for n, q in expected.quantized.items():
         assert torch.equal(got.quantized[n].codes, q.codes)

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from slimlm import SlimlmError
-from slimlm.compress.quantize import QuantArgs, compute_qparams, quantize, quantize_rtn
+from slimlm.compress.quantize import compute_qparams, quantize, quantize_rtn
+from slimlm.formats.quantized import QuantArgs
 
 ALL_ARGS = [QuantArgs(b, g, s) for b in (2, 3, 4, 8) for g in (-1, 32, 64, 128) for s in (True, False)]
 

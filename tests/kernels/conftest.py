@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slimlm.kernels.problems import poisoned_allocations
+from tests.kernels.problems import poisoned_allocations
 
 
 @pytest.fixture

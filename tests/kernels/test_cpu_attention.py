@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from slimlm.kernels import cpu_attention, cpu_library, reference
-from slimlm.kernels.problems import paged_problem, relative_error
+from tests.kernels.problems import paged_problem, relative_error
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

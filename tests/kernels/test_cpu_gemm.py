@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from slimlm.kernels import cpu_gemm, cpu_library, reference
-from slimlm.kernels.problems import quantized_weight, relative_error
+from tests.kernels.problems import quantized_weight, relative_error
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="needs gcc and AVX-512")
 

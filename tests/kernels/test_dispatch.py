@@ -2,7 +2,7 @@ import torch
 
 import slimlm.kernels as kernels
 from slimlm.kernels import cpu_attention, cpu_gemm, reference
-from slimlm.kernels.problems import paged_problem, quantized_weight, relative_error
+from tests.kernels.problems import paged_problem, quantized_weight, relative_error
 
 
 def test_backend_follows_the_device_and_the_override(monkeypatch):

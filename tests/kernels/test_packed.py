@@ -2,9 +2,10 @@ import pytest
 import torch
 
 from slimlm import SlimlmError
-from slimlm.compress.quantize import QuantArgs, quantize_rtn
+from slimlm.compress.quantize import quantize_rtn
+from slimlm.formats.quantized import QuantArgs
 from slimlm.kernels import packed, reference
-from slimlm.kernels.problems import quantized_weight, relative_error
+from tests.kernels.problems import quantized_weight, relative_error
 
 
 @pytest.mark.parametrize("bits", [4, 8])

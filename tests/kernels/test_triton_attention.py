@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from slimlm.kernels import reference, triton_attention
-from slimlm.kernels.problems import paged_problem, relative_error
+from tests.kernels.problems import paged_problem, relative_error
 
 # fp16 queries: scores and probabilities pass through fp16 dot products
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3}

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from slimlm.kernels import reference, triton_gemm
-from slimlm.kernels.problems import quantized_weight, relative_error
+from tests.kernels.problems import quantized_weight, relative_error
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}  # fp16: operands and output rounded to 11 bits
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from slimlm import models
-from slimlm.compress import checkpoint
+from slimlm.formats import reader
 from slimlm.runtime.llm import LLM
 from slimlm.runtime.sampling import SamplingParams
 from tests.runtime.conftest import model_logprobs
@@ -81,8 +81,8 @@ def test_w4_checkpoint_logits_equal_transformers(smollm2_w4):
     hf = AutoModelForCausalLM.from_pretrained(smollm2_w4, dtype=torch.float32)
     assert torch.allclose(got, model_logprobs(hf, ids), atol=2e-2)
     # ...and it is the only difference: against the same checkpoint with fp16-rounded scales, 1.8e-5.
-    model = checkpoint.load_compressed(smollm2_w4)
-    quantized, _ = checkpoint.read_quantized(smollm2_w4)
+    model = models.load(str(smollm2_w4))[0]
+    quantized, _ = reader.read_checkpoint(smollm2_w4)
     with torch.no_grad():
         for name, q in quantized.items():
             q.scale = q.scale.half().float()

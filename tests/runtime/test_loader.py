@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from slimlm import SlimlmError
-from slimlm.compress import checkpoint
+from slimlm import SlimlmError, models
 from slimlm.compress.gptq import GPTQ
 from slimlm.compress.job import quantize_weights
-from slimlm.compress.quantize import QuantArgs
 from slimlm.compress.rtn import RTN
+from slimlm.formats import reader
+from slimlm.formats.quantized import QuantArgs
 from slimlm.runtime.llm import LLM
 from slimlm.runtime.sampling import SamplingParams
 from tests.conftest import make_text, make_tokenizer
@@ -109,7 +109,7 @@ def test_w4_checkpoint_matches_transformers(calibrated, tmp_path):
 def test_quantized_layouts_match_their_dequantized_model(calibrated, tmp_path, method, args, kw):
     out = quantize(calibrated, tmp_path / "q", method, args, **kw)
     ids = ids_for(out)
-    expected = model_logprobs(checkpoint.load_compressed(out), ids)
+    expected = model_logprobs(models.load(str(out))[0], ids)
     if args.bits == 3:
         with pytest.warns(UserWarning, match="no kernel for \\[3\\]-bit"):
             got = runtime_logprobs(out, ids)
@@ -143,7 +143,7 @@ def pack_awq_gemm(codes_u: torch.Tensor) -> torch.Tensor:
 
 def test_awq_gemm_checkpoint_serves(calibrated, tmp_path):
     ct = quantize(calibrated, tmp_path / "ct", "rtn", QuantArgs(4, 32, False))
-    quantized, rest = checkpoint.read_quantized(ct)
+    quantized, rest = reader.read_checkpoint(ct)
     tensors = dict(rest)
     for name, q in quantized.items():
         tensors[f"{name}.qweight"] = pack_awq_gemm((q.codes.to(torch.int16) + 8).T.contiguous())
@@ -160,7 +160,7 @@ def test_awq_gemm_checkpoint_serves(calibrated, tmp_path):
                                      "version": "gemm"}  # fmt: skip
     (awq / "config.json").write_text(json.dumps(config))
     ids = ids_for(ct)
-    expected = model_logprobs(checkpoint.load_compressed(ct), ids)
+    expected = model_logprobs(models.load(str(ct))[0], ids)
     assert torch.allclose(runtime_logprobs(awq, ids), expected, atol=2e-3)
 
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 import torch
 
 from slimlm import SlimlmError
-from slimlm.compress.packing import unpack_int32
-from slimlm.compress.quantize import QuantArgs, QuantizedWeight
+from slimlm.formats.packing import unpack_int32
+from slimlm.formats.quantized import QuantArgs, QuantizedWeight
 
+MARKER = "qweight"
+KEYS = ("qweight", "qzeros", "scales")
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of a packed int32 -> column offset ORDER[j]
 
 
@@ -36,11 +38,23 @@ def args_from_config(qcfg: dict) -> QuantArgs:
             f"AWQ checkpoint (version {version}, {bits}-bit, zero_point={qcfg.get('zero_point')}) is not supported; "
             "slimlm reads AWQ GEMM 4-bit with zero points"
         )
-    return QuantArgs(bits=4, group_size=qcfg.get("group_size", qcfg.get("q_group_size", 128)), sym=False)
+    group = qcfg.get("group_size", qcfg.get("q_group_size", 128))
+    if type(group) is not int or group not in (32, 64, 128):
+        raise SlimlmError(f"AWQ group_size={group!r}: slimlm reads 32, 64 or 128")
+    return QuantArgs(bits=4, group_size=group, sym=False)
 
 
-def from_tensors(t: dict[str, torch.Tensor], args: QuantArgs) -> QuantizedWeight:
+def from_tensors(t: dict[str, torch.Tensor], args: QuantArgs, name: str) -> QuantizedWeight:
     """A QuantizedWeight (signed codes and zeros, compressed-tensors convention) from one linear's tensors."""
+    missing = [k for k in KEYS if k not in t]
+    if missing:
+        raise SlimlmError(f"the checkpoint has no {name}.{missing[0]}")
+    in_f, out_f = t["qweight"].shape[0], t["scales"].shape[-1]
+    groups = args.groups(in_f)
+    want = {"qweight": (in_f, out_f // 8), "qzeros": (groups, out_f // 8), "scales": (groups, out_f)}
+    for key, shape in want.items():
+        if tuple(t[key].shape) != shape or in_f % args.group_size:
+            raise SlimlmError(f"{name}.{key} is {list(t[key].shape)}, the quantization_config implies {list(shape)}")
     codes = unpack_columns(t["qweight"]).T.contiguous()  # [out, in]
     zeros = unpack_columns(t["qzeros"]).T.contiguous()  # [out, groups]
     return QuantizedWeight(codes, t["scales"].T.contiguous(), zeros, args)

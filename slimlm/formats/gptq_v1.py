@@ -14,8 +14,11 @@ from __future__ import annotations
 import torch
 
 from slimlm import SlimlmError
-from slimlm.compress.packing import pack_int32, unpack_int32
-from slimlm.compress.quantize import QuantArgs, QuantizedWeight, group_index
+from slimlm.formats.packing import pack_int32, unpack_int32
+from slimlm.formats.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantArgs, QuantizedWeight, group_index
+
+MARKER = "qweight"
+KEYS = ("qweight", "qzeros", "scales", "g_idx")
 
 
 def check_exportable(args: QuantArgs) -> None:
@@ -41,10 +44,18 @@ def to_tensors(q: QuantizedWeight) -> dict[str, torch.Tensor]:
     }
 
 
-def from_tensors(t: dict[str, torch.Tensor], args: QuantArgs) -> QuantizedWeight:
-    """A QuantizedWeight (signed codes, symmetric) from one linear's v1 tensors."""
-    in_f = t["g_idx"].numel()
-    out_f = t["scales"].shape[1]
+def from_tensors(t: dict[str, torch.Tensor], args: QuantArgs, name: str) -> QuantizedWeight:
+    """A QuantizedWeight (signed codes, symmetric) from one linear's v1 tensors, shapes checked first."""
+    missing = [k for k in KEYS if k not in t]
+    if missing:
+        raise SlimlmError(f"the checkpoint has no {name}.{missing[0]}")
+    in_f, out_f = t["g_idx"].numel(), t["scales"].shape[-1]
+    groups = args.groups(in_f)
+    want = {"qweight": (in_f * args.bits // 32, out_f), "qzeros": (groups, out_f * args.bits // 32),
+            "scales": (groups, out_f)}  # fmt: skip
+    for key, shape in want.items():
+        if tuple(t[key].shape) != shape:
+            raise SlimlmError(f"{name}.{key} is {list(t[key].shape)}, the quantization_config implies {list(shape)}")
     offset = 2 ** (args.bits - 1)
     u = unpack_int32(t["qweight"], args.bits, in_f, dim=0).T.to(torch.int16) + offset
     z = unpack_int32(t["qzeros"], args.bits, out_f, dim=1).T.to(torch.int16) + offset + 1  # [out, groups]
@@ -71,9 +82,14 @@ def quantization_config(args: QuantArgs, act_order: str | None, damp: float | No
 
 
 def args_from_config(qcfg: dict) -> QuantArgs:
-    if qcfg.get("checkpoint_format", "gptq") != "gptq" or not qcfg.get("sym", True):
+    if qcfg.get("checkpoint_format", "gptq") != "gptq" or qcfg.get("sym", True) is not True:
         raise SlimlmError(
             f"GPTQ checkpoint format {qcfg.get('checkpoint_format')} (sym={qcfg.get('sym')}) is not supported; "
             "slimlm reads symmetric GPTQ v1"
         )
-    return QuantArgs(bits=qcfg["bits"], group_size=qcfg["group_size"], sym=True)
+    bits, group = qcfg.get("bits"), qcfg.get("group_size")
+    valid = type(bits) is int and type(group) is int
+    if not valid or bits not in SUPPORTED_BITS or group not in SUPPORTED_GROUP_SIZES:
+        raise SlimlmError(f"GPTQ bits={bits!r} group_size={group!r}: slimlm reads bits 2/3/4/8, group sizes "
+                          f"{SUPPORTED_GROUP_SIZES}")  # fmt: skip
+    return QuantArgs(bits=bits, group_size=group, sym=True)

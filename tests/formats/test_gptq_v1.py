@@ -3,11 +3,12 @@ import json
 import pytest
 import torch
 
-from slimlm import SlimlmError
-from slimlm.compress import checkpoint, gptq_v1
+from slimlm import SlimlmError, models
 from slimlm.compress.gptq import GPTQ, gptq_quantize
 from slimlm.compress.job import quantize_weights
-from slimlm.compress.quantize import QuantArgs, QuantizedWeight, quantize_rtn
+from slimlm.compress.quantize import quantize_rtn
+from slimlm.formats import gptq_v1, reader
+from slimlm.formats.quantized import QuantArgs, QuantizedWeight
 
 
 def unpack_documented(t: dict[str, torch.Tensor], bits: int) -> torch.Tensor:
@@ -36,7 +37,7 @@ def test_v1_tensors_unpack_to_our_weights(bits, group):
     assert t["qweight"].shape == (128 * bits // 32, 24) and t["scales"].dtype == torch.float16
     ours = QuantizedWeight(q.codes, q.scale.half().float(), None, args).dequantize()  # v1 stores fp16 scales
     assert torch.equal(unpack_documented(t, bits), ours)
-    back = gptq_v1.from_tensors(t, args)
+    back = gptq_v1.from_tensors(t, args, "w")
     assert torch.equal(back.codes, q.codes) and back.g_idx is None
 
 
@@ -63,11 +64,11 @@ def test_gptq_v1_checkpoint_round_trip(tiny_llama, calib_txt, tmp_path):
     v1 = quantize_weights("gptq", GPTQ(args), args, str(tiny_llama), tmp_path / "v1", fmt="gptq", **common)
     qcfg = json.loads((v1 / "config.json").read_text())["quantization_config"]
     assert qcfg["quant_method"] == "gptq" and qcfg["bits"] == 4 and qcfg["group_size"] == 32
-    a, _ = checkpoint.read_quantized(ct)
-    b, _ = checkpoint.read_quantized(v1)
+    a, _ = reader.read_checkpoint(ct)
+    b, _ = reader.read_checkpoint(v1)
     assert a.keys() == b.keys()
     for n in a:  # same GPTQ result; v1 holds the scales in float16
         assert torch.equal(a[n].codes, b[n].codes)
         torch.testing.assert_close(b[n].scale.float(), a[n].scale.half().float(), rtol=0, atol=0)
-    m = checkpoint.load_compressed(v1)
+    m = models.load(str(v1))[0]
     assert torch.isfinite(m.model.layers[0].mlp.down_proj.weight).all()

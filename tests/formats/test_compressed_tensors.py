@@ -6,10 +6,11 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
 from slimlm import SlimlmError, models
-from slimlm.compress import checkpoint
-from slimlm.compress.packing import pack_int32, unpack_int32
-from slimlm.compress.quantize import QuantArgs, quantize_rtn
+from slimlm.compress.quantize import quantize_rtn
 from slimlm.compress.rtn import RTN
+from slimlm.formats import atomic, reader
+from slimlm.formats.packing import pack_int32, unpack_int32
+from slimlm.formats.quantized import QuantArgs
 from tests.conftest import transformers_logits_error
 
 
@@ -59,11 +60,11 @@ def test_asymmetric_tensors_match_the_compressed_tensors_compressor(args):
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationScheme
 
-    from slimlm.compress.checkpoint import compressed_tensors, quantization_config
+    from slimlm.formats.compressed_tensors import quantization_config, to_tensors
 
     w = torch.randn(40, 128)
     q = quantize_rtn(w, args)
-    ours = compressed_tensors(q)
+    ours = to_tensors(q)
     scheme = QuantizationScheme(**quantization_config(args, [])["config_groups"]["group_0"])
     theirs = PackedQuantizationCompressor.compress(
         {"weight": w, "weight_scale": q.scale, "weight_zero_point": q.zero}, scheme
@@ -79,7 +80,7 @@ def test_read_back_equals_what_was_written(tiny_with_text, tmp_path):
 
     args = QuantArgs(4, 32, False)
     out = quantize_tiny(tiny_with_text, tmp_path / "q", args)
-    quantized, rest = checkpoint.read_quantized(out)
+    quantized, rest = reader.read_checkpoint(out)
     source = AutoModelForCausalLM.from_pretrained(tiny_with_text, dtype=torch.float32)
     assert len(quantized) == 14  # 7 linears × 2 layers
     for name, q in quantized.items():
@@ -91,19 +92,27 @@ def test_read_back_equals_what_was_written(tiny_with_text, tmp_path):
 
 def test_existing_output_is_refused_then_replaced(tiny_with_text, tmp_path):
     out = tmp_path / "q"
-    out.mkdir()
-    (out / "keep.txt").write_text("x")
+    quantize_tiny(tiny_with_text, out, QuantArgs(4, 32))
     with pytest.raises(SlimlmError, match="exists; pass --overwrite"):
         quantize_tiny(tiny_with_text, out, QuantArgs(4, 32))
-    assert (out / "keep.txt").exists()
+    (out / "slimlm.json").write_text("{}")
     quantize_tiny(tiny_with_text, out, QuantArgs(4, 32), overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "slimlm.json").exists()
+    assert json.loads((out / "slimlm.json").read_text())["method"] == "rtn"
     assert [p.name for p in tmp_path.iterdir()] == ["q"]  # no temp dirs left beside it
+
+
+def test_overwrite_never_replaces_a_directory_that_is_not_a_checkpoint(tiny_with_text, tmp_path):
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(SlimlmError, match="not a checkpoint"):
+        quantize_tiny(tiny_with_text, out, QuantArgs(4, 32), overwrite=True)
+    assert (out / "keep.txt").exists()
 
 
 def test_failed_write_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError):
-        with checkpoint.atomic_dir(tmp_path / "out", overwrite=False) as tmp:
+        with atomic.atomic_dir(tmp_path / "out", overwrite=False) as tmp:
             (tmp / "model.safetensors").write_bytes(b"half")
             raise RuntimeError("killed")
     assert list(tmp_path.iterdir()) == []

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from slimlm.compress.quantize import QuantArgs, QuantizedWeight, quantize_rtn
+from slimlm.compress.quantize import quantize_rtn
+from slimlm.formats.quantized import QuantArgs, QuantizedWeight
 from slimlm.kernels.packed import PackedWeight, pack
 
 

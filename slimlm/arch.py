@@ -1,0 +1,59 @@
+"""What slimlm knows about the Llama family (Llama, Mistral, Qwen2; SmolLM is Llama), in one place.
+
+Compression steps, the pruner and the GQA converter read names and groups from here instead of
+hard-coding them, so a new architecture of the same shape is one entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LAYERS = "model.layers"  # the decoder layers' ModuleList
+EMBED = "model.embed_tokens"
+LM_HEAD = "lm_head"
+
+ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEARS = ATTENTION + MLP
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """An op and the linears that read its output: AWQ scales are folded across this edge."""
+
+    prev: str  # module whose output feeds the balanced linears (an RMSNorm or a linear)
+    linears: tuple[str, ...]  # linears reading that output; their input columns get scaled
+    block: str  # module whose output error judges a scale (it contains the linears)
+
+
+def awq_mappings(gqa: bool) -> list[Mapping]:
+    """v→o only when every query head has its own KV head: with GQA, v's rows do not line up with o's columns."""
+    maps = [Mapping("input_layernorm", ATTENTION[:3], "self_attn")]
+    if not gqa:
+        maps.append(Mapping("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"))
+    maps.append(Mapping("post_attention_layernorm", MLP[:2], "mlp"))
+    maps.append(Mapping("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"))
+    return maps
+
+
+def head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def linear_input_dims(config: dict) -> dict[str, int]:
+    """in_features of each decoder-layer linear, from config.json alone."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    dims = dict.fromkeys(LINEARS, hidden)
+    dims["self_attn.o_proj"] = heads * head_dim(config)
+    dims["mlp.down_proj"] = config["intermediate_size"]
+    return dims
+
+
+# Config fields that change when a structured compression removes heads, channels or layers.
+RESIZED_FIELDS = {
+    "heads": ("num_attention_heads",),
+    "kv_heads": ("num_key_value_heads",),
+    "ffn": ("intermediate_size",),
+    "hidden": ("hidden_size",),
+    "layers": ("num_hidden_layers",),
+}

@@ -1,0 +1,167 @@
+"""Directory writes that either happen completely or not at all, and never touch what slimlm did not write.
+
+A checkpoint (or cache entry) is built in a temp dir beside its target, `.NAME.tmp-XXXX`, which the writing
+process holds an flock on until it is done: a temp dir nobody holds belongs to a run that died (kill -9,
+power loss) and is removed by the next run that writes NAME. The finished dir is put in place by an atomic
+exchange (renameat2 RENAME_EXCHANGE), so at every instant the target is either the old complete dir or the
+new complete one; the old one is then deleted from the temp name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from slimlm import SlimlmError
+
+# Files a Hugging Face / slimlm checkpoint directory holds: the only things --overwrite may delete.
+CHECKPOINT_MARKERS = ("config.json", "slimlm.json")
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def check_output(out: Path, overwrite: bool, sources: list[Path] = ()) -> Path:
+    """Refuse, before any work, an --out that would lose data or cannot be written; returns it resolved."""
+    out = Path(out).expanduser().resolve()
+    cwd = Path.cwd().resolve()
+    if out == cwd or out in cwd.parents:
+        raise SlimlmError(f"--out {out} is the current directory or one of its parents; name a new directory")
+    for source in sources:
+        source = Path(source).resolve()
+        if out == source or out in source.parents:
+            raise SlimlmError(f"--out {out} is or contains the source model {source}; name another directory")
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise SlimlmError(f"--out {out} exists and is not a directory; name a directory")
+        if not overwrite:
+            raise SlimlmError(f"output directory {out} exists; pass --overwrite to replace it")
+        if not replaceable(out):
+            raise SlimlmError(
+                f"--out {out} is a non-empty directory that is not a checkpoint (no config.json/slimlm.json, or it "
+                "has subdirectories); slimlm replaces only checkpoints: name another directory"
+            )
+    busy = [p.name for p in _temp_dirs(out) if _held(p)]
+    if busy:
+        raise SlimlmError(f"another slimlm run is writing {out} now ({busy[0]}); wait for it or name another --out")
+    ancestor = out.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise SlimlmError(f"cannot write --out {out}: {ancestor} is not a writable directory")
+    return out
+
+
+def replaceable(d: Path) -> bool:
+    """An empty dir, or a checkpoint: config.json or slimlm.json, and no subdirectories to lose."""
+    entries = list(d.iterdir())
+    if not entries:
+        return True
+    return any((d / m).is_file() for m in CHECKPOINT_MARKERS) and not any(e.is_dir() for e in entries)
+
+
+@contextmanager
+def atomic_dir(out: Path, overwrite: bool = False, sources: list[Path] = ()) -> Iterator[Path]:
+    """Yield a temp dir beside `out`; on success it replaces `out`, on any failure (or signal) it vanishes,
+    with the parent directories this call created."""
+    out = check_output(out, overwrite, sources)
+    with staging(out) as tmp:
+        yield tmp
+        if out.exists() and not overwrite:
+            raise SlimlmError(f"{out} appeared while this run was writing it (another run?); nothing was replaced")
+
+
+@contextmanager
+def staging(target: Path) -> Iterator[Path]:
+    """The mechanism under atomic_dir, without its checks (the asset cache uses it directly)."""
+    target = Path(target)
+    created = _make_parents(target.parent)
+    for stale in _temp_dirs(target):
+        if not _held(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    hold = os.open(tmp, os.O_RDONLY)
+    fcntl.flock(hold, fcntl.LOCK_EX)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a checkpoint gets the permissions mkdir would give
+        yield tmp
+        _commit(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for d in reversed(created):
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
+    finally:
+        os.close(hold)
+
+
+def _commit(tmp: Path, target: Path) -> None:
+    parent = os.open(target.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(parent, fcntl.LOCK_EX)  # one commit at a time in this directory
+        if not target.exists():
+            os.replace(tmp, target)
+            return
+        if _libc.renameat2(_AT_FDCWD, bytes(tmp), _AT_FDCWD, bytes(target), _RENAME_EXCHANGE) != 0:
+            err = ctypes.get_errno()
+            if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+                raise OSError(err, os.strerror(err), str(target))
+            # no atomic exchange on this filesystem: two renames, the old copy parked under a temp name
+            old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+            os.replace(target, old / "old")
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+            return
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old target
+    finally:
+        os.close(parent)
+
+
+def _temp_dirs(target: Path) -> list[Path]:
+    if not target.parent.is_dir():
+        return []
+    return sorted(target.parent.glob(f".{target.name}.tmp-*"))
+
+
+def _held(path: Path) -> bool:
+    """Whether a live process holds this temp dir (its flock); a dead writer's lock is gone with it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _make_parents(d: Path) -> list[Path]:
+    missing = []
+    while not d.exists():
+        missing.append(d)
+        d = d.parent
+    created = []
+    for m in reversed(missing):
+        try:
+            m.mkdir()
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise SlimlmError(f"cannot create {m}: {e.strerror or e}") from None
+        created.append(m)
+    return created

@@ -1,0 +1,137 @@
+"""compressed-tensors `pack-quantized`: the layout vLLM and transformers' compressed-tensors loader expect.
+
+Per quantized linear `name`:
+    name.weight_packed      int32 [out, ceil(in·b/32)]  codes + 2^(b−1), a dense little-endian bit stream per row
+    name.weight_scale       float [out, groups]
+    name.weight_zero_point  int32 [ceil(out·b/32), groups]  asymmetric only; packed the same way along dim 0
+    name.weight_shape       int64 [2]
+    name.weight_g_idx       int32 [in]  act-order only
+KV-cache scales, when present, are `k_scale`/`v_scale` tensors per attention module, described by the
+config's `kv_cache_scheme`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from slimlm import SlimlmError
+from slimlm.formats.packing import pack_int32, unpack_int32
+from slimlm.formats.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantArgs, QuantizedWeight
+
+MARKER = "weight_packed"  # the tensor suffix that marks a quantized linear
+KEYS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+
+
+def quantization_config(args: QuantArgs, ignore: list[str], act_order: str | None = None,
+                        kv_cache_scheme: dict | None = None) -> dict:  # fmt: skip
+    weights = {
+        "num_bits": args.bits,
+        "type": "int",
+        "symmetric": args.sym,
+        "group_size": None if args.group_size == -1 else args.group_size,
+        "strategy": "channel" if args.group_size == -1 else "group",
+        "dynamic": False,
+        "actorder": act_order,
+        "observer": "minmax",
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": None,
+                "output_activations": None,
+                "format": "pack-quantized",
+            }
+        },
+        "ignore": ignore,
+        "kv_cache_scheme": kv_cache_scheme,
+    }
+
+
+def args_from_config(qcfg: dict) -> QuantArgs:
+    """The weight scheme of a checkpoint's quantization_config; anything slimlm cannot serve is named."""
+    if qcfg.get("format") != "pack-quantized":
+        raise SlimlmError(
+            f"compressed-tensors format '{qcfg.get('format')}' is not supported; slimlm reads pack-quantized"
+        )
+    groups = qcfg.get("config_groups")
+    groups = list(groups.values()) if isinstance(groups, dict) else []
+    if len(groups) != 1 or not isinstance(groups[0], dict) or not isinstance(groups[0].get("weights"), dict):
+        raise SlimlmError("quantization_config must have exactly one config group with a 'weights' scheme")
+    if groups[0].get("input_activations"):
+        raise SlimlmError("activation quantization (W·A· schemes) is not supported; slimlm serves weight-only schemes")
+    w = groups[0]["weights"]
+    if w.get("type", "int") != "int" or w.get("strategy") not in (None, "group", "channel"):
+        raise SlimlmError(f"weight scheme type={w.get('type')} strategy={w.get('strategy')} is not supported; "
+                          "slimlm serves integer per-group or per-channel weights")  # fmt: skip
+    bits, group, sym = w.get("num_bits"), w.get("group_size"), w.get("symmetric", True)
+    if type(bits) is not int or bits not in SUPPORTED_BITS:
+        raise SlimlmError(f"weights.num_bits is {bits!r}; slimlm reads integers {SUPPORTED_BITS}")
+    if w.get("strategy") == "channel" or group is None:
+        group = -1
+    if type(group) is not int or group not in SUPPORTED_GROUP_SIZES:
+        raise SlimlmError(f"weights.group_size is {group!r}; slimlm reads {SUPPORTED_GROUP_SIZES[1:]} or null")
+    if type(sym) is not bool:
+        raise SlimlmError(f"weights.symmetric is {sym!r}; it must be true or false")
+    return QuantArgs(bits=bits, group_size=group, sym=sym)
+
+
+def to_tensors(q: QuantizedWeight) -> dict[str, torch.Tensor]:
+    out = {
+        "weight_packed": pack_int32(q.codes, q.args.bits, dim=1),
+        "weight_scale": q.scale.contiguous(),
+        "weight_shape": torch.tensor(q.codes.shape, dtype=torch.int64),
+    }
+    if q.zero is not None:
+        out["weight_zero_point"] = pack_int32(q.zero, q.args.bits, dim=0)
+    if q.g_idx is not None:
+        out["weight_g_idx"] = q.g_idx.to(torch.int32).contiguous()
+    return out
+
+
+def from_tensors(t: dict[str, torch.Tensor], args: QuantArgs, name: str) -> QuantizedWeight:
+    """One linear's tensors -> QuantizedWeight, every shape and dtype checked against `args` first."""
+    shape_t = _need(t, "weight_shape", name)
+    if shape_t.numel() != 2 or shape_t.is_floating_point() or (shape_t <= 0).any():
+        raise SlimlmError(f"{name}.weight_shape is {shape_t.tolist()}; expected [out, in] with positive sizes")
+    out_f, in_f = shape_t.tolist()
+    groups = args.groups(in_f)
+    if args.group_size != -1 and in_f % args.group_size:
+        raise SlimlmError(f"{name}: group_size {args.group_size} does not divide its input dim {in_f}")
+    packed = _check(t, "weight_packed", name, (out_f, math.ceil(in_f * args.bits / 32)), torch.int32)
+    scale = _check(t, "weight_scale", name, (out_f, groups), None)
+    if not scale.is_floating_point():
+        raise SlimlmError(f"{name}.weight_scale has dtype {scale.dtype}; scales are floats")
+    zero = None
+    if not args.sym:
+        zp = _check(t, "weight_zero_point", name, (math.ceil(out_f * args.bits / 32), groups), torch.int32)
+        zero = unpack_int32(zp, args.bits, out_f, dim=0)
+    elif "weight_zero_point" in t:
+        raise SlimlmError(f"{name} has a weight_zero_point but the config says symmetric")
+    g_idx = t.get("weight_g_idx")
+    if g_idx is not None:
+        g_idx = _check(t, "weight_g_idx", name, (in_f,), None)
+        if g_idx.is_floating_point() or g_idx.min() < 0 or g_idx.max() >= groups:
+            raise SlimlmError(f"{name}.weight_g_idx holds groups outside 0..{groups - 1}")
+    codes = unpack_int32(packed, args.bits, in_f, dim=1)
+    return QuantizedWeight(codes, scale, zero, args, g_idx)
+
+
+def _need(t: dict[str, torch.Tensor], key: str, name: str) -> torch.Tensor:
+    if key not in t:
+        raise SlimlmError(f"the checkpoint has no {name}.{key}")
+    return t[key]
+
+
+def _check(t: dict, key: str, name: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
+    x = _need(t, key, name)
+    if tuple(x.shape) != shape or (dtype is not None and x.dtype != dtype):
+        want = f"{list(shape)}" + (f" {dtype}" if dtype else "")
+        raise SlimlmError(f"{name}.{key} is {list(x.shape)} {x.dtype}, the quantization_config implies {want}")
+    return x

@@ -1,0 +1,91 @@
+"""Reading a checkpoint: its config, then its tensors, split into quantized linears and float tensors by
+the reader that its `quant_method` names (one module per format), every tensor checked against the
+config and against the shapes the model expects before anything is built from it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from slimlm import SlimlmError
+from slimlm.formats import awq_gemm, compressed_tensors, gptq_v1, shards
+from slimlm.formats.quantized import QuantizedWeight
+
+READERS: dict[str, ModuleType] = {"compressed-tensors": compressed_tensors, "gptq": gptq_v1, "awq": awq_gemm}
+
+
+def read_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SlimlmError(f"cannot read {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise SlimlmError(f"{path} is not a JSON object; re-create or re-download the checkpoint")
+    return config
+
+
+def quantization(config: dict, where: Path) -> tuple[ModuleType, object] | None:
+    """(reader module, QuantArgs) for a quantized checkpoint's config, None for a float one."""
+    if "quantization_config" not in config:
+        return None
+    qcfg = config["quantization_config"]
+    if not isinstance(qcfg, dict):
+        raise SlimlmError(f"{where}/config.json: quantization_config is {qcfg!r}, not an object")
+    method = qcfg.get("quant_method")
+    if method not in READERS:
+        raise SlimlmError(f"{where}: quant_method '{method}' is not supported; slimlm reads {', '.join(READERS)}")
+    try:
+        return READERS[method], READERS[method].args_from_config(qcfg)
+    except SlimlmError as e:
+        raise SlimlmError(f"{where}/config.json quantization_config: {e}") from None
+
+
+def read_checkpoint(
+    model_dir: Path, expected: dict[str, tuple[int, ...]] | None = None, optional: set[str] = frozenset()
+) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor]]:
+    """(quantized linears by module name, float tensors by name).
+
+    With `expected` (parameter name -> shape, what the model built from config.json holds), every one of
+    them must be present, as a float tensor or as a quantized linear of that shape, except those in
+    `optional` (a tied lm_head); nothing else may be; float tensors, scales and zero points must be finite."""
+    model_dir = Path(model_dir)
+    q = quantization(read_config(model_dir), model_dir)
+    tensors = shards.read(model_dir)
+    quantized: dict[str, QuantizedWeight] = {}
+    if q is not None:
+        reader, args = q
+        names = [k[: -len(reader.MARKER) - 1] for k in tensors if k.endswith("." + reader.MARKER)]
+        for name in names:
+            parts = {key: tensors.pop(f"{name}.{key}") for key in reader.KEYS if f"{name}.{key}" in tensors}
+            try:
+                quantized[name] = reader.from_tensors(parts, args, name)
+            except SlimlmError as e:
+                raise SlimlmError(f"{model_dir}: {e}") from None
+    for name, t in [*tensors.items(), *((f"{n}.weight_scale", w.scale) for n, w in quantized.items())]:
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise SlimlmError(f"{model_dir}: tensor {name} holds NaN or Inf; the checkpoint is broken")
+    if expected is not None:
+        _check_against_model(model_dir, quantized, tensors, expected, optional)
+    return quantized, tensors
+
+
+def _check_against_model(model_dir, quantized, tensors, expected, optional) -> None:
+    found = {**{k: tuple(v.shape) for k, v in tensors.items()},
+             **{f"{n}.weight": tuple(w.codes.shape) for n, w in quantized.items()}}  # fmt: skip
+    missing = sorted(set(expected) - set(found) - set(optional))
+    if missing:
+        hint = " (a quantized checkpoint whose quantization_config was removed?)" if any(
+            k.endswith((".weight_packed", ".qweight")) for k in found) else ""  # fmt: skip
+        raise SlimlmError(f"{model_dir} has no tensor {missing[0]} ({len(missing)} missing){hint}; "
+                          "the checkpoint is incomplete")  # fmt: skip
+    unexpected = sorted(set(found) - set(expected))
+    if unexpected:
+        raise SlimlmError(f"{model_dir} holds tensor {unexpected[0]} that its config.json does not describe "
+                          f"({len(unexpected)} unexpected); the checkpoint does not match its config")  # fmt: skip
+    for name, shape in expected.items():
+        if name in found and found[name] != tuple(shape):
+            raise SlimlmError(f"{model_dir}: {name} is {list(found[name])}, config.json implies {list(shape)}")

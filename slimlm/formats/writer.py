@@ -1,0 +1,75 @@
+"""Writing a checkpoint's files into a (temp) directory: weights, config, tokenizer, manifest.
+
+Callers own the directory: they get it from atomic.atomic_dir, which puts it in place only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from slimlm import SlimlmError
+from slimlm.formats import compressed_tensors, gptq_v1, manifest, shards
+from slimlm.formats.quantized import QuantArgs, QuantizedWeight
+
+FORMATS = ("compressed-tensors", "gptq")
+
+
+def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors, each stored once: tied weights (lm_head = embed_tokens) keep their first name."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in model.state_dict().items():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        out[name] = t.detach().contiguous()
+    return out
+
+
+def quantization_config(fmt: str, args: QuantArgs, ignore: list[str], method_args: dict,
+                        kv_cache_scheme: dict | None = None) -> dict:  # fmt: skip
+    if fmt not in FORMATS:
+        raise SlimlmError(f"--format {fmt} is not supported; use one of {', '.join(FORMATS)}")
+    if fmt == "gptq":
+        return gptq_v1.quantization_config(args, method_args.get("act_order"), method_args.get("damp"))
+    return compressed_tensors.quantization_config(args, ignore, method_args.get("act_order"), kv_cache_scheme)
+
+
+def quantized_tensors(quantized: dict[str, QuantizedWeight], float_tensors: dict[str, torch.Tensor],
+                      fmt: str) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Float tensors as they are, each quantized linear's weight replaced by its format's tensors."""
+    per_linear = gptq_v1.to_tensors if fmt == "gptq" else compressed_tensors.to_tensors
+    tensors = dict(float_tensors)
+    for name, q in quantized.items():
+        tensors.pop(f"{name}.weight", None)
+        tensors.update({f"{name}.{key}": t.cpu() for key, t in per_linear(q).items()})
+    return tensors
+
+
+def write(
+    out: Path,
+    tensors: dict[str, torch.Tensor],
+    config,
+    tokenizer,
+    meta: dict,
+    config_patch: dict | None = None,
+    generation_config=None,
+) -> None:
+    """Write a checkpoint into `out` (an existing, empty directory).
+
+    `config` is a transformers PretrainedConfig; `config_patch` is merged into its config.json (a
+    quantization_config, or the fields a pruned or GQA-converted model changes)."""
+    out = Path(out)
+    files = shards.write(out, tensors)
+    config.save_pretrained(out)
+    if config_patch:
+        data = json.loads((out / "config.json").read_text())
+        data.update(config_patch)
+        (out / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    if generation_config is not None:
+        generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    manifest.write(out, meta, files)
