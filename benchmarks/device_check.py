@@ -6,7 +6,9 @@
 3. W4A16 GEMM vs torch bf16 matmul (cuBLAS) for M = 1..256 at Llama-8B/70B shapes;
 4. paged decode attention: achieved KV bandwidth vs the copy bandwidth, batch 1..64, context 512..8192;
 5. end-to-end decode of the runtime (bf16 and W4 g128) on a random-weight model with Llama-3-8B's layer
-   shapes (8 of its 32 layers, to keep the load short) against the roofline: bytes per step ÷ copy bandwidth.
+   shapes (8 of its 32 layers, to keep the load short) against the roofline: bytes per step ÷ copy bandwidth;
+6. calibration on the GPU: GPTQ and AWQ+RTN over 2 Llama-3-8B-shaped layers, timed, and the same jobs on a
+   tiny model on both GPU and CPU, whose codes must agree (up to rounding ties).
 Results go to $OUT/device_check.json; a short ratio table is printed last.
 
 --dry-run runs the same code on CPU through the Triton interpreter, with tiny shapes and every timing
@@ -183,7 +185,7 @@ def to_w4(engine) -> None:
     from slimlm.runtime.model import Linear
 
     args = QuantArgs(4, 128 if not DRY else 32, True)
-    for name, module in engine.runner.model.named_modules():
+    for name, module in engine.model.named_modules():
         if isinstance(module, Linear) and name.startswith("model.layers."):
             module.set_packed(pack(quantize_rtn(module.weight.float(), args)))
 
@@ -201,17 +203,15 @@ def end_to_end(device: str, copy_gbps: float) -> list[dict]:
         engine = Engine(str(model_dir), config)
         if variant == "w4a16":
             to_w4(engine)
-        model = engine.runner.model
-        weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
-        weights += sum(m.packed.nbytes() for m in model.modules() if getattr(m, "packed", None) is not None)
-        kv_per_token = engine.runner.kv_bytes_per_token
+        model = engine.model
+        stats = engine.stats()
+        weights, kv_per_token = stats.weight_bytes, stats.kv_bytes_per_token
         gen = torch.Generator().manual_seed(0)
         for batch in batches:
             ids = [torch.randint(2, model.config.vocab_size, (context,), generator=gen).tolist() for _ in range(batch)]
             params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
             names = [engine.add_request(p, params) for p in ids]
-            sched = engine.scheduler
-            while any(q.num_computed < q.num_tokens - 1 for q in [*sched.waiting, *sched.running]):
+            while engine.stats().prefilling:
                 engine.step()  # prefill first: only pure decode steps are timed
             engine.step()
             ms = bench_ms(engine.step) if DRY else _median_step_ms(engine)
@@ -224,6 +224,48 @@ def end_to_end(device: str, copy_gbps: float) -> list[dict]:
             print(f"e2e {variant} batch={batch}: step {ms:.3f} ms, floor {floor_ms:.3f} ms", flush=True)
         del engine
     return results
+
+
+def calibration(device: str) -> dict:
+    """GPTQ and AWQ through the CLI's own job on `device`: timed on Llama-8B-shaped layers, and on a tiny
+    model run on both the device and the CPU, the share of identical codes (ties may round either way)."""
+    from slimlm.compress.awq import AWQ
+    from slimlm.compress.gptq import GPTQ
+    from slimlm.compress.job import quantize_weights
+    from slimlm.compress.rtn import RTN
+    from slimlm.formats import reader
+    from slimlm.formats.quantized import QuantArgs
+
+    big = random_llama(Path("out/device_check_calib"), {**LLAMA8B, "num_hidden_layers": 2} if not DRY else TINY)
+    tiny = random_llama(Path("out/device_check_calib_tiny"), TINY)
+    text = Path("out/device_check_calib.txt")
+    gen = torch.Generator().manual_seed(1)
+    words = torch.randint(2, TINY["vocab_size"], (40_000,), generator=gen).tolist()
+    text.write_text("\n\n".join(" ".join(f"t{w}" for w in words[i : i + 400]) for i in range(0, len(words), 400)))
+    args = QuantArgs(4, 128 if not DRY else 32, True)
+    methods = {"gptq": lambda: [GPTQ(args)], "awq+rtn": lambda: [AWQ(args), RTN(args)]}
+    result = {"timed": [], "agreement": []}
+    for name, steps in methods.items():
+        samples, seq_len = (16, 512) if not DRY else (4, 32)
+        start = time.perf_counter()
+        quantize_weights(name, steps(), args, str(big), Path(f"out/device_check_{name}"), calib=str(text),
+                         num_samples=samples, seq_len=seq_len, overwrite=True, progress=False, device=device)
+        seconds = time.perf_counter() - start
+        layers = 2 if not DRY else TINY["num_hidden_layers"]
+        result["timed"].append({"method": name, "layers": layers, "samples": samples, "seq_len": seq_len,
+                                "seconds": seconds, "per_layer_s": seconds / layers})  # fmt: skip
+        print(f"calibration {name} on {device}: {layers} layers in {seconds:.1f} s", flush=True)
+        codes = {}
+        for where in (device, "cpu"):
+            out = Path(f"out/device_check_{name}_tiny_{where}")
+            quantize_weights(name, steps(), args, str(tiny), out, calib=str(text), num_samples=4, seq_len=32,
+                             overwrite=True, progress=False, device=where)  # fmt: skip
+            codes[where] = reader.read_checkpoint(out)[0]
+        same = sum((codes[device][n].codes == q.codes).sum().item() for n, q in codes["cpu"].items())
+        total = sum(q.codes.numel() for q in codes["cpu"].values())
+        result["agreement"].append({"method": name, "same_codes": same / total})
+        print(f"calibration {name}: {same / total:.4%} of codes equal on {device} and cpu", flush=True)
+    return result
 
 
 def _median_step_ms(engine, steps: int = 20) -> float:
@@ -254,6 +296,10 @@ def summary(report: dict) -> str:
     for r in report["end_to_end"]:
         lines.append(f"  {r['variant']:<6} b={r['batch']:<3} ctx={r['context']:<5} {r['step_ms']:>8.3f} ms "
                      f"floor {r['floor_ms']:>7.3f} ms  {r['of_roofline']:>6.0%} of roofline")  # fmt: skip
+    lines.append("calibration on the device (Llama-3-8B layer shapes, random weights):")
+    for r, agree in zip(report["calibration"]["timed"], report["calibration"]["agreement"], strict=True):
+        lines.append(f"  {r['method']:<8} {r['layers']} layers × {r['samples']}×{r['seq_len']} tokens: "
+                     f"{r['per_layer_s']:.2f} s/layer; same codes as on CPU: {agree['same_codes']:.2%}")
     return "\n".join(lines)
 
 
@@ -277,6 +323,7 @@ def main() -> None:
     report["gemm"] = gemm(device)
     report["decode_attention"] = decode_attention(device, report["ceilings"]["copy_GBps"])
     report["end_to_end"] = end_to_end(device, report["ceilings"]["copy_GBps"])
+    report["calibration"] = calibration(device)
     report["seconds"] = time.time() - start
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

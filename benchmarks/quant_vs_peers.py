@@ -93,9 +93,13 @@ def main() -> None:
                        "--group-size", str(gs)] + ([] if sym else ["--asym"])  # fmt: skip
         jobs = {
             "rtn": [sys.executable, "-m", "slimlm.cli", "rtn", *ours_common, *qflags],
-            "gptq": [sys.executable, "-m", "slimlm.cli", "gptq", *ours_common, *qflags],
+            "gptq": [sys.executable, "-m", "slimlm.cli", "gptq", *ours_common, *qflags],  # act-order by default
+            "gptq-noact": [sys.executable, "-m", "slimlm.cli", "gptq", *ours_common, *qflags, "--no-act-order"],
             "gptq-act": [sys.executable, "-m", "slimlm.cli", "gptq", *ours_common, *qflags, "--act-order"],
             "awq": [sys.executable, "-m", "slimlm.cli", "awq", *ours_common, *qflags],
+            "awq-gptq": [sys.executable, "-m", "slimlm.cli", "awq", *ours_common, *qflags, "--then", "gptq"],
+            "awq-noclip-gptq": [sys.executable, "-m", "slimlm.cli", "awq", *ours_common, *qflags, "--then", "gptq",
+                                "--no-clip"],  # fmt: skip
         }
         if a.llmcompressor_python:
             runner = str(HERE / "peers" / "llmcompressor_run.py")
@@ -149,7 +153,8 @@ def _base_ppl(logs: list[Path]) -> float:
 
 
 def report(rows: list[dict], base_ppl: float, a: argparse.Namespace) -> None:
-    peers = {"gptq": "llmc-gptq", "gptq-act": "llmc-gptq", "awq": "llmc-awq"}
+    peers = {"gptq": "llmc-gptq", "gptq-noact": "llmc-gptq", "gptq-act": "llmc-gptq", "awq": "llmc-awq",
+             "awq-gptq": "llmc-gptq", "awq-noclip-gptq": "llmc-gptq"}  # fmt: skip
     by_key = {(r["setting"], r["method"]): r for r in rows}
     lines = [
         f"SmolLM2-135M, calibration {a.samples}×{a.seq_len} owt tokens (same windows for all), "

@@ -97,14 +97,14 @@ def decode_steps(engine, requests: list[dict], context: int = 256, steps: int = 
             prompt = requests[i % len(requests)]["prompt"][:context]
             params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
             engine.add_request(prompt, params, f"d{batch}-{i}")
-        while any(s.num_computed < s.num_tokens - 1 for s in [*engine.scheduler.waiting, *engine.scheduler.running]):
+        while engine.stats().prefilling:
             engine.step()  # prefill everything first
         samples = []
         for _ in range(steps):
             t = time.perf_counter()
             engine.step()
             samples.append(time.perf_counter() - t)
-        seq_len = statistics.mean(s.num_tokens for s in engine.scheduler.running)
+        seq_len = engine.stats().mean_context
         for i in range(batch):
             engine.abort(f"d{batch}-{i}")
         result[batch] = {"step_s": statistics.median(samples), "context": seq_len}

@@ -167,7 +167,7 @@ def test_generate_serves_good_prompts_and_names_the_rejected_one(capsys, tiny_ll
 @pytest.mark.parametrize(
     "flags,fragment",
     [
-        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--temperature", "-1"], "temperature must be a finite number >= 0"),
         (["--top-p", "0"], "top_p must be in (0, 1]"),
         (["--max-tokens", "0"], "max_tokens must be a positive integer"),
     ],

@@ -137,6 +137,25 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_computed = parent.num_computed
 
+    def release_last(self, seq: Sequence, k: int) -> None:
+        """Forget the KV of the sequence's last `k` computed tokens (rejected speculative tokens): blocks no
+        longer needed go back to the pool, and a block that is no longer full is no longer shareable."""
+        if not 0 <= k <= seq.num_computed:
+            raise ValueError(f"cannot release {k} of {seq.num_computed} computed tokens")
+        seq.num_computed -= k
+        keep = self.blocks_needed(seq.num_computed)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+        full = seq.num_computed // self.block_size
+        if len(seq.block_hashes) > full:
+            last = self.blocks[seq.block_table[full]] if full < len(seq.block_table) else None
+            if last is not None and last.ref_count == 1 and last.hash is not None:
+                if self.cached.get(last.hash) == last.block_id:
+                    del self.cached[last.hash]  # about to be overwritten with other tokens
+                last.hash, last.tokens = None, ()
+            del seq.block_hashes[full:]
+
     def free_sequence(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):  # the tail is least likely to be shared: evict it first
             self._release(block_id)

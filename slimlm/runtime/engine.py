@@ -1,9 +1,9 @@
 """The engine loop: requests in, one step() at a time, outputs out.
 
 step() = schedule (scheduler) -> one forward pass over the packed batch (model_runner) -> sample the
-sequences that reached their last token (sampling) -> append, check stop conditions, release finished
-sequences' blocks. Everything a request needs to report (tokens, log-probabilities, times) is kept on
-its Sequence; outputs are built from there.
+sequences that reached their last token (sampling) -> append and check stop conditions -> outputs
+(outputs.OutputProcessor: incremental text, stop strings, log-probabilities). Requests are validated when
+they are added, so nothing that reaches step() can fail there because of what one request asked.
 """
 
 from __future__ import annotations
@@ -15,19 +15,26 @@ from dataclasses import dataclass, field
 import torch
 
 from slimlm import SlimlmError, models
+from slimlm.devices import resolve_device
 from slimlm.runtime.block_manager import BlockManager
 from slimlm.runtime.model_runner import ModelRunner
-from slimlm.runtime.sampling import SamplingParams, sample
+from slimlm.runtime.outputs import CompletionOutput, OutputProcessor, RequestOutput
+from slimlm.runtime.sampling import SamplingParams, sample, top_logprobs
 from slimlm.runtime.scheduler import Scheduler
-from slimlm.runtime.sequence import Sequence, Status
+from slimlm.runtime.sequence import Sequence
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+__all__ = ["CompletionOutput", "Engine", "EngineConfig", "EngineStats", "RequestOutput"]
+
+
+def _positive_int(value) -> bool:
+    return type(value) is int and value > 0
 
 
 @dataclass
 class EngineConfig:
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str | None = None  # default: cuda when available, else cpu
     kv_cache_memory: int = 512 << 20  # bytes for the KV block pool
     block_size: int = 16
     max_num_seqs: int = 64
@@ -35,28 +42,33 @@ class EngineConfig:
     prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's max_position_embeddings
 
+    def __post_init__(self) -> None:
+        problems = []
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        for name in ("kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if not _positive_int(getattr(self, name)):
+                problems.append(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if _positive_int(self.block_size) and self.block_size & (self.block_size - 1):
+            problems.append(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_model_len is not None and not _positive_int(self.max_model_len):
+            problems.append(f"max_model_len must be a positive integer or None, got {self.max_model_len!r}")
+        if problems:
+            raise SlimlmError("invalid engine config: " + "; ".join(problems))
+
 
 @dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
-    logprobs: list[float] | None
-    first_token_time: float | None
-    token_times: list[float]
+class EngineStats:
+    """What benchmarks and the server read about the engine's state."""
 
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    arrival: float
-    finished: bool
-    prompt_logprobs: list[float] | None = None
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    error: str | None = None
+    waiting: int
+    running: int
+    prefilling: int  # sequences (waiting or running) with prompt tokens still to compute
+    mean_context: float  # tokens per running sequence
+    free_blocks: int
+    total_blocks: int
+    kv_bytes_per_token: int
+    weight_bytes: int  # bytes a decode step reads for the weights (embeddings excluded)
 
 
 @dataclass
@@ -65,31 +77,40 @@ class _Request:
     prompt_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
+    error: str | None = None
 
 
 class Engine:
     def __init__(self, model: str, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
-        if config.dtype not in DTYPES:
-            raise SlimlmError(f"unknown dtype '{config.dtype}'; use one of {', '.join(DTYPES)}")
+        self.device = resolve_device(config.device)
         model_dir = models.resolve(model)
-        models.check(model_dir)
+        hf = models.check(model_dir)
         self.tokenizer = models.load_tokenizer(model_dir)
-        hf = models.read_config(model_dir)
         context = hf.get("max_position_embeddings", 2048)
         if hf.get("sliding_window") and hf.get("use_sliding_window", True):
             context = min(context, hf["sliding_window"])  # within the window, sliding attention is full attention
         self.max_model_len = min(config.max_model_len or context, context)
         self.runner = ModelRunner(
-            model_dir, DTYPES[config.dtype], config.device, config.kv_cache_memory, config.block_size,
+            model_dir, DTYPES[config.dtype], str(self.device), config.kv_cache_memory, config.block_size,
             self.max_model_len,
         )  # fmt: skip
+        self.capacity = self.runner.num_blocks * config.block_size  # tokens the pool holds
+        if self.capacity < self.max_model_len:
+            need = self.max_model_len * self.runner.kv_bytes_per_token
+            raise SlimlmError(
+                f"the KV cache pool ({config.kv_cache_memory / 2**20:.1f} MiB) holds {self.capacity} tokens, "
+                f"fewer than one sequence of max_model_len {self.max_model_len}; give it at least "
+                f"{need / 2**20:.1f} MiB (--kv-cache-memory) or lower max_model_len"
+            )
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.capacity = self.runner.num_blocks * config.block_size  # tokens the pool holds
         eos = hf.get("eos_token_id", self.tokenizer.eos_token_id)
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.eos_ids = {e for e in (eos if isinstance(eos, list) else [eos]) if type(e) is int}
+        self.vocab_size = self.runner.model.config.vocab_size
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_ids)
         self.requests: dict[str, _Request] = {}
+        self._finished_outside_step: list[RequestOutput] = []  # aborted requests, reported by the next step
         self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------------
@@ -99,13 +120,12 @@ class Engine:
     ) -> str:
         """Queue a request; a SlimlmError names what is wrong with it (nothing is queued then)."""
         params = params or SamplingParams()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise SlimlmError("the prompt is empty")
-        limit = min(self.max_model_len, self.capacity)
-        if len(ids) >= limit:
-            where = "model's context" if limit == self.max_model_len else "KV cache pool (raise --kv-cache-memory)"
-            raise SlimlmError(f"the prompt has {len(ids)} tokens; the {where} holds {limit}, and one must be generated")
+        if not isinstance(params, SamplingParams):
+            raise SlimlmError(f"sampling parameters must be a SamplingParams, got {type(params).__name__}")
+        ids = self._prompt_ids(prompt)
+        if len(ids) >= self.max_model_len:
+            raise SlimlmError(f"the prompt has {len(ids)} tokens; the model's context holds {self.max_model_len}, "
+                              "and one must be generated")  # fmt: skip
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise SlimlmError(f"request id '{request_id}' is already in use")
@@ -115,36 +135,83 @@ class Engine:
         self.scheduler.add(seq)
         return request_id
 
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise SlimlmError(f"the prompt is not valid text (character {e.start} is not UTF-8)") from None
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            bad = next((t for t in ids if type(t) is not int or not 0 <= t < self.vocab_size), None)
+            if bad is not None or any(type(t) is not int for t in ids):
+                raise SlimlmError(f"prompt token {bad!r} is not a token id in 0..{self.vocab_size - 1}")
+        else:
+            raise SlimlmError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise SlimlmError("the prompt is empty")
+        return ids
+
     def _new_sequence(self, request: _Request, index: int, token_ids: list[int]) -> Sequence:
         seed = request.params.seed
-        generator = torch.Generator().manual_seed(seed + index if seed is not None else torch.seed())
+        generator = torch.Generator(self.device)
+        if seed is None:
+            generator.seed()  # its own entropy: the caller's global torch RNG is left alone
+        else:
+            generator.manual_seed((seed + index) % 2**63)
         seq = Sequence(
             next(self._ids), request.request_id, token_ids, len(request.prompt_ids), request.params, generator
         )
         request.seqs.append(seq)
         return seq
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now and free its blocks; unknown or finished ids are ignored."""
-        request = self.requests.pop(request_id, None)
-        for seq in request.seqs if request else []:
+    def abort(self, request_id: str, report: bool = True) -> None:
+        """Stop a request now and free its blocks; with `report`, its final output (finish_reason "abort")
+        comes from the next step(). Unknown or finished ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+        if report:
+            self._finished_outside_step.append(self.outputs.output(request, detokenize=True, finished=True))
+        else:
+            self.outputs.output(request, detokenize=False, finished=True)  # forgets its text state
+        del self.requests[request_id]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._finished_outside_step)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        seqs = [*s.waiting, *s.running]
+        return EngineStats(
+            waiting=len(s.waiting), running=len(s.running),
+            prefilling=sum(q.num_computed < q.num_tokens - 1 for q in seqs),
+            mean_context=sum(q.num_tokens for q in s.running) / max(1, len(s.running)),
+            free_blocks=self.blocks.num_free, total_blocks=self.runner.num_blocks,
+            kv_bytes_per_token=self.runner.kv_bytes_per_token, weight_bytes=self.runner.weight_bytes(),
+        )  # fmt: skip
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The runtime model (slimlm.runtime.model.CausalLM), e.g. to swap its linears' weights in a benchmark."""
+        return self.runner.model
 
     # ---- one step -------------------------------------------------------------------------------
 
     def step(self, detokenize: bool = True) -> list[RequestOutput]:
         """Run one batch; outputs of every request that produced a token or finished in it. Unfinished
         outputs carry their text so far only with `detokenize` (streaming); finished ones always do."""
+        done, self._finished_outside_step = self._finished_outside_step, []
         batch = self.scheduler.schedule()
         if not batch.items:
-            return []
+            return done
         rows, row_of, offset = [], {}, 0
         for item in batch.items:
-            if item.seq.params.prompt_logprobs and item.seq.num_computed < item.seq.num_prompt_tokens:
+            if item.seq.params.prompt_logprobs is not None and item.seq.num_computed < item.seq.num_prompt_tokens:
                 row_of[id(item)] = len(rows)
                 rows += range(offset, offset + item.num_tokens)
             elif item.samples:
@@ -154,87 +221,69 @@ class Engine:
         logits = self.runner.run(batch, rows) if rows else None
         now = time.perf_counter()
         touched: dict[str, None] = {}
-        to_sample: list[tuple[Sequence, torch.Tensor]] = []
+        to_sample: list[tuple[Sequence, int]] = []
         for item in batch.items:
-            seq, samples = item.seq, item.samples
+            seq, samples = item.seq, item.samples  # `samples` reads num_computed: before it moves on
             first, last = seq.num_computed, seq.num_computed + item.num_tokens
             seq.num_computed = last
             self.blocks.register_full_blocks(seq)
             if id(item) not in row_of:
                 continue
             row = row_of[id(item)]
-            if seq.params.prompt_logprobs and first < seq.num_prompt_tokens:
+            if seq.params.prompt_logprobs is not None and first < seq.num_prompt_tokens:
                 if first == len(seq.prompt_logprobs):  # not a recomputation after preemption
-                    targets = seq.token_ids[first + 1 : min(last + 1, seq.num_prompt_tokens)]
-                    lp = torch.log_softmax(logits[row : row + len(targets)], dim=-1)
-                    seq.prompt_logprobs += lp[torch.arange(len(targets)), targets].tolist()
+                    self._prompt_logprobs(seq, logits[row : row + item.num_tokens], first, last)
                 row += item.num_tokens - 1
             if samples:
-                to_sample += [(s, logits[row]) for s in self._fork_if_first(seq)]
+                to_sample += [(s, row) for s in self._fork_if_first(seq)]
         if to_sample:
-            stacked = torch.stack([lg for _, lg in to_sample])
             seqs = [s for s, _ in to_sample]
-            tokens, logprobs = sample(stacked, [s.params for s in seqs], [s.generator for s in seqs])
-            for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
-                self._append(seq, token, logprob, now)
+            picked = logits[torch.tensor([r for _, r in to_sample], device=logits.device)]
+            result = sample(picked, [s.params for s in seqs], [s.generator for s in seqs])
+            for i, seq in enumerate(seqs):
+                self._append(seq, result.tokens[i], result.logprobs[i], result.top[i], now)
                 touched[seq.request_id] = None
-        return [self._output(self.requests[r], detokenize) for r in touched]
+        for r in touched:
+            finished = self._finished(r)
+            done.append(self.outputs.output(self.requests[r], detokenize, finished))
+            if finished:
+                del self.requests[r]
+        return done
+
+    def _finished(self, request_id: str) -> bool:
+        request = self.requests[request_id]
+        return len(request.seqs) == request.params.n and all(s.is_finished for s in request.seqs)
+
+    def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, first: int, last: int) -> None:
+        targets = seq.token_ids[first + 1 : min(last + 1, seq.num_prompt_tokens)]
+        lp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
+        seq.prompt_logprobs += lp[torch.arange(len(targets)), targets].tolist()
+        if seq.params.prompt_logprobs:
+            seq.prompt_top_logprobs += top_logprobs(lp, [seq.params.prompt_logprobs] * len(targets))
 
     def _fork_if_first(self, seq: Sequence) -> list[Sequence]:
         """At the end of its prompt, a request with n > 1 splits into n sequences sharing the prompt's blocks."""
         request = self.requests[seq.request_id]
         if seq.params.n == 1 or seq.output_ids or len(request.seqs) > 1:
             return [seq]
-        children = []
-        for index in range(1, seq.params.n):
-            child = self._new_sequence(request, index, list(seq.token_ids))
-            self.blocks.fork(seq, child)
-            child.status = Status.RUNNING
-            self.scheduler.running.append(child)
-            children.append(child)
+        children = [self._new_sequence(request, i, list(seq.token_ids)) for i in range(1, seq.params.n)]
+        for child in children:
+            self.scheduler.fork(seq, child)
         return [seq, *children]
 
-    def _append(self, seq: Sequence, token: int, logprob: float, now: float) -> None:
+    def _append(self, seq: Sequence, token: int, logprob: float, top, now: float) -> None:
         seq.token_ids.append(token)
         seq.logprobs.append(logprob)
+        if top:
+            seq.top_logprobs.append(top)
         seq.token_times.append(now)
         params = seq.params
         reason = None
         if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             reason = "stop"
-        elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= min(self.max_model_len, self.capacity):
+        elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
-        if params.stop:
-            seq.text = self._text(seq)
-            cut = min((i for i in (seq.text.find(s) for s in params.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                seq.text, reason = seq.text[:cut], "stop"
+        if params.stop and self.outputs.stop_string_hit(seq):
+            reason = "stop"
         if reason:
             self.scheduler.finish(seq, reason)
-
-    def _text(self, seq: Sequence) -> str:
-        ids = seq.output_ids
-        if seq.finish_reason == "stop" and ids and ids[-1] in self.eos_ids:
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _output(self, request: _Request, detokenize: bool) -> RequestOutput:
-        first = request.seqs[0]
-        finished = len(request.seqs) == first.params.n and all(s.is_finished for s in request.seqs)
-        outputs = []
-        for i, seq in enumerate(request.seqs):
-            # with stop strings _append already decoded (and cut) the text this step
-            text = seq.text if seq.params.stop else self._text(seq) if (detokenize or finished) else ""
-            outputs.append(CompletionOutput(
-                index=i, text=text, token_ids=list(seq.output_ids), finish_reason=seq.finish_reason,
-                logprobs=list(seq.logprobs) if seq.params.logprobs else None,
-                first_token_time=seq.token_times[0] if seq.token_times else None, token_times=list(seq.token_times),
-            ))  # fmt: skip
-        if finished:
-            del self.requests[request.request_id]
-        return RequestOutput(
-            request_id=request.request_id, prompt_token_ids=request.prompt_ids, outputs=outputs,
-            arrival=first.arrival, finished=finished,
-            prompt_logprobs=list(first.prompt_logprobs) if first.params.prompt_logprobs else None,
-            num_cached_tokens=first.num_cached_tokens,
-        )  # fmt: skip

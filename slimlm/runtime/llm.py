@@ -28,7 +28,7 @@ class LLM:
         for prompt, p in zip(prompts, params_list, strict=True):
             try:
                 submitted.append(self.engine.add_request(prompt, p))
-            except SlimlmError as e:
+            except SlimlmError as e:  # this prompt only; the others run
                 submitted.append(RequestOutput("rejected", [], [], 0.0, finished=True, error=str(e)))
         return submitted
 
@@ -38,18 +38,32 @@ class LLM:
         """Run all prompts to completion in one continuous batch; outputs in prompt order."""
         submitted = self._submit(prompts, params)
         done: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished():
-            for out in self.engine.step(detokenize=False):
-                if out.finished:
-                    done[out.request_id] = out
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step(detokenize=False):
+                    if out.finished:
+                        done[out.request_id] = out
+        finally:  # an exception (or Ctrl-C) leaves nothing of this call queued in the engine
+            for s in submitted:
+                if isinstance(s, str) and s not in done:
+                    self.engine.abort(s, report=False)
         return [s if isinstance(s, RequestOutput) else done[s] for s in submitted]
 
     def stream(
         self, prompts: Prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> Iterator[RequestOutput]:
         """Yield each request's output every time it grows, and a last time when it finishes."""
-        for s in self._submit(prompts, params):
-            if isinstance(s, RequestOutput):
-                yield s
-        while self.engine.has_unfinished():
-            yield from self.engine.step()
+        submitted = self._submit(prompts, params)
+        finished: set[str] = set()
+        try:
+            for s in submitted:
+                if isinstance(s, RequestOutput):
+                    yield s
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    finished.update([out.request_id] if out.finished else [])
+                    yield out
+        finally:  # the consumer stopped early: its requests must not linger in the engine
+            for s in submitted:
+                if isinstance(s, str) and s not in finished:
+                    self.engine.abort(s, report=False)

@@ -26,6 +26,11 @@ class ModelRunner:
         shape = (layers, 2, self.num_blocks, block_size, attn.kv_heads, attn.head_dim)
         self.kv_cache = torch.empty(shape, dtype=dtype, device=device)
 
+    def weight_bytes(self) -> int:
+        """Bytes of weights a decode step reads (the embedding table is gathered from, not read)."""
+        dense = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if "embed_tokens" not in n)
+        return dense + sum(m.packed.nbytes() for m in self.model.modules() if getattr(m, "packed", None) is not None)
+
     @property
     def kv_bytes_per_token(self) -> int:
         return self.kv_cache[:, :, 0, 0].numel() * self.kv_cache.element_size()

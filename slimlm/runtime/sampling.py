@@ -8,10 +8,20 @@ import torch
 
 from slimlm import SlimlmError
 
+MAX_LOGPROBS = 20  # vLLM's default bound on top-N log-probabilities per token
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM): dividing by them overflows
+
+
+def _is_int(x) -> bool:
+    return type(x) is int  # bool is an int subclass; True is not a count
+
 
 @dataclass
 class SamplingParams:
-    """vLLM's names and meanings. temperature 0 is greedy; top_k 0 or -1 and top_p 1 disable those filters."""
+    """vLLM's names and meanings. temperature 0 is greedy; top_k 0 or -1 and top_p 1 disable those filters.
+
+    logprobs / prompt_logprobs: None (off) or N in 0..MAX_LOGPROBS: each token's own log-probability under
+    the model (before temperature), plus the N most likely tokens' when N > 0."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -22,60 +32,93 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: bool = False  # log-probability of each sampled token under the model (before temperature)
-    prompt_logprobs: bool = False  # log-probability of each prompt token given the ones before it
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         problems = []
-        if not (isinstance(self.max_tokens, int) and self.max_tokens > 0):
+        if not (_is_int(self.max_tokens) and self.max_tokens > 0):
             problems.append(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            problems.append(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (isinstance(self.top_k, int) and self.top_k >= -1):
+        if type(self.temperature) not in (int, float) or not self.temperature >= 0 or self.temperature == float("inf"):
+            problems.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if type(self.top_p) not in (int, float) or not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (_is_int(self.top_k) and self.top_k >= -1):
             problems.append(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
-        if not (isinstance(self.n, int) and self.n >= 1):
+        if not (_is_int(self.n) and self.n >= 1):
             problems.append(f"n must be a positive integer, got {self.n!r}")
-        if any(not s for s in self.stop):
-            problems.append("stop strings must not be empty")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
+            problems.append(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
+            problems.append("stop must be a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            problems.append("stop_token_ids must be a list of token ids (integers >= 0)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                problems.append(f"{name} must be None or an integer in 0..{MAX_LOGPROBS}, got {value!r}")
         if problems:
             raise SlimlmError("invalid sampling parameters: " + "; ".join(problems))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (smallest set of tokens whose probability reaches top_p)."""
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) >= params.top_p  # mass before this token already enough
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Per row: temperature, then top-k, then top-p (smallest set of tokens whose probability reaches top_p)."""
+    device, vocab = logits.device, logits.shape[-1]
+    logits = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_ps = [p.top_p for p in params]
+    if min(ks) < vocab or min(top_ps) < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        k = torch.tensor(ks, device=device)[:, None]
+        kth = sorted_logits.gather(1, k - 1)
+        drop = logits < kth  # top-k
+        sorted_logits = sorted_logits.masked_fill(torch.arange(vocab, device=device)[None] >= k, float("-inf"))
+        probs = sorted_logits.softmax(-1)
+        # top-p: a token goes once the mass before it already reaches top_p
+        sorted_drop = probs.cumsum(-1) - probs >= torch.tensor(top_ps, device=device)[:, None]
+        drop |= torch.zeros_like(sorted_drop).scatter(1, order, sorted_drop)
+        logits = logits.masked_fill(drop, float("-inf"))
     return logits
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
-) -> tuple[list[int], list[float]]:
-    """One token per row of `logits` [B, V] and its log-probability under the unmodified model.
+@dataclass
+class Sampled:
+    tokens: list[int]
+    logprobs: list[float]  # of each chosen token, under the unmodified model
+    top: list[list[tuple[int, float]] | None]  # the N most likely (token, logprob) where asked for
 
-    Greedy rows never leave the logits' device; sampled rows are drawn on the host, where each request's
-    seeded generator lives."""
+
+def top_logprobs(logprobs: torch.Tensor, counts: list[int | None]) -> list[list[tuple[int, float]] | None]:
+    """For rows of log-probabilities [R, V], the `count` most likely (token, logprob) pairs (one host copy)."""
+    n = max((c for c in counts if c), default=0)
+    if n == 0:
+        return [[] if c == 0 else None for c in counts]
+    values, ids = logprobs.topk(n, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [None if c is None else list(zip(ids[i][:c], values[i][:c], strict=True)) for i, c in enumerate(counts)]
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> Sampled:
+    """One token per row of `logits` [B, V], drawn on the logits' device (each row with its own seeded
+    generator, which lives there too); the results cross to the host once for the whole batch.
+
+    A sampled row takes argmax(p / E) with E_i ~ Exp(1) drawn by its generator: the index of the smallest
+    E_i / p_i, which is token i with probability p_i (the exponential race), without a host round trip."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
-    tokens = logits.argmax(dim=-1).tolist()
-    for i, (p, g) in enumerate(zip(params, generators, strict=True)):
-        if not p.greedy:
-            probs = filter_logits(logits[i].cpu(), p).softmax(-1)
-            tokens[i] = int(torch.multinomial(probs, 1, generator=g))
-    rows = torch.arange(len(tokens), device=logits.device)
-    return tokens, logprobs[rows, torch.tensor(tokens, device=logits.device)].tolist()
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        idx = torch.tensor(rows, device=logits.device)
+        probs = filter_logits(logits[idx], [params[i] for i in rows]).softmax(-1)
+        noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=generators[i]) for i in rows])
+        tokens[idx] = (probs / noise).argmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    top = top_logprobs(logprobs, [p.logprobs for p in params])
+    return Sampled(tokens.tolist(), chosen.tolist(), top)

@@ -75,7 +75,7 @@ class Scheduler:
                 self.blocks.allocate_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.blocks.append(seq, n):
-                if not self.running:  # nothing will ever free a block: the pool is too small for this prompt
+                if not self.running:  # the engine checks the pool holds a max-length sequence: cannot happen
                     raise RuntimeError("KV cache pool cannot hold a single waiting sequence")
                 self.blocks.free_sequence(seq)  # give back the prefix blocks it was lent; retry next step
                 break
@@ -86,6 +86,12 @@ class Scheduler:
             budget -= n
         copies, self.blocks.pending_copies = self.blocks.pending_copies, []
         return Batch(items, copies, preempted)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """A running sequence's copy (n > 1): shares every block, runs from the next step on."""
+        self.blocks.fork(parent, child)
+        child.status = Status.RUNNING
+        self.running.append(child)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -5,7 +5,7 @@ from transformers import AutoModelForCausalLM
 from slimlm import SlimlmError
 from slimlm.compress import pipeline
 from slimlm.compress.rtn import RTN
-from slimlm.formats.quantized import QuantArgs, QuantizedWeight
+from slimlm.formats.quantized import QuantArgs
 
 
 class Identity:

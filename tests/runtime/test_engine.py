@@ -45,14 +45,16 @@ def test_greedy_equals_transformers_one_by_one_and_in_one_batch(tiny_llama, hf, 
     llm = LLM(str(tiny_llama))
     assert [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts] == expected
     # all at once, prompts cut into 16-token chunks, and a pool so small that sequences get preempted
-    small = LLM(str(tiny_llama), max_num_batched_tokens=16, kv_cache_memory=12 * 16 * 2 * 2 * 2 * 16 * 4)
+    small = LLM(str(tiny_llama), max_num_batched_tokens=16, kv_cache_memory=12 * 16 * 2 * 2 * 2 * 16 * 4,
+                max_model_len=192)
     outs = small.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert small.engine.blocks.num_free == small.engine.runner.num_blocks
 
 
 def test_preemption_really_happens_with_a_tiny_pool(tiny_llama, prompts):
-    llm = LLM(str(tiny_llama), max_num_batched_tokens=16, kv_cache_memory=12 * 16 * 2 * 2 * 2 * 16 * 4)
+    llm = LLM(str(tiny_llama), max_num_batched_tokens=16, kv_cache_memory=12 * 16 * 2 * 2 * 2 * 16 * 4,
+              max_model_len=192)
     engine = llm.engine
     for p in prompts:
         engine.add_request(p, GREEDY)
@@ -67,7 +69,7 @@ def test_preemption_really_happens_with_a_tiny_pool(tiny_llama, prompts):
 
 def test_prompt_logprobs_equal_transformers(tiny_llama, hf, prompts):
     llm = LLM(str(tiny_llama), max_num_batched_tokens=16)
-    out = llm.generate([prompts[6]], SamplingParams(max_tokens=1, prompt_logprobs=True, logprobs=True))[0]
+    out = llm.generate([prompts[6]], SamplingParams(max_tokens=1, prompt_logprobs=0, logprobs=0))[0]
     expected = hf_logprobs(hf, prompts[6])
     assert torch.allclose(torch.tensor(out.prompt_logprobs), expected, atol=1e-5)
     full = prompts[6] + out.outputs[0].token_ids
@@ -102,7 +104,7 @@ def test_shared_prefix_blocks_are_reused_and_change_nothing(tiny_llama, hf):
 
 
 def test_parallel_samples_share_the_prompt_and_diverge_safely(tiny_llama, hf, prompts):
-    params = SamplingParams(max_tokens=10, temperature=1.0, n=3, seed=11, logprobs=True)
+    params = SamplingParams(max_tokens=10, temperature=1.0, n=3, seed=11, logprobs=0)
     llm = LLM(str(tiny_llama))
     prompt = prompts[6][:30]  # the samples share its partial second block, copied when each writes into it
     out = llm.generate([prompt], params)[0]
@@ -148,13 +150,15 @@ def test_timings_and_streaming(tiny_llama, prompts):
 
 
 def test_bad_requests_are_rejected_one_by_one(tiny_llama, prompts):
-    llm = LLM(str(tiny_llama), kv_cache_memory=8 * 16 * 2 * 2 * 2 * 16 * 4)  # 8 blocks = 128 tokens
-    outs = llm.generate([[], prompts[0], list(range(5, 5 + 200)), prompts[1]], GREEDY)
+    llm = LLM(str(tiny_llama), kv_cache_memory=8 * 16 * 2 * 2 * 2 * 16 * 4, max_model_len=128)  # 8 blocks
+    outs = llm.generate([[], prompts[0], [5 + i % 150 for i in range(200)], prompts[1]], GREEDY)
     assert "empty" in outs[0].error
-    assert "KV cache pool" in outs[2].error
+    assert "model's context holds 128" in outs[2].error
     assert outs[1].outputs[0].token_ids and outs[3].outputs[0].token_ids
-    too_long = LLM(str(tiny_llama)).generate([list(range(5, 5 + 600))], GREEDY)[0]
+    too_long = LLM(str(tiny_llama)).generate([[5 + i % 150 for i in range(600)]], GREEDY)[0]
     assert "model's context holds 512" in too_long.error
+    with pytest.raises(SlimlmError, match="holds 128 tokens, fewer than one sequence of max_model_len 512"):
+        LLM(str(tiny_llama), kv_cache_memory=8 * 16 * 2 * 2 * 2 * 16 * 4)
     for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0), dict(n=0)):
         with pytest.raises(SlimlmError, match="invalid sampling parameters"):
             SamplingParams(**bad)

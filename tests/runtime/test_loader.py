@@ -23,7 +23,7 @@ FIXTURES = Path(__file__).parent.parent / "fixtures"
 
 
 def runtime_logprobs(model_dir: Path, ids: list[int]) -> torch.Tensor:
-    out = LLM(str(model_dir)).generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=True))[0]
+    out = LLM(str(model_dir)).generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     return torch.tensor(out.prompt_logprobs)
 
 
