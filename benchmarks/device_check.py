@@ -1,4 +1,4 @@
-"""Everything the GPU must tell us, in one run (called by benchmarks/device_check.sh; see shared/device/README.md).
+"""Everything the GPU must tell us, in one run (called by benchmarks/device_check.sh; see ../shared/device/README.md).
 
 1. ceilings: device-to-device copy bandwidth and dense bf16 matmul rate;
 2. correctness of every Triton kernel against its float64 reference on the GPU (fresh random inputs,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one GPU check (shared/device/README.md): ceilings, kernel correctness on the GPU, W4A16 GEMM vs bf16
+# The one GPU check (../shared/device/README.md): ceilings, kernel correctness on the GPU, W4A16 GEMM vs bf16
 # cuBLAS, paged decode attention vs copy bandwidth. JSON under $OUT, a ratio table last; < 8 minutes.
 #   on the device:  PYTHONUNBUFFERED=1 bash benchmarks/device_check.sh
 #   here, no GPU:   bash benchmarks/device_check.sh --dry-run     (Triton interpreter, tiny shapes, no timings)

@@ -13,3 +13,17 @@ def cache_dir() -> Path:
 
 class SlimlmError(Exception):
     """A problem the user can fix. The CLI prints its message as one line and exits non-zero."""
+
+
+def __getattr__(name: str):
+    # `from slimlm import LLM, SamplingParams`, where vLLM users look, without making `import slimlm`
+    # (which the formats and kernels do for SlimlmError) load the runtime.
+    if name == "LLM":
+        from slimlm.runtime.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from slimlm.runtime.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'slimlm' has no attribute {name!r}")

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from slimlm import SlimlmError
+from slimlm import SlimlmError, arch
 from slimlm.compress.memory import return_freed_memory
 from slimlm.compress.offload import LazyWeights
 from slimlm.formats.quantized import QuantArgs, QuantizedWeight
@@ -71,7 +71,7 @@ class _CaughtInputs(Exception):
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    return model.model.layers
+    return model.get_submodule(arch.LAYERS)
 
 
 def quantizable_linears(model: nn.Module, ignore: list[str] = ()) -> dict[str, nn.Linear]:
@@ -79,7 +79,7 @@ def quantizable_linears(model: nn.Module, ignore: list[str] = ()) -> dict[str, n
     out = {}
     for i, layer in enumerate(decoder_layers(model)):
         for name, mod in layer.named_modules():
-            full = f"model.layers.{i}.{name}"
+            full = f"{arch.LAYERS}.{i}.{name}"
             if isinstance(mod, nn.Linear) and not any(fnmatch.fnmatch(full, p) for p in ignore):
                 out[full] = mod
     return out
@@ -191,9 +191,9 @@ def run(
     for i in bar:
         start = time.time()
         if weights is not None:
-            weights.materialize(layers[i], f"model.layers.{i}", dtype, device)
+            weights.materialize(layers[i], f"{arch.LAYERS}.{i}", dtype, device)
         layer = layers[i]
-        linears = {n: m for n, m in all_linears.items() if n.startswith(f"model.layers.{i}.")}
+        linears = {n: m for n, m in all_linears.items() if n.startswith(f"{arch.LAYERS}.{i}.")}
         done: dict[str, QuantizedWeight] = {}
         ref = None
         for step in steps:
@@ -231,7 +231,7 @@ def run(
         quantized.update({n: _on_cpu(q) for n, q in done.items()})
         if weights is not None:
             for name, t in layer.state_dict().items():
-                full = f"model.layers.{i}.{name}"
+                full = f"{arch.LAYERS}.{i}.{name}"
                 if full.removesuffix(".weight") not in done:
                     float_tensors[full] = t.detach().cpu().clone()
             layer.to("meta")

@@ -1,10 +1,12 @@
 """The one place that picks an implementation for each kernel.
 
     cuda tensors  -> Triton (triton_gemm, triton_attention)
-    cpu tensors   -> the AVX-512 GEMM (cpu_gemm.py) for quantized linears, PyTorch for attention
+    cpu tensors   -> the AVX-512 C kernels (cpu_gemm, and cpu_attention's C decode for fp32/bf16 caches;
+                     its batched PyTorch path otherwise); PyTorch everywhere if they cannot be built here
     SLIMLM_KERNELS=reference  -> the plain PyTorch definitions (reference.py) everywhere
 
-Callers (the runtime's layers) only see quant_matmul and paged_attention.
+The runtime calls select(device) once at load and keeps the Backend; quant_matmul and paged_attention
+below choose per call, for tests and one-off use.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from slimlm.kernels import cpu_attention, cpu_library, reference
 from slimlm.kernels.packed import PackedWeight, pack
 
-__all__ = ["PackedWeight", "backend", "pack", "paged_attention", "quant_matmul"]
+__all__ = ["Backend", "PackedWeight", "backend", "pack", "paged_attention", "quant_matmul", "select"]
 
 
 @functools.cache
@@ -38,18 +42,33 @@ def backend(device: torch.device) -> str:
     return "cpu"
 
 
-def quant_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    """x [M, K] @ dequantized(w).T -> [M, out_features], in x's dtype."""
-    chosen = backend(x.device)
-    if chosen == "triton":
-        from slimlm.kernels import triton_gemm
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    quant_matmul: Callable[[torch.Tensor, PackedWeight], torch.Tensor]
+    paged_attention: Callable[..., torch.Tensor]  # paged_attention's signature below
 
-        return triton_gemm.quant_matmul(x, w)
+
+def select(device: torch.device | str) -> Backend:
+    """The kernels that run for tensors on `device`, decided once."""
+    chosen = backend(torch.device(device))
+    if chosen == "triton":
+        from slimlm.kernels import triton_attention, triton_gemm
+
+        return Backend("triton", triton_gemm.quant_matmul, triton_attention.paged_attention)
     if chosen == "cpu" and cpu_kernels_available():
         from slimlm.kernels import cpu_gemm
 
-        return cpu_gemm.quant_matmul(x, w)
-    return reference.quant_matmul(x, w)
+        return Backend("cpu", cpu_gemm.quant_matmul, functools.partial(cpu_attention.paged_attention, native=True))
+    if chosen == "cpu":
+        return Backend("cpu-pytorch", reference.quant_matmul,
+                       functools.partial(cpu_attention.paged_attention, native=False))  # fmt: skip
+    return Backend("reference", reference.quant_matmul, reference.paged_attention)
+
+
+def quant_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """x [M, K] @ dequantized(w).T -> [M, out_features], in x's dtype."""
+    return select(x.device).quant_matmul(x, w)
 
 
 def paged_attention(
@@ -65,11 +84,4 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of packed queries over their sequences' paged KV (see reference.py for shapes)."""
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, k_scale, v_scale)
-    chosen = backend(q.device)
-    if chosen == "triton":
-        from slimlm.kernels import triton_attention
-
-        return triton_attention.paged_attention(*args)
-    if chosen == "cpu":
-        return cpu_attention.paged_attention(*args, native=cpu_kernels_available())
-    return reference.paged_attention(*args)
+    return select(q.device).paged_attention(*args)

@@ -78,9 +78,10 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     native: bool = True,
+    query_lens: list[int] | None = None,
 ) -> torch.Tensor:
-    """`native`: use the C kernel where it applies (fp32 cache and queries, head_dim a multiple of 16)."""
-    q_lens = (query_start[1:] - query_start[:-1]).tolist()
+    """`native`: use the C kernel where it applies (fp32 or bf16 cache, no KV scales, head_dim a multiple of 16)."""
+    q_lens = query_lens if query_lens is not None else (query_start[1:] - query_start[:-1]).tolist()
     if all(n == 1 for n in q_lens):
         return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, native)
     out = torch.empty_like(q)
@@ -94,7 +95,7 @@ def paged_attention(
     block_size = k_cache.shape[1]
     for s, n in enumerate(q_lens):
         if n > 1:
-            start, length = int(query_start[s]), int(seq_lens[s])
+            start, length = sum(q_lens[:s]), int(seq_lens[s])
             blocks = block_tables[s, : -(-length // block_size)]
             out[start : start + n] = _prefill(
                 q[start : start + n], k_cache, v_cache, blocks, length, scale, k_scale, v_scale

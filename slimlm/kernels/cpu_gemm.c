@@ -6,13 +6,13 @@
 // scale and zero point with one fused multiply-subtract and accumulates into MB×4 registers that span the
 // 64 output features of one block. No horizontal sums: lanes run along N, the loop runs along K.
 //
-// Built on first use by slimlm/kernels/cpu_gemm.py (gcc -O3 -march=native -fopenmp); without AVX-512 the build
+// Built on first use by slimlm/kernels/cpu_library.py (gcc -O3 -march=native -fopenmp); without AVX-512 the build
 // fails and the dispatcher uses the PyTorch path. OpenMP resolves to the libgomp torch already loaded.
 #include <stdint.h>
 #include <immintrin.h>
 
 #ifndef __AVX512F__
-#error "slimlm's CPU kernels need AVX-512 (cpu_gemm.py falls back to the PyTorch path without it)"
+#error "slimlm's CPU kernels need AVX-512 (cpu_library.py then falls back to the PyTorch path without it)"
 #endif
 
 #define BN 64  // output features per block (packed.BLOCK_N)

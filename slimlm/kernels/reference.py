@@ -49,14 +49,17 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
+    query_lens: list[int] | None = None,
 ) -> torch.Tensor:
+    """`query_lens`: the host copy of query_start's differences, when the caller has it (no device sync)."""
     dtype = dtype or q.dtype
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // kv_heads
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    starts = query_start.tolist() if query_lens is None else [sum(query_lens[:i]) for i in range(len(query_lens) + 1)]
     for s in range(len(seq_lens)):
         length = int(seq_lens[s])
-        start, end = int(query_start[s]), int(query_start[s + 1])
+        start, end = starts[s], starts[s + 1]
         blocks = block_tables[s, : -(-length // block_size)]
         k = cached_kv(k_cache, k_scale, blocks, length, dtype).repeat_interleave(group, dim=1)
         v = cached_kv(v_cache, v_scale, blocks, length, dtype).repeat_interleave(group, dim=1)

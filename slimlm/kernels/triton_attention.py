@@ -150,6 +150,7 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     block_m: int = 64,
+    query_lens: list[int] | None = None,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
     num_seqs = len(seq_lens)
@@ -163,7 +164,7 @@ def paged_attention(
             GROUP_PAD=max(16, triton.next_power_of_2(group)), **meta,
         )  # fmt: skip
         return out
-    q_lens = (query_start[1:] - query_start[:-1]).tolist()
+    q_lens = query_lens if query_lens is not None else (query_start[1:] - query_start[:-1]).tolist()
     tiles = torch.tensor(
         [(s, first) for s, n in enumerate(q_lens) for first in range(0, n, block_m)], dtype=torch.int32
     ).to(q.device)

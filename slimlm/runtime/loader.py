@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from slimlm import kernels
 from slimlm.formats import reader
 from slimlm.kernels import pack
 from slimlm.kernels.packed import KERNEL_BITS
@@ -47,4 +48,5 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: 
         weight = torch.nn.Parameter(tensors[name].to(device, dtype), requires_grad=False)
         setattr(model.get_submodule(module), attr, weight)
     model.set_rope(max_positions, device)
+    model.set_backend(kernels.select(device))
     return model.eval()

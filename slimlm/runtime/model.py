@@ -27,6 +27,7 @@ class StepInputs:
     block_tables: torch.Tensor  # int32 [S, max_blocks]
     seq_lens: torch.Tensor  # int32 [S]: cached tokens per sequence after this step
     query_start: torch.Tensor  # int32 [S+1]
+    query_lens: list[int]  # the same on the host, built once per step so no layer syncs to read it
 
 
 class Linear(nn.Module):
@@ -35,6 +36,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed: PackedWeight | None = None
+        self.quant_matmul = kernels.quant_matmul  # the load-time Backend's, once set_backend ran
 
     def set_packed(self, packed: PackedWeight) -> None:
         self.packed = packed
@@ -43,7 +45,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        y = kernels.quant_matmul(x, self.packed)
+        y = self.quant_matmul(x, self.packed)
         return y if self.bias is None else y + self.bias
 
 
@@ -78,6 +80,7 @@ class Attention(nn.Module):
         self.v_proj = Linear(hidden, self.kv_heads * self.head_dim, bias, dtype)
         self.o_proj = Linear(self.heads * self.head_dim, hidden, getattr(config, "attention_bias", False), dtype)
         self.scale = self.head_dim**-0.5
+        self.attention = kernels.paged_attention  # the load-time Backend's, once set_backend ran
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs, kv_cache: torch.Tensor
@@ -89,9 +92,10 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
         k_cache.view(-1, self.kv_heads, self.head_dim)[step.slots] = k.to(k_cache.dtype)
         v_cache.view(-1, self.kv_heads, self.head_dim)[step.slots] = v.to(v_cache.dtype)
-        out = kernels.paged_attention(
-            q, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start, self.scale
-        )
+        out = self.attention(
+            q, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start, self.scale,
+            query_lens=step.query_lens,
+        )  # fmt: skip
         return self.o_proj(out.reshape(t, self.heads * self.head_dim))
 
 
@@ -135,6 +139,14 @@ class CausalLM(nn.Module):
         self.model = Decoder(config, dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
         self.cos = self.sin = None  # [positions, head_dim], from set_rope (sin with its first half negated)
+
+    def set_backend(self, backend: kernels.Backend) -> None:
+        """Bind every layer to the kernels chosen for the model's device, once, instead of per call."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.quant_matmul = backend.quant_matmul
+            elif isinstance(module, Attention):
+                module.attention = backend.paged_attention
 
     def set_rope(self, max_positions: int, device: str) -> None:
         cos, sin = rope_tables(self.config, max_positions)

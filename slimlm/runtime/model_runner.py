@@ -6,9 +6,18 @@ from pathlib import Path
 
 import torch
 
+from slimlm import SlimlmError
 from slimlm.runtime.loader import load_model
 from slimlm.runtime.model import StepInputs
 from slimlm.runtime.scheduler import Batch
+
+
+def _available_memory(device: str) -> int:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    with open("/proc/meminfo") as f:  # what Linux can still hand out without swapping
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
 
 
 class ModelRunner:
@@ -24,6 +33,11 @@ class ModelRunner:
         self.num_blocks = max(1, kv_cache_bytes // per_block)
         # one preallocated pool: [layer, K/V, block, offset, kv_head, head_dim]
         shape = (layers, 2, self.num_blocks, block_size, attn.kv_heads, attn.head_dim)
+        pool = self.num_blocks * per_block
+        available = _available_memory(device)
+        if pool > available:
+            raise SlimlmError(f"a KV cache pool of {pool / 2**30:.2f} GiB does not fit in the "
+                              f"{available / 2**30:.2f} GiB free on {device}; lower --kv-cache-memory")  # fmt: skip
         self.kv_cache = torch.empty(shape, dtype=dtype, device=device)
 
     def weight_bytes(self) -> int:
@@ -59,7 +73,7 @@ class ModelRunner:
         step = StepInputs(
             positions=tensor(positions, torch.int64), slots=tensor(slots, torch.int64),
             block_tables=tensor(tables, torch.int32), seq_lens=tensor(seq_lens, torch.int32),
-            query_start=tensor(query_start, torch.int32),
+            query_start=tensor(query_start, torch.int32), query_lens=[item.num_tokens for item in batch.items],
         )  # fmt: skip
         return tensor(ids, torch.int64), step
 
