@@ -94,6 +94,9 @@ def staging(target: Path) -> Iterator[Path]:
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a checkpoint gets the permissions mkdir would give
         yield tmp
+        for f in tmp.iterdir():  # and its files those open() would give (some writers go through tempfiles)
+            if f.is_file():
+                os.chmod(f, 0o666 & ~umask)
         _commit(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

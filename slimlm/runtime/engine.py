@@ -44,7 +44,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             problems.append(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         for name in ("kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if not _positive_int(getattr(self, name)):

@@ -19,8 +19,10 @@ class LLM:
 
     def _submit(self, prompts: Prompts, params: SamplingParams | Sequence[SamplingParams] | None) -> list:
         """Queue every prompt; a prompt that cannot be served becomes an error output, the rest still run."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if isinstance(prompts, str) or (prompts and all(type(t) is int for t in prompts)):
+            prompts = [prompts]  # one prompt: a text, or a flat list of token ids
+        if not isinstance(prompts, (list, tuple)):
+            raise SlimlmError(f"prompts must be a string, a list of token ids or a list of those, not {prompts!r:.40}")
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise SlimlmError(f"{len(prompts)} prompts but {len(params_list)} sampling parameter sets")
