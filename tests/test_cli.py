@@ -116,16 +116,18 @@ def test_console_script_exit_code_and_message(tmp_path):
 
 @pytest.mark.parametrize(
     "command,flags",
-    [("gptq", ["--act-order"]), ("gptq", ["--format", "gptq"]), ("awq", ["--search-batches", "1"])],
+    [("gptq", ["--act-order"]), ("gptq", ["--no-act-order", "--format", "gptq"]),
+     ("awq", ["--search-batches", "1"]), ("awq+gptq", ["--search-batches", "1", "--then", "gptq"])],
 )
 def test_gptq_and_awq_commands(capsys, tiny_llama, calib_txt, tmp_path, command, flags):
     out = tmp_path / "q"
-    code, stdout, err = run_cli(capsys, command, "--model", str(tiny_llama), "--calib", str(calib_txt),
+    code, stdout, err = run_cli(capsys, command.split("+")[0], "--model", str(tiny_llama), "--calib", str(calib_txt),
                                 "--num-samples", "8", "--seq-len", "32", "--group-size", "32", "--out", str(out),
                                 *flags)  # fmt: skip
     assert code == 0, err
     meta = json.loads((out / "slimlm.json").read_text())
     assert meta["method"] == command and len(meta["layers"]) == 2
+    assert meta["arguments"].get("act_order", "weight") == (None if "--no-act-order" in flags else "weight")
     code, _, err = run_cli(capsys, "eval", str(out), "--ppl", str(calib_txt), "--seq-len", "32", "--max-tokens", "128")
     assert code == 0, err
 
@@ -188,3 +190,10 @@ def test_generate_rejects_a_malformed_memory_size(capsys, tiny_llama):
         main(["generate", str(tiny_llama), "--prompt", "x", "--kv-cache-memory", "lots"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "'lots' is not a size; write e.g. 512M or 2G" in err.splitlines()[-1]
+
+
+def test_without_group_size_the_largest_that_fits_is_used_and_said(capsys, tiny_llama, calib_txt, tmp_path):
+    code, _, err = run_cli(capsys, "rtn", "--model", str(tiny_llama), "--out", str(tmp_path / "q"))
+    assert code == 0, err
+    assert "--group-size not given: using 32" in err  # in-dims 64 and 96: 128 and 64 do not divide both
+    assert json.loads((tmp_path / "q" / "slimlm.json").read_text())["arguments"]["group_size"] == 32

@@ -59,3 +59,17 @@ def test_clipping_never_hurts_the_sampled_output():
     clipped = awq._clip(w, x)
     assert (clipped.abs() <= w.abs() + 1e-7).all()
     assert err(quantize_rtn(clipped, awq.args).dequantize()) <= err(quantize_rtn(w, awq.args).dequantize())
+
+
+def test_awq_then_gptq_composes_and_beats_either_alone():
+    from slimlm.compress.gptq import GPTQ
+
+    args = QuantArgs(4, 32, False)
+    calib = torch.randint(0, 256, (8, 64))
+    errors = {}
+    for name, steps in [("awq+rtn", lambda: [AWQ(args), RTN(args)]), ("gptq", lambda: [GPTQ(args)]),
+                        ("awq+gptq", lambda: [AWQ(args), GPTQ(args)])]:  # fmt: skip
+        result = pipeline.run(tiny(4), steps(), calib, batch_size=4, progress=False)
+        assert len(result.quantized) == 14
+        errors[name] = sum(r["relative_error"] for r in result.report)
+    assert errors["awq+gptq"] < errors["awq+rtn"] and errors["awq+gptq"] < errors["gptq"], errors

@@ -112,3 +112,13 @@ def test_offloaded_layers_give_the_same_checkpoint(tiny_llama):
         f"model.layers.{i}.{n}" for i in range(2) for n in ("input_layernorm.weight", "post_attention_layernorm.weight")
     )
     assert all(p.is_meta for p in empty.model.layers.parameters())  # dropped again after use
+
+
+def test_rtn_without_data_gives_the_same_codes(model, tiny_llama):
+    calib = torch.randint(0, model.config.vocab_size, (4, 16))
+    with_data = pipeline.run(model, [RTN(QuantArgs(4, 32))], calib, progress=False)
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    without = pipeline.run(fresh, [RTN(QuantArgs(4, 32))], None, progress=False, report_error=False)
+    assert all("relative_error" not in r for r in without.report)
+    for name, q in with_data.quantized.items():
+        assert torch.equal(without.quantized[name].codes, q.codes)
