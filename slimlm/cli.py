@@ -112,31 +112,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def positive_int(text: str) -> int:
+def _int_arg(text: str, ok, requirement: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"'{text}' must be a positive integer")
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"'{text}' {requirement}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _int_arg(text, lambda v: v > 0, "must be a positive integer")
 
 
 def window_int(text: str) -> int:
-    value = positive_int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"'{text}': a window needs at least 2 tokens (one to predict from)")
-    return value
+    return _int_arg(text, lambda v: v >= 2, "must be at least 2: a window needs at least 2 tokens (one to predict)")
 
 
 def seed_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"'{text}' must be in [0, 2^63)")
-    return value
+    return _int_arg(text, lambda v: 0 <= v < 2**63, "must be in [0, 2^63)")
 
 
 def parse_size(text: str) -> int:

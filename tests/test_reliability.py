@@ -344,7 +344,7 @@ def test_a_huge_single_passage_is_tokenized_only_as_far_as_needed(tiny_llama):
     "argv, fragment",
     [
         (["eval", "{m}", "--seq-len", "1"], "a window needs at least 2 tokens"),
-        (["eval", "{m}", "--seq-len", "-4"], "must be a positive integer"),
+        (["eval", "{m}", "--seq-len", "-4"], "must be at least 2"),
         (["eval", "{m}", "--max-tokens", "0"], "must be a positive integer"),
         (["rtn", "--model", "{m}", "--out", "{o}", "--batch-size", "0"], "must be a positive integer"),
         (["rtn", "--model", "{m}", "--out", "{o}", "--ppl-tokens", "-100"], "must be a positive integer"),
