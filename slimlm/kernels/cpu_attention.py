@@ -30,6 +30,9 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
     scores = torch.matmul(qg, k.transpose(2, 3)) * scale  # [S, Hkv, group, L]
     unseen = torch.arange(k.shape[2], device=q.device)[None, :] >= seq_lens[:, None]
     scores.masked_fill_(unseen[:, None, None, :], float("-inf"))
+    # Slots past a sequence's end hold whatever the pool held (never written): a zero weight times a NaN
+    # there is NaN, so they are zeroed, not just given zero weight.
+    v = v.masked_fill(unseen[:, None, :, None], 0)
     return torch.matmul(scores.softmax(-1), v).view(s, heads, dim)
 
 

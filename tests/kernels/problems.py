@@ -82,6 +82,13 @@ def paged_problem(
     for s, n in enumerate(blocks_per_seq):
         table[s, :n] = order[start : start + n]
         start += n
+    if kv_dtype != torch.int8:  # every slot no sequence has written holds NaN: a kernel must never read it
+        written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+        for s, n in enumerate(seq_lens):
+            written.view(-1)[(table[s, : blocks_per_seq[s]].long()[:, None] * block_size
+                              + torch.arange(block_size)).flatten()[:n]] = True  # fmt: skip
+        k[~written.to(device)] = float("nan")
+        v[~written.to(device)] = float("nan")
     query_start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(int(query_start[-1]), heads, head_dim, generator=g, device=device)
 
