@@ -374,3 +374,20 @@ def test_user_errors_are_one_line(capsys, tiny_llama, tmp_path, argv, fragment):
     code, _, err = run_cli(capsys, *argv)
     assert_one_line_error(code, err, fragment)
     assert not (tmp_path / "q").exists()
+
+
+def test_a_full_disk_keeps_the_old_checkpoint_and_says_so(capsys, tiny_llama, quantized, monkeypatch):
+    import errno
+
+    from slimlm.formats import shards
+
+    before = (quantized / "model.safetensors").read_bytes()
+
+    def full(_tensors, path, metadata=None):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(shards, "save_file", full)
+    code, _, err = rtn(capsys, tiny_llama, quantized, "--bits", "8", "--overwrite")
+    assert_one_line_error(code, err, "No space left on device")
+    assert (quantized / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in quantized.parent.iterdir()) == ["q"]
