@@ -48,3 +48,12 @@ def test_missing_tokenizer(tiny_llama, tmp_path):
         f.unlink()
     with pytest.raises(SlimlmError, match="cannot load a tokenizer from"):
         models.load(str(d))
+
+
+def test_hub_endpoint_port_is_probed(monkeypatch):
+    from slimlm import hub
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://mirror.local:8080/hf")
+    assert hub.hub_address() == ("mirror.local", 8080)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hf.example.org")
+    assert hub.hub_address() == ("hf.example.org", 443)

@@ -83,3 +83,39 @@ def test_append_refuses_without_changing_anything_when_blocks_run_out():
     bm.allocate_prefix(s)
     assert not bm.append(s, 12)
     assert s.block_table == [] and bm.num_free == 2
+
+
+def test_release_last_rolls_back_rejected_tokens():
+    bm = BlockManager(num_blocks=20, block_size=4)
+    a = seq(list(range(10)))
+    run_prefill(bm, a)  # blocks [0..3] [4..7] [8, 9]
+    a.token_ids += [10, 11, 12, 13]  # four drafted tokens, computed
+    assert bm.append(a, 4)
+    a.num_computed = 14
+    bm.register_full_blocks(a)
+    assert len(a.block_table) == 4 and len(a.block_hashes) == 3
+    third = a.block_table[2]
+    bm.release_last(a, 5)  # the target rejected all but... 9 tokens kept
+    del a.token_ids[9:]
+    assert a.num_computed == 9 and len(a.block_table) == 3 and bm.num_free == 17
+    assert len(a.block_hashes) == 2 and bm.blocks[third].hash is None  # no longer full: not shareable
+    b = seq(list(range(8)) + [8, 99, 98, 97], seq_id=1)  # must not find a.block 2 in the cache any more
+    bm.allocate_prefix(b)
+    assert b.num_computed == 8
+    a.token_ids.append(42)
+    assert bm.append(a, 1) and a.block_table[2] == third  # a writes on into its own third block
+    bm.free_sequence(a)
+    bm.free_sequence(b)
+    assert bm.num_free == 20
+
+
+def test_release_last_of_a_shared_block_copies_before_writing():
+    bm = BlockManager(num_blocks=20, block_size=4)
+    a = seq(list(range(8)))
+    run_prefill(bm, a)
+    b = seq(list(range(8)) + [1], seq_id=1)
+    run_prefill(bm, b)  # shares both of a's blocks
+    shared = b.block_table[1]
+    bm.release_last(b, 2)  # back into the shared block
+    assert b.num_computed == 7 and bm.blocks[shared].ref_count == 2
+    assert bm.append(b, 1) and b.block_table[1] != shared and bm.pending_copies == [(shared, b.block_table[1])]

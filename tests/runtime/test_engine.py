@@ -175,3 +175,28 @@ def test_abort_frees_everything(tiny_llama, prompts):
     while engine.has_unfinished():
         engine.step()
     assert engine.blocks.num_free == engine.runner.num_blocks
+
+
+def test_unseeded_sampling_leaves_the_global_rng_alone(tiny_llama, prompts):
+    llm = LLM(str(tiny_llama))
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    llm.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=1.0))
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_incremental_text_equals_a_full_decode_and_stop_strings_cut_it(tiny_llama, prompts):
+    llm = LLM(str(tiny_llama))
+    params = SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True)
+    streamed = {}
+    for out in llm.stream(prompts[:3], params):
+        streamed[out.request_id] = out
+    for out in streamed.values():
+        full = llm.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+        assert out.outputs[0].text == full
+    text = next(iter(streamed.values())).outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = llm.generate([prompts[0]], SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True,
+                                                    stop=[stop]))[0].outputs[0]  # fmt: skip
+    assert cut.finish_reason == "stop" and cut.text == text[: text.find(stop)]

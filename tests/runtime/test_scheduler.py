@@ -76,3 +76,4 @@ def test_finishing_from_any_state_returns_every_block():
     for s in seqs:  # running, mid-prefill, waiting
         sched.finish(s, "abort")
     assert bm.num_free == 16 and not sched.has_work()
+
