@@ -171,7 +171,8 @@ def report(rows: list[dict], base_ppl: float, a: argparse.Namespace) -> None:
         ratio_q = ratio_t = ""
         if peer and peer["ppl"] == peer["ppl"]:
             ratio_q = f"{inc / (peer['ppl'] / base_ppl - 1):.2f}"
-            ratio_t = f"{r['seconds'] / peer['seconds']:.2f}"
+            if r["seconds"] and peer["seconds"]:  # None: a peer row merged from a run on another machine
+                ratio_t = f"{r['seconds'] / peer['seconds']:.2f}"
         secs = "" if r["seconds"] is None else f"{r['seconds']:.0f}"
         peak = "" if r["peak_gb"] is None else f"{r['peak_gb']:.2f}"
         err = f" ({r['error'][:60]})" if r.get("error") else ""
