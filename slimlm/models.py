@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from slimlm import SlimlmError, assets
+from slimlm import SlimlmError, assets, cache_dir
 from slimlm.formats import manifest, reader
 from slimlm.formats.reader import read_config
 
@@ -94,7 +94,14 @@ def check(model_dir: Path) -> dict:
     """Supported architecture and intact weight files, or a one-line SlimlmError; returns config.json."""
     config = read_config(model_dir)
     check_architecture(config, model_dir)
-    manifest.verify(model_dir)
+    try:
+        manifest.verify(model_dir)
+    except SlimlmError as e:
+        asset = next((n for n in assets.ASSETS if Path(model_dir).resolve() == (cache_dir() / n).resolve()), None)
+        if asset is None:
+            raise
+        fix = f"run: compress assets fetch {asset} --force"
+        raise SlimlmError(f"the cached asset {asset} is damaged ({e}); {fix}") from None
     return config
 
 

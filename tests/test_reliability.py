@@ -391,3 +391,18 @@ def test_a_full_disk_keeps_the_old_checkpoint_and_says_so(capsys, tiny_llama, qu
     assert_one_line_error(code, err, "No space left on device")
     assert (quantized / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in quantized.parent.iterdir()) == ["q"]
+
+
+def test_a_flipped_byte_in_a_cached_model_names_the_repair(tmp_path, monkeypatch, tiny_llama):
+    from slimlm import cache_dir
+    from slimlm.formats import manifest, shards
+
+    monkeypatch.setenv("SLIMLM_CACHE", str(tmp_path / "cache"))
+    entry = cache_dir() / "smollm2-135m"  # stand-in: the tiny model with a manifest, where the asset lives
+    shutil.copytree(tiny_llama, entry)
+    manifest.write(entry, {"method": "float"}, [p.name for p in shards.weight_files(entry)])
+    raw = bytearray((entry / "model.safetensors").read_bytes())
+    raw[-5] ^= 0x01
+    (entry / "model.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(SlimlmError, match="cached asset smollm2-135m is damaged.*assets fetch smollm2-135m --force"):
+        models.check(entry)
