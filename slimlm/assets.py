@@ -100,13 +100,14 @@ def is_cached(name: str) -> bool:
     return _problem(name, full=False) is None
 
 
-def fetch(name: str, quiet: bool = False, force: bool = False) -> Path:
-    """The cache directory of asset `name`, fetched and built first if missing, damaged or `force`d."""
+def fetch(name: str, quiet: bool = False, force: bool = False, verify: bool = False) -> Path:
+    """The cache directory of asset `name`, fetched and built first if missing, damaged or `force`d.
+    `verify` hashes every cached file (what `compress assets fetch` does), not just the small ones."""
     if name not in ASSETS:
         raise SlimlmError(f"unknown asset '{name}'; known assets: {', '.join(ASSETS)}")
     asset = ASSETS[name]
     target = _entry(asset)
-    problem = _problem(name, full=force)
+    problem = _problem(name, full=force or verify)
     if problem is None and not force:
         return target
     log = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -155,7 +155,7 @@ def cmd_assets(a: argparse.Namespace) -> None:
         print(f"cache: {cache_dir()}")
         return
     for name in a.names or list(assets.ASSETS):
-        print(assets.fetch(name, force=a.force))
+        print(assets.fetch(name, force=a.force, verify=True))
 
 
 def _measure(spec: str, source: str, seq_len: int, max_tokens: int, device: str | None) -> dict:
