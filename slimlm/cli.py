@@ -206,9 +206,7 @@ def _weight_args(a: argparse.Namespace):
 
     group = a.group_size
     if group is None:
-        model_dir = models.resolve(a.model)
-        models.check(model_dir)
-        group = default_group_size(model_dir)
+        group = default_group_size(models.resolve(a.model))  # the job checks the model itself
         print(f"--group-size not given: using {group}, the largest of 128, 64, 32 that divides every layer's "
               "input dim", file=sys.stderr)  # fmt: skip
     return QuantArgs(bits=a.bits, group_size=group, sym=a.sym)

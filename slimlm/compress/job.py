@@ -17,9 +17,11 @@ from slimlm.formats import atomic, gptq_v1, shards, writer
 from slimlm.formats.quantized import SUPPORTED_GROUP_SIZES, QuantArgs
 
 
-def default_group_size(model_dir: Path, ignore: list[str] = ()) -> int:
+def default_group_size(model_dir: Path) -> int:
     """The largest standard group size that divides every decoder linear's input dim (-1 if none does)."""
-    dims = set(arch.linear_input_dims(models.read_config(model_dir)).values())
+    config = models.read_config(model_dir)
+    models.check_architecture(config, model_dir)  # sizes checked without hashing the weights (the job does)
+    dims = set(arch.linear_input_dims(config).values())
     return next((g for g in sorted(SUPPORTED_GROUP_SIZES, reverse=True) if g > 0 and all(d % g == 0 for d in dims)), -1)
 
 
@@ -67,16 +69,15 @@ def quantize_weights(
     writer.quantization_config(fmt, args, [], {})  # an unknown --format fails here, not after calibration
     dev = resolve_device(device)
     model_dir = models.resolve(model_spec)
-    models.check(model_dir)
+    source_config = models.check(model_dir)
     with_data = report_error or any(s.needs_data for s in steps)
     data.check_source(calib)  # even when no step reads it: a mistyped --calib is worth saying
     for check in checks:
         check()
     torch.manual_seed(seed)
-    out = atomic.check_output(out, overwrite, sources=[model_dir])
-    with atomic.atomic_dir(out, overwrite, sources=[model_dir]) as tmp:
-        quantized_source = "quantization_config" in models.read_config(model_dir)
-        if not quantized_source:
+    out = Path(out).expanduser().resolve()
+    with atomic.atomic_dir(out, overwrite, sources=[model_dir]) as tmp:  # checks --out before any work
+        if "quantization_config" not in source_config:
             # Decoder layers stay on disk until their turn: memory is bounded by one layer, not the model.
             model, tokenizer = models.empty_model(model_dir), models.load_tokenizer(model_dir)
             weights = offload.LazyWeights(model_dir)

@@ -65,10 +65,14 @@ class OutputProcessor:
     eos_ids: set[int]
     detok: dict[int, Detokenizer] = field(default_factory=dict)  # by seq_id
 
+    def _advance(self, seq: Sequence) -> tuple[Detokenizer, str]:
+        """Decode the sequence's newest tokens; its detokenizer and the text they added."""
+        d = self.detok.setdefault(seq.seq_id, Detokenizer())
+        return d, d.add(self.tokenizer, self._visible_ids(seq))
+
     def stop_string_hit(self, seq: Sequence) -> bool:
         """Advance the sequence's text; True (and the text cut before it) when a stop string appeared."""
-        d = self.detok.setdefault(seq.seq_id, Detokenizer())
-        new = d.add(self.tokenizer, self._visible_ids(seq))
+        d, new = self._advance(seq)
         if not new or not seq.params.stop:
             return False
         longest = max(map(len, seq.params.stop))
@@ -91,9 +95,8 @@ class OutputProcessor:
             if d is not None and d.stopped_at is not None:
                 return d.text
             return self.tokenizer.decode(self._visible_ids(seq), skip_special_tokens=True)
-        if d is None or d.read < len(self._visible_ids(seq)):
-            self.stop_string_hit(seq)  # streaming without stop strings: bring the text up to date
-            d = self.detok[seq.seq_id]
+        if d is None or d.read < len(self._visible_ids(seq)):  # streaming without stop strings
+            d, _ = self._advance(seq)
         return d.text
 
     def output(self, request, detokenize: bool, finished: bool) -> RequestOutput:
