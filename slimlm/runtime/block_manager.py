@@ -68,14 +68,18 @@ class BlockManager:
         """Give a sequence without blocks the cached blocks of its longest cached prefix of full blocks.
 
         The last token is always left to compute (its logits are needed), so a fully cached prompt still
-        runs one token; the blocks it writes into are never shared ones.
+        runs one token; the blocks it writes into are never shared ones. With prompt log-probabilities, every
+        position from prompt_logprobs_from - 1 on is computed too: its logits score the next token.
         """
         assert not seq.block_table
         seq.num_computed = 0
-        if not self.prefix_caching or seq.params.prompt_logprobs:  # those need every prompt token computed
+        if not self.prefix_caching:
             return
+        reusable = seq.num_tokens - 1
+        if seq.params.prompt_logprobs is not None:
+            reusable = min(reusable, seq.params.prompt_logprobs_from - 1)
         parent = None
-        for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
+        for start in range(0, reusable - self.block_size + 1, self.block_size):
             tokens = tuple(seq.token_ids[start : start + self.block_size])
             h = chain_hash(parent, tokens)
             block_id = self.cached.get(h)

@@ -126,6 +126,9 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise SlimlmError(f"the prompt has {len(ids)} tokens; the model's context holds {self.max_model_len}, "
                               "and one must be generated")  # fmt: skip
+        if params.prompt_logprobs is not None and params.prompt_logprobs_from >= len(ids):
+            raise SlimlmError(f"prompt_logprobs_from {params.prompt_logprobs_from} is past the prompt's last token "
+                              f"(position {len(ids) - 1})")  # fmt: skip
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise SlimlmError(f"request id '{request_id}' is already in use")
@@ -209,33 +212,31 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.items:
             return done
-        rows, row_of, offset = [], {}, 0
+        # Logits are computed only for the rows that need them: a sampling row per sequence at the end of
+        # its prompt or in decode, and the prompt positions whose log-probabilities were asked for.
+        rows, prompt_rows, sample_row, offset = [], {}, {}, 0
         for item in batch.items:
-            if item.seq.params.prompt_logprobs is not None and item.seq.num_computed < item.seq.num_prompt_tokens:
-                row_of[id(item)] = len(rows)
-                rows += range(offset, offset + item.num_tokens)
-            elif item.samples:
-                row_of[id(item)] = len(rows)
+            lo, hi = self._prompt_positions(item.seq, item.num_tokens)
+            if lo < hi:
+                prompt_rows[id(item)] = (len(rows), lo, hi)
+                rows += range(offset + lo - item.seq.num_computed, offset + hi - item.seq.num_computed)
+            if item.samples:
+                sample_row[id(item)] = len(rows)
                 rows.append(offset + item.num_tokens - 1)
             offset += item.num_tokens
-        logits = self.runner.run(batch, rows) if rows else None
+        logits = self.runner.run(batch, rows)  # also with no rows: the chunk's K/V must be written
         now = time.perf_counter()
         touched: dict[str, None] = {}
         to_sample: list[tuple[Sequence, int]] = []
         for item in batch.items:
             seq, samples = item.seq, item.samples  # `samples` reads num_computed: before it moves on
-            first, last = seq.num_computed, seq.num_computed + item.num_tokens
-            seq.num_computed = last
+            seq.num_computed += item.num_tokens
             self.blocks.register_full_blocks(seq)
-            if id(item) not in row_of:
-                continue
-            row = row_of[id(item)]
-            if seq.params.prompt_logprobs is not None and first < seq.num_prompt_tokens:
-                if first == len(seq.prompt_logprobs):  # not a recomputation after preemption
-                    self._prompt_logprobs(seq, logits[row : row + item.num_tokens], first, last)
-                row += item.num_tokens - 1
+            if id(item) in prompt_rows:
+                row, lo, hi = prompt_rows[id(item)]
+                self._prompt_logprobs(seq, logits[row : row + hi - lo], lo, hi)
             if samples:
-                to_sample += [(s, row) for s in self._fork_if_first(seq)]
+                to_sample += [(s, sample_row[id(item)]) for s in self._fork_if_first(seq)]
         if to_sample:
             seqs = [s for s, _ in to_sample]
             picked = logits[torch.tensor([r for _, r in to_sample], device=logits.device)]
@@ -254,9 +255,19 @@ class Engine:
         request = self.requests[request_id]
         return len(request.seqs) == request.params.n and all(s.is_finished for s in request.seqs)
 
-    def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, first: int, last: int) -> None:
-        targets = seq.token_ids[first + 1 : min(last + 1, seq.num_prompt_tokens)]
-        lp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
+    def _prompt_positions(self, seq: Sequence, num_tokens: int) -> tuple[int, int]:
+        """Positions [lo, hi) of this chunk whose logits score a prompt token not scored yet (after a
+        preemption the prompt is recomputed, but what was scored stays)."""
+        if seq.params.prompt_logprobs is None:
+            return 0, 0
+        first_unscored = seq.params.prompt_logprobs_from - 1 + len(seq.prompt_logprobs)
+        lo = max(seq.num_computed, first_unscored)
+        hi = min(seq.num_computed + num_tokens, seq.num_prompt_tokens - 1)
+        return lo, max(lo, hi)
+
+    def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, lo: int, hi: int) -> None:
+        targets = seq.token_ids[lo + 1 : hi + 1]
+        lp = torch.log_softmax(logits.float(), dim=-1)
         seq.prompt_logprobs += lp[torch.arange(len(targets)), targets].tolist()
         if seq.params.prompt_logprobs:
             seq.prompt_top_logprobs += top_logprobs(lp, [seq.params.prompt_logprobs] * len(targets))

@@ -83,4 +83,4 @@ class ModelRunner:
         self.copy_blocks(batch.copies)
         ids, step = self.inputs(batch)
         hidden = self.model(ids, step, self.kv_cache)
-        return self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        return self.model.logits(hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)])

@@ -32,7 +32,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     arrival: float
     finished: bool
-    prompt_logprobs: list[float] | None = None
+    prompt_logprobs: list[float] | None = None  # of prompt tokens prompt_logprobs_from, ..., the last
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None

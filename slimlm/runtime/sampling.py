@@ -21,7 +21,9 @@ class SamplingParams:
     """vLLM's names and meanings. temperature 0 is greedy; top_k 0 or -1 and top_p 1 disable those filters.
 
     logprobs / prompt_logprobs: None (off) or N in 0..MAX_LOGPROBS: each token's own log-probability under
-    the model (before temperature), plus the N most likely tokens' when N > 0."""
+    the model (before temperature), plus the N most likely tokens' when N > 0. prompt_logprobs_from: the first
+    prompt position scored (default 1, the whole prompt); the prompt before it may come from the prefix
+    cache, which is how scoring continuations of a shared context (lm-eval) reuses the context's KV."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -34,6 +36,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    prompt_logprobs_from: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +62,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
                 problems.append(f"{name} must be None or an integer in 0..{MAX_LOGPROBS}, got {value!r}")
+        if not (_is_int(self.prompt_logprobs_from) and self.prompt_logprobs_from >= 1):
+            problems.append(f"prompt_logprobs_from must be an integer >= 1, got {self.prompt_logprobs_from!r}")
         if problems:
             raise SlimlmError("invalid sampling parameters: " + "; ".join(problems))
 

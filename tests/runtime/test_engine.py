@@ -76,6 +76,35 @@ def test_prompt_logprobs_equal_transformers(tiny_llama, hf, prompts):
     assert out.outputs[0].logprobs[0] == pytest.approx(float(hf_logprobs(hf, full)[-1]), abs=1e-5)
 
 
+def test_a_lone_prompt_longer_than_the_token_budget_is_computed_whole(tiny_llama, hf, prompts):
+    """A step holding only a middle prefill chunk needs no logits, but its K/V must still be written."""
+    llm = LLM(str(tiny_llama), max_num_batched_tokens=16)
+    out = llm.generate([prompts[7]], SamplingParams(max_tokens=2, temperature=0, logprobs=0))[0].outputs[0]
+    expected = hf_logprobs(hf, prompts[7] + out.token_ids)[-2:]
+    assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-5)
+
+
+def test_scoring_continuations_reuses_the_context_and_matches_transformers(tiny_llama, hf, prompts):
+    """lm-eval's pattern: one context, several continuations, only the continuations scored. The context's
+    full blocks come from the prefix cache; the scores equal transformers' on the whole sequence."""
+    context = prompts[7][:70]  # 4 full blocks of 16 and a partial one
+    conts = [prompts[6][:5], prompts[5][:9], prompts[4][:3]]
+    llm = LLM(str(tiny_llama), max_num_batched_tokens=32)
+    for i, cont in enumerate(conts):
+        params = SamplingParams(max_tokens=1, prompt_logprobs=1, prompt_logprobs_from=len(context))
+        out = llm.generate([context + cont], params)[0]
+        expected = hf_logprobs(hf, context + cont)[len(context) - 1 :]
+        assert torch.allclose(torch.tensor(out.prompt_logprobs), expected, atol=1e-5)
+        assert len(out.prompt_top_logprobs) == len(cont)
+        assert out.num_cached_tokens == (0 if i == 0 else 64)  # context - 1 tokens, rounded down to blocks
+    # scoring the whole prompt again must compute it all, although its blocks are cached
+    again = llm.generate([context + conts[0]], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    assert again.num_cached_tokens == 0
+    assert torch.allclose(torch.tensor(again.prompt_logprobs), hf_logprobs(hf, context + conts[0]), atol=1e-5)
+    with pytest.raises(SlimlmError, match="prompt_logprobs_from"):
+        llm.engine.add_request(context, SamplingParams(prompt_logprobs=0, prompt_logprobs_from=len(context)))
+
+
 def test_shared_prefix_blocks_are_reused_and_change_nothing(tiny_llama, hf):
     _, tok = hf
     words = make_text(60, seed=5).split()
