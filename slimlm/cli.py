@@ -88,13 +88,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the AWQ-scaled weights are quantized: rtn (AWQ's own, default) or gptq")
     _add_gptq_args(p)
 
-    p = sub.add_parser("eval", help="perplexity of a model or checkpoint")
+    p = sub.add_parser("eval", help="lm-eval tasks and perplexity of a model or checkpoint, through the runtime")
     p.add_argument("model", help="asset name, local directory or hub id")
-    p.add_argument("--ppl", default="wiki", metavar="SOURCE", help="text source (default: wiki)")
-    p.add_argument("--seq-len", type=window_int, default=512)
-    p.add_argument("--max-tokens", type=positive_int, default=16384, help="tokens taken from the source")
+    p.add_argument("--tasks", help="comma-separated lm-eval tasks; bundled: slimlm_tasks (all), "
+                   "slimlm_hellaswag, slimlm_piqa, ... (default: none; --ppl wiki alone)")  # fmt: skip
+    p.add_argument("--limit", type=limit_arg, help="documents per task: a count, or a fraction in (0, 1)")
+    p.add_argument("--num-fewshot", type=nonnegative_int, help="few-shot examples (default: each task's own)")
+    p.add_argument("--batch-size", type=positive_int, help="sequences per engine step (default 128)")
+    p.add_argument("--ppl", metavar="SOURCE", help="perplexity text (default: wiki when no --tasks)")
+    p.add_argument("--seq-len", type=window_int, default=512, help="--ppl window length")
+    p.add_argument("--max-tokens", type=positive_int, default=16384, help="--ppl tokens taken from the source")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-memory", type=parse_size, default="512M", help="KV block pool size (e.g. 512M, 2G)")
     p.add_argument("--output", type=Path, help="write the results as JSON here")
     _add_device(p)
+
+    p = sub.add_parser("lm-eval", help="lm-eval's own command line with the slimlm model and task pack registered",
+                       add_help=False)  # fmt: skip
+    p.add_argument("args", nargs=argparse.REMAINDER, help="lm-eval arguments, e.g. --model slimlm --model_args "
+                   "pretrained=DIR --tasks slimlm_tasks")  # fmt: skip
 
     p = sub.add_parser("generate", help="generate text with the bundled runtime (float or quantized checkpoint)")
     p.add_argument("model", help="asset name, local directory or hub id")
@@ -124,6 +136,23 @@ def _int_arg(text: str, ok, requirement: str) -> int:
 
 def positive_int(text: str) -> int:
     return _int_arg(text, lambda v: v > 0, "must be a positive integer")
+
+
+def nonnegative_int(text: str) -> int:
+    return _int_arg(text, lambda v: v >= 0, "must be 0 or a positive integer")
+
+
+def limit_arg(text: str) -> int | float:
+    """lm-eval's --limit: a document count (>= 1) or a fraction of each task in (0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if value >= 1 and value == int(value):
+        return int(value)
+    if 0 < value < 1:
+        return value
+    raise argparse.ArgumentTypeError(f"'{text}' must be a document count >= 1 or a fraction in (0, 1)")
 
 
 def window_int(text: str) -> int:
@@ -159,19 +188,13 @@ def cmd_assets(a: argparse.Namespace) -> None:
 
 
 def _measure(spec: str, source: str, seq_len: int, max_tokens: int, device: str | None) -> dict:
-    from slimlm import models
-    from slimlm.devices import resolve_device
-    from slimlm.eval.perplexity import perplexity
+    from slimlm.eval.perplexity import engine_for, perplexity
     from slimlm.formats import shards
 
-    model, tokenizer, model_dir = models.load(spec)
-    context = getattr(model.config, "max_position_embeddings", None)
-    if context and seq_len > context:
-        raise SlimlmError(f"--seq-len {seq_len} exceeds the model's context ({context} tokens)")
-    model.to(resolve_device(device))
-    result = perplexity(model, tokenizer, source, seq_len=seq_len, max_tokens=max_tokens)
-    result["model"] = str(model_dir)
-    result["size_bytes"] = shards.total_size(model_dir)
+    engine = engine_for(spec, seq_len, device=device)
+    result = perplexity(engine, source, seq_len=seq_len, max_tokens=max_tokens)
+    result["model"] = str(engine.model_dir)
+    result["size_bytes"] = shards.total_size(engine.model_dir)
     return result
 
 
@@ -180,23 +203,68 @@ def _check_output_file(path: Path | None) -> None:
         raise SlimlmError(f"--output {path} is a directory; name a file")
 
 
+def _write_json(path: Path, text: str) -> None:
+    """Whole or not at all: an interrupted eval leaves no half-written results file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except OSError as e:
+        raise SlimlmError(f"cannot write --output {path}: {e.strerror or e}") from None
+
+
 def cmd_eval(a: argparse.Namespace) -> None:
     from slimlm import data
 
     _check_output_file(a.output)
-    data.check_source(a.ppl)
-    result = _measure(a.model, a.ppl, a.seq_len, a.max_tokens, a.device)
-    print(
-        f"perplexity on {a.ppl}: {result['perplexity']:.3f} ({result['tokens_scored']} tokens, "
-        f"windows of {a.seq_len}, {result['seconds']:.0f}s)"
-    )
+    tasks = [t.strip() for t in a.tasks.split(",") if t.strip()] if a.tasks is not None else []
+    if a.tasks is not None and not tasks:
+        raise SlimlmError("--tasks is empty; name tasks, e.g. --tasks slimlm_hellaswag,slimlm_piqa")
+    ppl_source = a.ppl or (None if tasks else "wiki")
+    if ppl_source:
+        data.check_source(ppl_source)
+    results = None
+    if tasks:
+        from slimlm.eval import harness
+
+        results = harness.evaluate(a.model, tasks, limit=a.limit, num_fewshot=a.num_fewshot, batch_size=a.batch_size,
+                                   dtype=a.dtype, kv_cache_memory=a.kv_cache_memory, device=a.device)  # fmt: skip
+        print(harness.table(results))
+        s = results["slimlm"]
+        print(f"[{s['tokens_computed']} tokens through the runtime in {s['seconds']:.0f}s: "
+              f"{s['tokens_per_second']:.0f} tokens/s]")  # fmt: skip
+    ppl = None
+    if ppl_source:
+        ppl = _measure(a.model, ppl_source, a.seq_len, a.max_tokens, a.device)
+        print(f"perplexity on {ppl_source}: {ppl['perplexity']:.3f} ({ppl['tokens_scored']} tokens, "
+              f"windows of {a.seq_len}, {ppl['seconds']:.0f}s)")  # fmt: skip
+    if results is not None:
+        from slimlm.eval import harness
+
+        results["slimlm"]["perplexity"] = ppl
+        text = harness.to_json(results)
+    else:
+        text = json.dumps(ppl, indent=2) + "\n"
+        print(json.dumps(ppl))
     if a.output:
-        try:
-            a.output.parent.mkdir(parents=True, exist_ok=True)
-            a.output.write_text(json.dumps(result, indent=2) + "\n")
-        except OSError as e:
-            raise SlimlmError(f"cannot write --output {a.output}: {e.strerror or e}") from None
-    print(json.dumps(result))
+        _write_json(a.output, text)
+
+
+def cmd_lm_eval(a: argparse.Namespace) -> None:
+    import lm_eval.__main__
+
+    import slimlm.eval.lm_eval_model  # noqa: F401  registers --model slimlm
+    from slimlm.eval import taskpack
+
+    args = list(a.args)
+    if "--include_path" not in args:
+        args += ["--include_path", str(taskpack.TASKS_DIR)]
+    sys.argv = ["lm-eval", *args]
+    lm_eval.__main__.cli_evaluate()
 
 
 def _weight_args(a: argparse.Namespace):
@@ -313,6 +381,7 @@ def cmd_generate(a: argparse.Namespace) -> None:
 
 COMMANDS = {
     "assets": cmd_assets, "rtn": cmd_rtn, "gptq": cmd_gptq, "awq": cmd_awq, "eval": cmd_eval, "generate": cmd_generate,
+    "lm-eval": cmd_lm_eval,
 }  # fmt: skip
 
 
@@ -325,7 +394,11 @@ def _interrupt(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["lm-eval"]:  # everything after it is lm-eval's, options included
+        a = argparse.Namespace(command="lm-eval", args=argv[1:])
+    else:
+        a = build_parser().parse_args(argv)
     warnings.formatwarning = _one_line_warning
     signal.signal(signal.SIGTERM, _interrupt)
     try:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from slimlm import models
-from slimlm.eval.perplexity import perplexity
+from slimlm.eval.perplexity import engine_for, perplexity
 from slimlm.formats import shards
 from tests.conftest import transformers_logits_error
 
@@ -30,10 +30,8 @@ def test_converted_model_is_the_real_smollm2(smollm2):
 
 
 def test_rtn_w4_g64_quality_and_size(smollm2, rtn_checkpoint):
-    base, tok, _ = models.load("smollm2-135m")
-    quant, _, _ = models.load(str(rtn_checkpoint))
-    p0 = perplexity(base, tok, "wiki", seq_len=512, max_tokens=2048, progress=False)["perplexity"]
-    p1 = perplexity(quant, tok, "wiki", seq_len=512, max_tokens=2048, progress=False)["perplexity"]
+    p0 = perplexity(engine_for("smollm2-135m", 512), "wiki", seq_len=512, max_tokens=2048, progress=False)["perplexity"]
+    p1 = perplexity(engine_for(str(rtn_checkpoint), 512), "wiki", 512, max_tokens=2048, progress=False)["perplexity"]
     assert 10 < p0 < 60
     assert p0 < p1 < 1.6 * p0  # 4-bit RTN costs something, but the model still works
     assert shards.total_size(rtn_checkpoint) < 0.35 * shards.total_size(smollm2)

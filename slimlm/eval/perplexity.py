@@ -1,8 +1,9 @@
-"""Perplexity over fixed, non-overlapping windows of a text source.
+"""Perplexity over fixed, non-overlapping windows of a text source, computed by the runtime that serves
+the checkpoint (so it measures what is served: the runtime's kernels, scales and dtype).
 
 Method: passages in file order, tokenized and joined with EOS (slimlm.data.token_stream), cut into
 consecutive windows of `seq_len` tokens; the first `max_tokens // seq_len` windows are scored. Each window is
-an independent sequence, so every token but its first is predicted from the tokens before it in the window:
+an independent prompt, so every token but its first is predicted from the tokens before it in the window:
 `windows × (seq_len − 1)` tokens are scored. ppl = exp(mean negative log-likelihood).
 """
 
@@ -11,44 +12,44 @@ from __future__ import annotations
 import math
 import time
 
-import torch
-from tqdm import tqdm
-
 from slimlm import SlimlmError, data
+from slimlm.eval import batch
+from slimlm.runtime.engine import Engine, EngineConfig
+from slimlm.runtime.sampling import SamplingParams
 
 
-@torch.no_grad()
+def engine_for(model: str, seq_len: int, **config) -> Engine:
+    """An engine sized for scoring windows of `seq_len` (its context need not be the model's)."""
+    return Engine(model, EngineConfig(max_model_len=seq_len + 1, max_num_batched_tokens=2048, **config))
+
+
 def perplexity(
-    model: torch.nn.Module,
-    tokenizer,
-    source: str = "wiki",
-    seq_len: int = 512,
-    max_tokens: int = 16384,
-    batch_size: int = 4,
-    progress: bool = True,
+    engine: Engine, source: str = "wiki", seq_len: int = 512, max_tokens: int = 16384, progress: bool = True
 ) -> dict:
-    ids = data.token_stream(data.passages(source), tokenizer, max_tokens=max_tokens)
-    batch = data.windows(ids, seq_len, max(1, max_tokens // seq_len))
-    if len(batch) == 0:
+    if seq_len >= engine.max_model_len:
+        raise SlimlmError(f"--seq-len {seq_len} does not fit the model's context ({engine.max_model_len} tokens, "
+                          "one of them generated)")  # fmt: skip
+    ids = data.token_stream(data.passages(source), engine.tokenizer, max_tokens=max_tokens)
+    windows = data.windows(ids, seq_len, max(1, max_tokens // seq_len)).tolist()
+    if not windows:
         raise SlimlmError(f"'{source}' has fewer than {seq_len} tokens; lower --seq-len")
-    device = next(model.parameters()).device
-    nll = 0.0
     start = time.time()
-    for i in tqdm(range(0, len(batch), batch_size), desc=f"ppl {source}", unit="batch", disable=not progress):
-        x = batch[i : i + batch_size].to(device)
-        logits = model(input_ids=x, use_cache=False).logits.float()
-        logp = torch.log_softmax(logits[:, :-1], dim=-1)
-        nll -= logp.gather(-1, x[:, 1:, None]).double().sum().item()
-        if not math.isfinite(nll):
-            raise SlimlmError("the model produced non-finite log-probabilities; the weights are broken")
-    scored = len(batch) * (seq_len - 1)
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    outputs = batch.run(engine, windows, [params] * len(windows), desc=f"ppl {source}", progress=progress)
+    nll = -math.fsum(lp for out in outputs for lp in out.prompt_logprobs)
+    if not math.isfinite(nll):
+        raise SlimlmError("the model produced non-finite log-probabilities; the weights are broken")
+    scored = len(windows) * (seq_len - 1)
+    seconds = time.time() - start
     return {
         "source": source,
         "perplexity": math.exp(nll / scored),
         "seq_len": seq_len,
-        "windows": len(batch),
+        "windows": len(windows),
         "tokens_scored": scored,
-        "seconds": round(time.time() - start, 2),
+        "seconds": round(seconds, 2),
+        "tokens_per_second": round(len(windows) * seq_len / seconds, 1),
+        "engine": {"dtype": engine.config.dtype, "device": str(engine.device)},
         "method": "non-overlapping windows of a passage stream joined with EOS; all but each window's first "
-        "token scored",
+        "token scored, through the slimlm runtime",
     }

@@ -84,7 +84,7 @@ class Engine:
     def __init__(self, model: str, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
-        model_dir = models.resolve(model)
+        self.model_dir = model_dir = models.resolve(model)
         hf = models.check(model_dir)
         self.tokenizer = models.load_tokenizer(model_dir)
         context = hf.get("max_position_embeddings", 2048)
