@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from slimlm import data, models
-from slimlm.eval.perplexity import perplexity
+from slimlm.eval.perplexity import engine_for, perplexity
 
 HERE = Path(__file__).parent
 SETTINGS = {  # name: (bits, group size, symmetric)
@@ -34,6 +34,7 @@ SETTINGS = {  # name: (bits, group size, symmetric)
     "w4g64-asym": (4, 64, False),
     "w4-channel-sym": (4, -1, True),
     "w3g64-asym": (3, 64, False),
+    "w8-channel-sym": (8, -1, True),
 }
 
 
@@ -74,39 +75,14 @@ def main() -> None:
         return
 
     model_dir = models.resolve("smollm2-135m")
-    base_model, tokenizer, _ = models.load("smollm2-135m")
-    a.work.mkdir(parents=True, exist_ok=True)
-    calib_file = a.work / "calib.safetensors"
-    save_file({"input_ids": data.calibration_windows("owt", tokenizer, a.samples, a.seq_len, 0)}, calib_file)
-    base = perplexity(base_model, tokenizer, "wiki", a.seq_len, a.ppl_tokens, progress=False)
-    del base_model
+    calib_file = write_calibration(a.work, a.samples, a.seq_len)
+    base = perplexity(engine_for(str(model_dir), a.seq_len), "wiki", a.seq_len, a.ppl_tokens, progress=False)
     print(f"float baseline: wiki ppl {base['perplexity']:.3f} ({base['tokens_scored']} tokens)", flush=True)
 
     rows = [{"setting": "float", "method": "baseline", "ppl": base["perplexity"], "seconds": None, "peak_gb": None}]
     methods = a.methods.split(",")
     for setting in a.settings.split(","):
-        bits, gs, sym = SETTINGS[setting]
-        qflags = ["--bits", str(bits), "--group-size", str(gs), "--sym" if sym else "--asym"]
-        ours_common = ["--model", "smollm2-135m", "--calib", "owt", "--num-samples", str(a.samples),
-                       "--seq-len", str(a.seq_len), "--overwrite"]  # fmt: skip
-        peer_common = ["--model", str(model_dir), "--calib", str(calib_file), "--bits", str(bits),
-                       "--group-size", str(gs)] + ([] if sym else ["--asym"])  # fmt: skip
-        jobs = {
-            "rtn": [sys.executable, "-m", "slimlm.cli", "rtn", *ours_common, *qflags],
-            "gptq": [sys.executable, "-m", "slimlm.cli", "gptq", *ours_common, *qflags],  # act-order by default
-            "gptq-noact": [sys.executable, "-m", "slimlm.cli", "gptq", *ours_common, *qflags, "--no-act-order"],
-            "gptq-act": [sys.executable, "-m", "slimlm.cli", "gptq", *ours_common, *qflags, "--act-order"],
-            "awq": [sys.executable, "-m", "slimlm.cli", "awq", *ours_common, *qflags],
-            "awq-gptq": [sys.executable, "-m", "slimlm.cli", "awq", *ours_common, *qflags, "--then", "gptq"],
-            "awq-noclip-gptq": [sys.executable, "-m", "slimlm.cli", "awq", *ours_common, *qflags, "--then", "gptq",
-                                "--no-clip"],  # fmt: skip
-        }
-        if a.llmcompressor_python:
-            runner = str(HERE / "peers" / "llmcompressor_run.py")
-            jobs["llmc-gptq"] = [a.llmcompressor_python, runner, "--method", "gptq", *peer_common]
-            jobs["llmc-awq"] = [a.llmcompressor_python, runner, "--method", "awq", *peer_common]
-        if a.gptqmodel_python:
-            jobs["gptqmodel"] = [a.gptqmodel_python, str(HERE / "peers" / "gptqmodel_run.py"), *peer_common]
+        jobs = quantize_jobs(setting, a, calib_file, model_dir)
         for method in methods:
             if method not in jobs:
                 continue
@@ -114,14 +90,50 @@ def main() -> None:
             seconds, peak, log = run_one(jobs[method] + ["--out", str(out)])
             row = {"setting": setting, "method": method, "seconds": round(seconds, 1), "peak_gb": peak}
             if (out / "config.json").exists():
-                model = models.load(str(out))[0]
-                row["ppl"] = perplexity(model, tokenizer, "wiki", a.seq_len, a.ppl_tokens, progress=False)["perplexity"]
+                engine = engine_for(str(out), a.seq_len)
+                row["ppl"] = perplexity(engine, "wiki", a.seq_len, a.ppl_tokens, progress=False)["perplexity"]
             else:
                 row["ppl"], row["error"] = float("nan"), log.strip().splitlines()[-1] if log.strip() else "failed"
             rows.append(row)
             print(json.dumps(row), flush=True)
 
     report(rows, base["perplexity"], a)
+
+
+def write_calibration(work: Path, samples: int, seq_len: int) -> Path:
+    """The calibration windows every method gets, as token ids (what the peers read)."""
+    work.mkdir(parents=True, exist_ok=True)
+    calib_file = work / "calib.safetensors"
+    tokenizer = models.load_tokenizer(models.resolve("smollm2-135m"))
+    save_file({"input_ids": data.calibration_windows("owt", tokenizer, samples, seq_len, 0)}, calib_file)
+    return calib_file
+
+
+def quantize_jobs(setting: str, a: argparse.Namespace, calib_file: Path, model_dir: Path) -> dict[str, list[str]]:
+    """Method name -> the command that quantizes the default model at `setting` (add --out DIR)."""
+    bits, gs, sym = SETTINGS[setting]
+    qflags = ["--bits", str(bits), "--group-size", str(gs), "--sym" if sym else "--asym"]
+    ours_common = ["--model", "smollm2-135m", "--calib", "owt", "--num-samples", str(a.samples),
+                   "--seq-len", str(a.seq_len), "--overwrite"]  # fmt: skip
+    peer_common = ["--model", str(model_dir), "--calib", str(calib_file), "--bits", str(bits),
+                   "--group-size", str(gs)] + ([] if sym else ["--asym"])  # fmt: skip
+    ours = [sys.executable, "-m", "slimlm.cli"]
+    jobs = {
+        "rtn": [*ours, "rtn", *ours_common, *qflags],
+        "gptq": [*ours, "gptq", *ours_common, *qflags],  # act-order by default
+        "gptq-noact": [*ours, "gptq", *ours_common, *qflags, "--no-act-order"],
+        "gptq-act": [*ours, "gptq", *ours_common, *qflags, "--act-order"],
+        "awq": [*ours, "awq", *ours_common, *qflags],
+        "awq-gptq": [*ours, "awq", *ours_common, *qflags, "--then", "gptq"],
+        "awq-noclip-gptq": [*ours, "awq", *ours_common, *qflags, "--then", "gptq", "--no-clip"],
+    }
+    if getattr(a, "llmcompressor_python", None):
+        runner = str(HERE / "peers" / "llmcompressor_run.py")
+        jobs["llmc-gptq"] = [a.llmcompressor_python, runner, "--method", "gptq", *peer_common]
+        jobs["llmc-awq"] = [a.llmcompressor_python, runner, "--method", "awq", *peer_common]
+    if getattr(a, "gptqmodel_python", None):
+        jobs["gptqmodel"] = [a.gptqmodel_python, str(HERE / "peers" / "gptqmodel_run.py"), *peer_common]
+    return jobs
 
 
 # A child forked from this (large) process would report this process's RSS as its own peak, since Linux

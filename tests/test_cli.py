@@ -103,6 +103,39 @@ def test_rtn_then_eval_end_to_end(capsys, tiny_llama, calib_txt, out_dir):
     assert_one_line_error(code, err, "is truncated or corrupt")
 
 
+def test_eval_tasks_writes_lm_evals_results_and_the_runtimes(capsys, tiny_llama, tmp_path):
+    out = tmp_path / "eval.json"
+    code, printed, err = run_cli(capsys, "eval", str(tiny_llama), "--tasks", "slimlm_piqa,slimlm_lambada_openai",
+                                 "--limit", "3", "--output", str(out))  # fmt: skip
+    assert code == 0, err
+    results = json.loads(out.read_text())
+    assert set(results["results"]) == {"slimlm_piqa", "slimlm_lambada_openai"}
+    assert {"acc,none", "acc_stderr,none", "acc_norm,none"} <= set(results["results"]["slimlm_piqa"])
+    assert results["n-samples"]["slimlm_piqa"]["effective"] == 3 and "configs" in results and "versions" in results
+    assert results["slimlm"]["tokens_computed"] > 0 and results["slimlm"]["engine"]["dtype"] == "float32"
+    assert results["slimlm"]["perplexity"] is None and "slimlm_piqa" in printed
+
+
+def test_an_interrupted_eval_writes_nothing_and_leaves_nothing_queued(capsys, tiny_llama, tmp_path, monkeypatch):
+    from slimlm.eval import batch
+
+    engines = []
+    real_step = batch.Engine.step
+
+    def step_then_interrupt(engine, *args, **kwargs):
+        engines.append(engine)
+        real_step(engine, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(batch.Engine, "step", step_then_interrupt)
+    out = tmp_path / "eval.json"
+    code, _, err = run_cli(capsys, "eval", str(tiny_llama), "--tasks", "slimlm_piqa", "--limit", "4",
+                           "--output", str(out))  # fmt: skip
+    assert code == 130 and "interrupted" in err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+    assert engines and not engines[0].has_unfinished() and not engines[0].requests
+
+
 def test_console_script_exit_code_and_message(tmp_path):
     """The installed entry point, as a user runs it."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")

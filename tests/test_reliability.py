@@ -346,6 +346,8 @@ def test_a_huge_single_passage_is_tokenized_only_as_far_as_needed(tiny_llama):
         (["eval", "{m}", "--seq-len", "1"], "a window needs at least 2 tokens"),
         (["eval", "{m}", "--seq-len", "-4"], "must be at least 2"),
         (["eval", "{m}", "--max-tokens", "0"], "must be a positive integer"),
+        (["eval", "{m}", "--tasks", "slimlm_piqa", "--limit", "0"], "must be a document count >= 1 or a fraction"),
+        (["eval", "{m}", "--tasks", "slimlm_piqa", "--limit", "2.5"], "must be a document count >= 1 or a fraction"),
         (["rtn", "--model", "{m}", "--out", "{o}", "--batch-size", "0"], "must be a positive integer"),
         (["rtn", "--model", "{m}", "--out", "{o}", "--ppl-tokens", "-100"], "must be a positive integer"),
         (["rtn", "--model", "{m}", "--out", "{o}", "--seed", str(2**70)], "must be in [0, 2^63)"),
@@ -363,6 +365,10 @@ def test_flags_out_of_range_are_argparse_errors(capsys, tiny_llama, tmp_path, ar
     [
         (["eval", "{m}", "--output", "{t}"], "is a directory; name a file"),
         (["eval", "{m}", "--seq-len", "4096"], "exceeds the model's context (512 tokens)"),
+        (["eval", "{m}", "--tasks", "slimlm_piqa,hellaswagg"], "unknown task hellaswagg; bundled (offline): "
+         "slimlm_tasks (all of them), slimlm_hellaswag, slimlm_piqa"),
+        (["eval", "{m}", "--tasks", " , "], "--tasks is empty"),
+        (["eval", "{t}", "--tasks", "slimlm_piqa"], "has no config.json"),
         (["rtn", "--model", "{m}", "--out", "{o}", "--calib", "/etc/passwd"], "is neither .txt"),
         (["awq", "--model", "{m}", "--out", "{o}", "--group-size", "32", "--search-batches", "0"],
          "--search-batches 0 must be a positive integer"),  # fmt: skip

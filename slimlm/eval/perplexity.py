@@ -27,8 +27,8 @@ def perplexity(
     engine: Engine, source: str = "wiki", seq_len: int = 512, max_tokens: int = 16384, progress: bool = True
 ) -> dict:
     if seq_len >= engine.max_model_len:
-        raise SlimlmError(f"--seq-len {seq_len} does not fit the model's context ({engine.max_model_len} tokens, "
-                          "one of them generated)")  # fmt: skip
+        raise SlimlmError(f"--seq-len {seq_len} exceeds the model's context ({engine.max_model_len} tokens) less the "
+                          f"one the runtime generates; use at most {engine.max_model_len - 1}")  # fmt: skip
     ids = data.token_stream(data.passages(source), engine.tokenizer, max_tokens=max_tokens)
     windows = data.windows(ids, seq_len, max(1, max_tokens // seq_len)).tolist()
     if not windows:

@@ -1,0 +1,45 @@
+"""Evaluation's engine loop: input order kept, shared contexts computed once, bounded work in flight."""
+
+from slimlm.eval import batch
+from slimlm.runtime.engine import Engine, EngineConfig
+from slimlm.runtime.sampling import SamplingParams
+
+
+def test_outputs_in_input_order_and_followers_reuse_the_leaders_context(tiny_llama):
+    engine = Engine(str(tiny_llama), EngineConfig(max_num_seqs=2, block_size=16))
+    context = list(range(3, 53))  # 3 full blocks of 16
+    prompts = [context + [60 + i] for i in range(5)] + [list(range(100, 130))]
+    params = [SamplingParams(max_tokens=1 + 3 * (i % 2), temperature=0, prompt_logprobs=0,
+                             prompt_logprobs_from=min(len(context), len(p) - 1))
+              for i, p in enumerate(prompts)]  # fmt: skip
+    after = [0, 0, 0, 0, 0, 5]
+    in_flight, peak = set(), 0
+    add, finished = engine.add_request, []
+
+    def counting_add(prompt, p):
+        nonlocal peak
+        request_id = add(prompt, p)
+        in_flight.add(request_id)
+        peak = max(peak, len(in_flight))
+        return request_id
+
+    def counting_step(**kwargs):
+        outs = Engine.step(engine, **kwargs)
+        for out in outs:
+            if out.finished:
+                in_flight.discard(out.request_id)
+                finished.append(out.request_id)
+        return outs
+
+    engine.add_request, engine.step = counting_add, counting_step
+    outputs = batch.run(engine, prompts, params, after, progress=False)
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    assert outputs[0].num_cached_tokens == 0 and all(o.num_cached_tokens == 48 for o in outputs[1:5])
+    assert peak <= 2 * engine.config.max_num_seqs
+    assert finished.index(outputs[0].request_id) < min(finished.index(o.request_id) for o in outputs[1:5])
+    # the scores do not depend on where the context's K/V came from
+    fresh = Engine(str(tiny_llama), EngineConfig(prefix_caching=False))
+    alone = batch.run(fresh, prompts, params, progress=False)
+    for a, b in zip(outputs, alone, strict=True):
+        assert abs(a.prompt_logprobs[0] - b.prompt_logprobs[0]) < 1e-5
+    assert batch.computed_tokens(prompts, outputs) < batch.computed_tokens(prompts, alone)
