@@ -80,13 +80,13 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     top_ps = [p.top_p for p in params]
     if min(ks) < vocab or min(top_ps) < 1:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        k = torch.tensor(ks, device=device)[:, None]
-        kth = sorted_logits.gather(1, k - 1)
-        drop = logits < kth  # top-k
-        sorted_logits = sorted_logits.masked_fill(torch.arange(vocab, device=device)[None] >= k, float("-inf"))
-        probs = sorted_logits.softmax(-1)
-        # top-p: a token goes once the mass before it already reaches top_p
-        sorted_drop = probs.cumsum(-1) - probs >= torch.tensor(top_ps, device=device)[:, None]
+        kth = sorted_logits.gather(1, torch.tensor(ks, device=device)[:, None] - 1)
+        drop = logits < kth  # top-k: tokens tied with the k-th stay (as in vLLM and transformers)
+        probs = sorted_logits.masked_fill(sorted_logits < kth, float("-inf")).softmax(-1)
+        # top-p: a token goes once the mass before it already reaches top_p (rows asking for it only:
+        # rounding in the cumulative sum must not cut the tail of a row with top_p = 1)
+        top_p = torch.tensor(top_ps, device=device)[:, None]
+        sorted_drop = (probs.cumsum(-1) - probs >= top_p) & (top_p < 1)
         drop |= torch.zeros_like(sorted_drop).scatter(1, order, sorted_drop)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -1,5 +1,8 @@
 """The sampler against its definition."""
 
+import math
+
+import pytest
 import torch
 
 from slimlm.runtime.sampling import SamplingParams, filter_logits, sample
@@ -16,3 +19,95 @@ def test_sampling_draws_the_filtered_distribution():
         assert (observed[expected == 0] == 0).all()
         # 4000 draws: a binomial standard error of at most 0.008; allow 4 of them
         assert (observed - expected).abs().max() < 0.032, (observed, expected)
+
+
+def reference_probs(row: list[float], params: SamplingParams) -> list[float]:
+    """The definitions, one row in plain Python: divide by the temperature; top-k keeps every token whose
+    logit is at least the k-th largest (ties kept); top-p then keeps, in order of decreasing probability
+    (renormalized over what top-k kept), each token while the mass before it is still below top_p."""
+    logits = [x / params.temperature for x in row]
+    kept = set(range(len(row)))
+    if 0 < params.top_k < len(row):
+        kth = sorted(logits, reverse=True)[params.top_k - 1]
+        kept = {i for i in kept if logits[i] >= kth}
+
+    def softmax(indices):
+        top = max(logits[i] for i in indices)
+        e = {i: math.exp(logits[i] - top) for i in indices}
+        total = sum(e.values())
+        return {i: e[i] / total for i in indices}
+
+    probs = softmax(kept)
+    if params.top_p < 1:
+        mass, nucleus = 0.0, set()
+        for i in sorted(kept, key=lambda i: -probs[i]):
+            if mass >= params.top_p:
+                break
+            nucleus.add(i)
+            mass += probs[i]
+        kept = nucleus
+    final = softmax(kept)
+    return [final.get(i, 0.0) for i in range(len(row))]
+
+
+def transformers_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    scores = TemperatureLogitsWarper(params.temperature)(None, logits.clone())
+    if params.top_k > 0:
+        scores = TopKLogitsWarper(params.top_k)(None, scores)
+    if params.top_p < 1:
+        scores = TopPLogitsWarper(params.top_p)(None, scores)
+    return scores.softmax(-1)
+
+
+SETTINGS = [
+    SamplingParams(temperature=0.6), SamplingParams(top_k=5), SamplingParams(top_p=0.7),
+    SamplingParams(temperature=1.3, top_k=10, top_p=0.85), SamplingParams(top_k=1), SamplingParams(top_p=0.05),
+    SamplingParams(temperature=0.3, top_p=0.95), SamplingParams(top_k=200),  # top_k above the vocabulary
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+def test_filtering_equals_the_definition_and_transformers_on_random_logits(params):
+    logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(0)) * 3
+    ours = filter_logits(logits, [params] * len(logits)).softmax(-1)
+    expected = torch.tensor([reference_probs(row, params) for row in logits.tolist()])
+    torch.testing.assert_close(ours, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ours, transformers_probs(logits, params), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "row, params, expected",
+    [
+        ([20.0, 0, 0, 0, 0], SamplingParams(top_p=0.9), [1, 0, 0, 0, 0]),  # one dominant token
+        ([20.0, 0, 0, 0, 0], SamplingParams(top_k=3, top_p=0.5), [1, 0, 0, 0, 0]),
+        ([3.0, 2, 2, 2, 1], SamplingParams(top_k=2), "ties"),  # the k-th logit is tied: all ties stay
+        ([0.0, 0, 0, 0], SamplingParams(top_p=0.5), [0.5, 0.5, 0, 0]),  # top_p exactly reached after 2 of 4
+        ([0.0, 0, 0, 0], SamplingParams(top_p=0.51), [1 / 3, 1 / 3, 1 / 3, 0]),
+        ([1.0, 2, 3], SamplingParams(top_k=3, top_p=1.0), "full"),  # top_k equal to the vocabulary: no filter
+    ],
+)
+def test_filtering_on_adversarial_distributions(row, params, expected):
+    logits = torch.tensor([row])
+    ours = filter_logits(logits, [params]).softmax(-1)[0]
+    if expected == "ties":
+        e = math.exp(-1)
+        expected = [1 / (1 + 3 * e)] + [e / (1 + 3 * e)] * 3 + [0]
+    elif expected == "full":
+        expected = torch.tensor(row).softmax(-1).tolist()
+    # which of several tied tokens top-p keeps is arbitrary: compare the distributions as sorted values
+    torch.testing.assert_close(ours.sort().values, torch.tensor(expected, dtype=torch.float32).sort().values)
+    torch.testing.assert_close(ours.sort().values, transformers_probs(logits, params)[0].sort().values)
+    assert sorted(reference_probs(row, params)) == pytest.approx(sorted(ours.tolist()), abs=1e-6)
+
+
+def test_each_row_keeps_its_own_settings():
+    logits = torch.randn(len(SETTINGS), 50, generator=torch.Generator().manual_seed(1)) * 3
+    ours = filter_logits(logits, SETTINGS).softmax(-1)
+    for row, params, got in zip(logits, SETTINGS, ours, strict=True):
+        torch.testing.assert_close(got, transformers_probs(row[None], params)[0], atol=1e-6, rtol=1e-5)
