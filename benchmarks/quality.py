@@ -29,8 +29,8 @@ from slimlm.eval import taskpack
 HERE = Path(__file__).parent
 METHODS = {  # per setting: ours and llm-compressor's
     "w4g64-sym": ["rtn", "gptq", "awq", "awq-gptq", "llmc-gptq", "llmc-awq"],
-    "w4g64-asym": ["rtn", "gptq", "awq", "awq-gptq", "llmc-gptq", "llmc-awq"],
     "w8-channel-sym": ["rtn", "gptq"],
+    "w4g64-asym": ["rtn", "gptq", "awq", "awq-gptq", "llmc-gptq", "llmc-awq"],
 }
 SHORT = {name: name.removeprefix("slimlm_") for name in taskpack.STANDARD}
 
@@ -53,7 +53,7 @@ def evaluate(checkpoint: str, out: Path, a: argparse.Namespace) -> dict:
     return result
 
 
-def hf_compare(model_dir: str, a: argparse.Namespace, ours: dict) -> dict:
+def hf_compare(model_dir: str, a: argparse.Namespace) -> dict:
     """lm-eval's hf backend on the float model, same tasks and documents: accuracy, agreement, wall time."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
@@ -108,25 +108,23 @@ def main() -> None:
 
     model_dir = models.resolve("smollm2-135m")
     calib_file = write_calibration(a.work, a.samples, a.seq_len)
-    checkpoints = [("float", "baseline", str(model_dir), None)]
-    for setting in a.settings.split(","):
-        jobs = quantize_jobs(setting, a, calib_file, model_dir)
-        for method in METHODS[setting]:
+    rows, compare = [], None
+    todo = [("float", "baseline")] + [(s, m) for s in a.settings.split(",") for m in METHODS[s]]
+    for setting, method in todo:  # the table is rewritten after every row: a long run is never all-or-nothing
+        made, path = None, str(model_dir)
+        if method != "baseline":
+            jobs = quantize_jobs(setting, a, calib_file, model_dir)
             if method not in jobs:
                 print(f"skipping {setting} {method} (no --llmcompressor-python)", flush=True)
                 continue
             out = a.work / f"{setting}-{method}"
-            made = None
+            path = str(out)
             if not (out / "config.json").exists():
                 seconds, peak, log = run_one(jobs[method] + ["--out", str(out)])
                 if not (out / "config.json").exists():
                     print(f"{setting} {method} failed: {log.strip().splitlines()[-1:]}", flush=True)
                     continue
                 made = {"seconds": round(seconds, 1), "peak_gb": peak}
-            checkpoints.append((setting, method, str(out), made))
-
-    rows = []
-    for setting, method, path, made in checkpoints:
         result = evaluate(path, a.work / f"eval-{setting}-{method}.json", a)
         tasks = {t: score(m) for t, m in result["results"].items() if t in taskpack.STANDARD}
         row = {"setting": setting, "method": method, "checkpoint": path, "made": made,
@@ -138,8 +136,10 @@ def main() -> None:
                "n_samples": result["n-samples"]}  # fmt: skip
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "tasks"}), flush=True)
-    compare = hf_compare(str(model_dir), a, rows[0]) if a.hf_compare else None
-    report(rows, compare, a)
+        if method == "baseline" and a.hf_compare:
+            compare = hf_compare(str(model_dir), a)
+            print(json.dumps(compare), flush=True)
+        report(rows, compare, a)
 
 
 def report(rows: list[dict], compare: dict | None, a: argparse.Namespace) -> None:
@@ -168,7 +168,7 @@ def report(rows: list[dict], compare: dict | None, a: argparse.Namespace) -> Non
                   f"faster through the runtime), per-document agreement {compare['per_document_agreement']}, "
                   f"largest log-likelihood difference {compare['max_abs_loglikelihood_difference']:.2e}."]  # fmt: skip
     table = "\n".join(lines)
-    print("\n" + table)
+    print("\n" + table, flush=True)
     results = HERE / "results"
     results.mkdir(exist_ok=True)
     stamp = time.strftime("%Y-%m-%d")

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Mutation testing of the core modules with mutmut: small deliberate bugs (an operator, a constant, a
+# dropped call) are planted one at a time, and each must make at least one test fail. Not in CI (minutes
+# per module); results under benchmarks/results/mutation-<module>.txt.
+#
+#   bash benchmarks/mutation.sh                         # every core module
+#   bash benchmarks/mutation.sh slimlm/runtime/sampling.py [...]
+#
+# Each module runs in a scratch copy of the tree (the working tree is never touched) with only the fast
+# tests that exercise it; mutmut maps every mutant to the tests that reach its function and runs just those.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=$ROOT/.venv/bin/python
+"$PY" -m pip install --quiet --disable-pip-version-check mutmut==3.8.1
+
+# module -> the tests that cover it
+declare -A TESTS=(
+  [slimlm/compress/quantize.py]="tests/compress/test_quantize.py"
+  [slimlm/compress/gptq.py]="tests/compress/test_gptq.py"
+  [slimlm/compress/awq.py]="tests/compress/test_awq.py"
+  [slimlm/formats/packing.py]="tests/formats tests/kernels/test_packed.py"
+  [slimlm/formats/compressed_tensors.py]="tests/formats/test_compressed_tensors.py"
+  [slimlm/formats/gptq_v1.py]="tests/formats/test_gptq_v1.py"
+  [slimlm/formats/awq_gemm.py]="tests/compress/test_peer_checkpoints.py tests/runtime/test_loader.py"
+  [slimlm/formats/reader.py]="tests/formats tests/test_reliability.py"
+  [slimlm/kernels/reference.py]="tests/kernels"
+  [slimlm/kernels/__init__.py]="tests/kernels/test_dispatch.py"
+  [slimlm/runtime/sampling.py]="tests/runtime/test_sampling.py"
+  [slimlm/runtime/block_manager.py]="tests/runtime/test_block_manager.py tests/runtime/test_engine.py"
+  [slimlm/runtime/scheduler.py]="tests/runtime/test_scheduler.py tests/runtime/test_engine.py"
+  [slimlm/runtime/sequence.py]="tests/runtime"
+  [slimlm/runtime/engine.py]="tests/runtime/test_engine.py tests/runtime/test_fuzz.py"
+)
+MODULES=("$@")
+[ ${#MODULES[@]} -gt 0 ] || MODULES=("${!TESTS[@]}")
+
+mkdir -p benchmarks/results
+for module in "${MODULES[@]}"; do
+  tests=${TESTS[$module]:-}
+  [ -n "$tests" ] || { echo "no tests listed for $module in benchmarks/mutation.sh" >&2; exit 2; }
+  work=$(mktemp -d "${TMPDIR:-/tmp}/slimlm-mutation.XXXXXX")
+  git ls-files -z slimlm tests pyproject.toml | xargs -0 cp --parents -t "$work"
+  test_list=$(printf '"%s", ' $tests)
+  cat >> "$work/pyproject.toml" <<EOF
+
+[tool.mutmut]
+source_paths = ["slimlm"]
+only_mutate = ["$module"]
+pytest_add_cli_args_test_selection = [${test_list%, }]
+pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-x"]
+process_isolation = "forkserver"
+EOF
+  name=$(echo "$module" | tr '/' '-' | sed 's/\.py$//')
+  echo "== $module (tests: $tests)"
+  start=$(date +%s)
+  (cd "$work" && HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TQDM_DISABLE=1 "$ROOT/.venv/bin/mutmut" run > run.log 2>&1 || true)
+  (cd "$work" && "$ROOT/.venv/bin/mutmut" results --all true > results.txt 2>&1 || true)
+  # each survivor's diff, to kill it with a test or to say why it is equivalent
+  (cd "$work" && for m in $(grep -E ': (survived|no tests|timeout|suspicious)$' results.txt | cut -d: -f1); do
+     "$ROOT/.venv/bin/mutmut" show "$m" 2>/dev/null | grep -E '^[-+][^-+]' | sed "s|^|$m  |"; done > diffs.txt || true)
+  seconds=$(( $(date +%s) - start ))
+  "$PY" - "$work/results.txt" "$work/diffs.txt" "$module" "$seconds" "benchmarks/results/mutation-$name.txt" <<'EOF'
+import collections, sys
+results, diffs, module, seconds, out = sys.argv[1:]
+status = {}
+for line in open(results):
+    if ":" in line and "__mutmut_" in line:
+        mutant, state = line.rsplit(":", 1)
+        status[mutant.strip()] = state.strip()
+counts = collections.Counter(status.values())
+killed = counts.get("killed", 0)
+scored = sum(counts.values()) - counts.get("skipped", 0)
+lines = [f"{module}: {killed}/{scored} mutants killed ({killed / max(1, scored):.0%}) in {seconds} s",
+         "  " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
+         "survivors (mutant, then its diff):", *open(diffs).read().splitlines()]
+open(out, "w").write("\n".join(lines) + "\n")
+print("\n".join(lines[:2]))
+EOF
+  rm -rf "$work"
+done
