@@ -102,6 +102,7 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "slimlm-quant-vs-peers")
     p.add_argument("--hf-compare", action="store_true", help="also score the float model with lm-eval's hf backend")
     p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--skip", nargs="*", default=[], metavar="SETTING:METHOD", help="e.g. w4g64-asym:llmc-awq")
     p.add_argument("--note", default="")
     a = p.parse_args()
     a.gptqmodel_python = None
@@ -109,7 +110,8 @@ def main() -> None:
     model_dir = models.resolve("smollm2-135m")
     calib_file = write_calibration(a.work, a.samples, a.seq_len)
     rows, compare = [], None
-    todo = [("float", "baseline")] + [(s, m) for s in a.settings.split(",") for m in METHODS[s]]
+    todo = [("float", "baseline")] + [(s, m) for s in a.settings.split(",") for m in METHODS[s]
+                                      if f"{s}:{m}" not in a.skip]  # fmt: skip
     for setting, method in todo:  # the table is rewritten after every row: a long run is never all-or-nothing
         made, path = None, str(model_dir)
         if method != "baseline":
