@@ -4,7 +4,7 @@
 # per module); results under benchmarks/results/mutation-<module>.txt.
 #
 #   bash benchmarks/mutation.sh                         # every core module
-#   bash benchmarks/mutation.sh slimlm/runtime/sampling.py [...]
+#   bash benchmarks/mutation.sh slimlm/runtime/sampling.py [...]   (MUTATION_JOBS=N: parallel mutants)
 #
 # Each module runs in a scratch copy of the tree (the working tree is never touched) with only the fast
 # tests that exercise it; mutmut maps every mutant to the tests that reach its function and runs just those.
@@ -54,7 +54,7 @@ EOF
   name=$(echo "$module" | tr '/' '-' | sed 's/\.py$//')
   echo "== $module (tests: $tests)"
   start=$(date +%s)
-  (cd "$work" && HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TQDM_DISABLE=1 "$ROOT/.venv/bin/mutmut" run > run.log 2>&1 || true)
+  (cd "$work" && HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TQDM_DISABLE=1 "$ROOT/.venv/bin/mutmut" run --max-children "${MUTATION_JOBS:-$(nproc)}" > run.log 2>&1 || true)
   (cd "$work" && "$ROOT/.venv/bin/mutmut" results --all true > results.txt 2>&1 || true)
   # each survivor's diff, to kill it with a test or to say why it is equivalent
   (cd "$work" && for m in $(grep -E ': (survived|no tests|timeout|suspicious)$' results.txt | cut -d: -f1); do

@@ -56,11 +56,31 @@ def test_asymmetric_keeps_zero_exact_and_uses_the_full_range():
     assert int(q.codes.max()) == 7 and int(q.zero.min()) == -8
 
 
+def test_an_all_positive_group_still_contains_zero():
+    """The asymmetric range is [min(x, 0), max(x, 0)]: zero weights stay exact even if no weight is zero."""
+    w = torch.rand(8, 64, generator=torch.Generator().manual_seed(0)) * 0.7 + 0.2  # all in (0.2, 0.9)
+    args = QuantArgs(4, 64, sym=False)
+    q = quantize_rtn(w, args)
+    assert q.zero.dtype == torch.int8 and (q.zero == args.qmin).all()
+    assert torch.equal(quantize(torch.zeros(8, 64), q.scale, q.zero, args).dequantize(), torch.zeros(8, 64))
+
+
 def test_all_zero_group_dequantizes_to_zero():
     w = torch.zeros(4, 64)
     for sym in (True, False):
         q = quantize_rtn(w, QuantArgs(4, 32, sym))
         assert torch.equal(q.dequantize(), w)
+        assert (q.scale > 0).all()  # a zero scale would make every code round(0 / 0)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_codes_saturate_at_both_ends_under_a_smaller_scale(sym):
+    """AWQ's clipping and GPTQ's static qparams quantize with scales tighter than the weights' range."""
+    args = QuantArgs(4, 64, sym)
+    w = torch.linspace(-1, 1, 64).repeat(4, 1)
+    scale, zero = compute_qparams(w, args)
+    q = quantize(w, scale / 2, zero, args)
+    assert int(q.codes.min()) == args.qmin and int(q.codes.max()) == args.qmax
 
 
 def test_g_idx_groups_columns_by_index():
