@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from slimlm import SlimlmError
 from slimlm.runtime.sampling import SamplingParams, filter_logits, sample
 
 
@@ -111,3 +112,49 @@ def test_each_row_keeps_its_own_settings():
     ours = filter_logits(logits, SETTINGS).softmax(-1)
     for row, params, got in zip(logits, SETTINGS, ours, strict=True):
         torch.testing.assert_close(got, transformers_probs(row[None], params)[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("max_tokens", 0, "max_tokens must be a positive integer, got 0"),
+        ("max_tokens", 2.0, "max_tokens must be a positive integer, got 2.0"),
+        ("temperature", -0.1, "temperature must be a finite number >= 0, got -0.1"),
+        ("temperature", float("inf"), "temperature must be a finite number >= 0, got inf"),
+        ("temperature", float("nan"), "temperature must be a finite number >= 0, got nan"),
+        ("temperature", "1", "temperature must be a finite number >= 0, got '1'"),
+        ("top_p", 0, "top_p must be in (0, 1], got 0"),
+        ("top_p", 1.01, "top_p must be in (0, 1], got 1.01"),
+        ("top_p", None, "top_p must be in (0, 1], got None"),
+        ("top_k", -2, "top_k must be -1, 0 (off) or a positive integer, got -2"),
+        ("top_k", True, "top_k must be -1, 0 (off) or a positive integer, got True"),
+        ("n", 0, "n must be a positive integer, got 0"),
+        ("seed", -1, "seed must be an integer in [0, 2^63), got -1"),
+        ("seed", 2**63, f"seed must be an integer in [0, 2^63), got {2**63}"),
+        ("stop", [""], "stop must be a list of non-empty strings"),
+        ("stop", [3], "stop must be a list of non-empty strings"),
+        ("stop", ("a",), "stop must be a list of non-empty strings"),
+        ("stop_token_ids", [-1], "stop_token_ids must be a list of token ids (integers >= 0)"),
+        ("stop_token_ids", (1,), "stop_token_ids must be a list of token ids (integers >= 0)"),
+        ("logprobs", -1, "logprobs must be None or an integer in 0..20, got -1"),
+        ("logprobs", 21, "logprobs must be None or an integer in 0..20, got 21"),
+        ("prompt_logprobs", 21, "prompt_logprobs must be None or an integer in 0..20, got 21"),
+        ("prompt_logprobs_from", 0, "prompt_logprobs_from must be an integer >= 1, got 0"),
+    ],
+)
+def test_each_bad_parameter_is_named_exactly(field, value, message):
+    with pytest.raises(SlimlmError) as e:
+        SamplingParams(**{field: value})
+    assert str(e.value) == f"invalid sampling parameters: {message}"
+
+
+def test_every_problem_is_reported_at_once_and_boundaries_are_accepted():
+    with pytest.raises(SlimlmError) as e:
+        SamplingParams(max_tokens=0, n=0)
+    assert str(e.value) == ("invalid sampling parameters: max_tokens must be a positive integer, got 0; "
+                            "n must be a positive integer, got 0")  # fmt: skip
+    ok = SamplingParams(max_tokens=1, temperature=0, top_p=1, top_k=-1, n=1, seed=2**63 - 1, stop="x",
+                        stop_token_ids=[0], logprobs=20, prompt_logprobs=0, prompt_logprobs_from=1)  # fmt: skip
+    assert ok.stop == ["x"] and ok.greedy
+    assert SamplingParams(top_k=0, seed=0, logprobs=0, prompt_logprobs=20, temperature=1e-5).greedy is False
+    assert SamplingParams(temperature=0.99e-5).greedy
