@@ -103,6 +103,8 @@ def main() -> None:
     p.add_argument("--hf-compare", action="store_true", help="also score the float model with lm-eval's hf backend")
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--skip", nargs="*", default=[], metavar="SETTING:METHOD", help="e.g. w4g64-asym:llmc-awq")
+    p.add_argument("--resume", type=Path, metavar="JSON", help="keep the rows of an earlier run's results JSON and "
+                   "measure only the checkpoints it lacks")  # fmt: skip
     p.add_argument("--note", default="")
     a = p.parse_args()
     a.gptqmodel_python = None
@@ -110,9 +112,14 @@ def main() -> None:
     model_dir = models.resolve("smollm2-135m")
     calib_file = write_calibration(a.work, a.samples, a.seq_len)
     rows, compare = [], None
+    if a.resume:
+        earlier = json.loads(a.resume.read_text())
+        rows, compare = earlier["rows"], earlier["hf_compare"]
+    done = {(r["setting"], r["method"]) for r in rows}
     todo = [("float", "baseline")] + [(s, m) for s in a.settings.split(",") for m in METHODS[s]
                                       if f"{s}:{m}" not in a.skip]  # fmt: skip
-    for setting, method in todo:  # the table is rewritten after every row: a long run is never all-or-nothing
+    # the table is rewritten after every row: a long run is never all-or-nothing, and --resume continues it
+    for setting, method in [t for t in todo if t not in done]:
         made, path = None, str(model_dir)
         if method != "baseline":
             jobs = quantize_jobs(setting, a, calib_file, model_dir)
