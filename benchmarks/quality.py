@@ -41,13 +41,14 @@ def score(metrics: dict) -> tuple[str, float, float]:
     return key.split(",")[0], metrics[key], metrics[key.replace(",", "_stderr,")]
 
 
-def evaluate(checkpoint: str, out: Path, a: argparse.Namespace) -> dict:
+def evaluate(checkpoint: str, out: Path, a: argparse.Namespace) -> dict | None:
     cmd = [sys.executable, "-m", "slimlm.cli", "eval", checkpoint, "--tasks", a.tasks, "--ppl", "wiki",
            "--output", str(out)] + (["--limit", str(a.limit)] if a.limit else [])  # fmt: skip
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"eval of {checkpoint} failed:\n{proc.stderr[-2000:]}")
+        print(f"eval of {checkpoint} failed, left out of the table:\n{proc.stderr[-2000:]}", flush=True)
+        return None
     result = json.loads(out.read_text())
     result["wall_seconds"] = round(time.time() - start, 1)
     return result
@@ -135,6 +136,8 @@ def main() -> None:
                     continue
                 made = {"seconds": round(seconds, 1), "peak_gb": peak}
         result = evaluate(path, a.work / f"eval-{setting}-{method}.json", a)
+        if result is None:
+            continue
         tasks = {t: score(m) for t, m in result["results"].items() if t in taskpack.STANDARD}
         row = {"setting": setting, "method": method, "checkpoint": path, "made": made,
                "tasks": {t: {"metric": k, "value": v, "stderr": e} for t, (k, v, e) in tasks.items()},

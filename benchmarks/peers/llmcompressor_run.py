@@ -14,6 +14,7 @@ from llmcompressor import oneshot
 from llmcompressor.modifiers.awq import AWQModifier
 from llmcompressor.modifiers.quantization import GPTQModifier
 from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 
 def main() -> None:
@@ -48,6 +49,7 @@ def main() -> None:
         model=a.model, dataset=calib, recipe=recipe, num_calibration_samples=len(ids), max_seq_length=ids.shape[1]
     )
     model.save_pretrained(a.out, save_compressed=True)
+    AutoTokenizer.from_pretrained(a.model).save_pretrained(a.out)  # servable on its own (by the runtime too)
 
 
 if __name__ == "__main__":
