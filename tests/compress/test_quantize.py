@@ -62,6 +62,7 @@ def test_an_all_positive_group_still_contains_zero():
     args = QuantArgs(4, 64, sym=False)
     q = quantize_rtn(w, args)
     assert q.zero.dtype == torch.int8 and (q.zero == args.qmin).all()
+    torch.testing.assert_close(q.scale[:, 0], w.amax(dim=1) / (args.qmax - args.qmin))  # the range starts at 0
     assert torch.equal(quantize(torch.zeros(8, 64), q.scale, q.zero, args).dequantize(), torch.zeros(8, 64))
 
 
