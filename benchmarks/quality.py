@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from quant_vs_peers import quantize_jobs, run_one, write_calibration
+from quant_vs_peers import quantize_jobs, run_one, save_results, write_calibration
 
 from slimlm import models
 from slimlm.eval import taskpack
@@ -179,13 +179,7 @@ def report(rows: list[dict], compare: dict | None, a: argparse.Namespace) -> Non
                   f"{compare['hf_seconds']:.0f} s vs {compare['slimlm_seconds']:.0f} s ({compare['speedup']:.2f}× "
                   f"faster through the runtime), per-document agreement {compare['per_document_agreement']}, "
                   f"largest log-likelihood difference {compare['max_abs_loglikelihood_difference']:.2e}."]  # fmt: skip
-    table = "\n".join(lines)
-    print("\n" + table, flush=True)
-    results = HERE / "results"
-    results.mkdir(exist_ok=True)
-    stamp = time.strftime("%Y-%m-%d")
-    (results / f"quality-{stamp}.md").write_text(table + "\n")
-    (results / f"quality-{stamp}.json").write_text(json.dumps({"rows": rows, "hf_compare": compare}, indent=2))
+    save_results("quality", "\n".join(lines), {"rows": rows, "hf_compare": compare})
 
 
 if __name__ == "__main__":

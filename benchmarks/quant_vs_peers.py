@@ -192,13 +192,17 @@ def report(rows: list[dict], base_ppl: float, a: argparse.Namespace) -> None:
             f"| {r['setting']} | {r['method']}{err} | {r['ppl']:.3f} | {inc:+.1%} | {secs} | {peak} | {ratio_q} | "
             f"{ratio_t} |"
         )
-    table = "\n".join(lines)
-    print("\n" + table)
+    save_results("quant_vs_peers", "\n".join(lines), {"base_ppl": base_ppl, "rows": rows})
+
+
+def save_results(name: str, table: str, data: dict) -> None:
+    """Print the table; write it and the data as benchmarks/results/NAME-DATE.{md,json}."""
+    print("\n" + table, flush=True)
     results = HERE / "results"
     results.mkdir(exist_ok=True)
     stamp = time.strftime("%Y-%m-%d")
-    (results / f"quant_vs_peers-{stamp}.md").write_text(table + "\n")
-    (results / f"quant_vs_peers-{stamp}.json").write_text(json.dumps({"base_ppl": base_ppl, "rows": rows}, indent=2))
+    (results / f"{name}-{stamp}.md").write_text(table + "\n")
+    (results / f"{name}-{stamp}.json").write_text(json.dumps(data, indent=2))
 
 
 if __name__ == "__main__":

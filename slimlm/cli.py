@@ -229,7 +229,7 @@ def cmd_eval(a: argparse.Namespace) -> None:
         data.check_source(ppl_source)
     results = None
     if tasks:
-        from slimlm.eval import harness
+        from slimlm.eval import harness  # lm-eval and datasets load only when tasks are asked for
 
         results = harness.evaluate(a.model, tasks, limit=a.limit, num_fewshot=a.num_fewshot, batch_size=a.batch_size,
                                    dtype=a.dtype, kv_cache_memory=a.kv_cache_memory, device=a.device)  # fmt: skip
@@ -243,8 +243,6 @@ def cmd_eval(a: argparse.Namespace) -> None:
         print(f"perplexity on {ppl_source}: {ppl['perplexity']:.3f} ({ppl['tokens_scored']} tokens, "
               f"windows of {a.seq_len}, {ppl['seconds']:.0f}s)")  # fmt: skip
     if results is not None:
-        from slimlm.eval import harness
-
         results["slimlm"]["perplexity"] = ppl
         text = harness.to_json(results)
     else:
