@@ -13,8 +13,11 @@ from pathlib import Path
 from slimlm import SlimlmError, assets, cache_dir
 
 
-def _add_calibration(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=assets.DEFAULT_MODEL, help="asset name, local HF directory or hub id")
+def _add_calibration(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    if positional_model:
+        p.add_argument("model", help="asset name, local directory (float or compressed-tensors) or hub id")
+    else:
+        p.add_argument("--model", default=assets.DEFAULT_MODEL, help="asset name, local HF directory or hub id")
     p.add_argument("--calib", default="owt", help="owt | wiki | c4 | wikitext2 | PATH.txt | PATH.jsonl")
     p.add_argument("--num-samples", type=positive_int, default=128, help="calibration windows")
     p.add_argument("--seq-len", type=positive_int, default=512, help="tokens per calibration window")
@@ -46,6 +49,23 @@ def _add_weight_args(p: argparse.ArgumentParser, sym: bool = True) -> None:
         "--format", default="compressed-tensors", choices=["compressed-tensors", "gptq"],
         help="checkpoint layout: compressed-tensors (default; vLLM, transformers) or GPTQ v1 (sym 4/8-bit)",
     )  # fmt: skip
+    _add_kv_args(p, required=False)
+
+
+def _add_kv_args(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--kv-dtype", choices=["fp8", "int8"], required=required,
+                   help="quantize the KV cache too: calibrate static scales for fp8 e4m3 or int8" * (not required)
+                   or "KV-cache dtype the scales are calibrated for: fp8 (e4m3) or int8")  # fmt: skip
+    p.add_argument("--kv-strategy", choices=["tensor", "attn_head"],
+                   help="one KV scale per layer (tensor; vLLM reads it) or per KV head (attn_head); "
+                   "default: tensor for fp8, attn_head for int8")  # fmt: skip
+
+
+def _add_kv_cache_dtype(p: argparse.ArgumentParser) -> None:
+    from slimlm.formats.kv_cache import CACHE_DTYPES
+
+    p.add_argument("--kv-cache-dtype", default="auto", choices=CACHE_DTYPES,
+                   help="KV cache storage: auto = the checkpoint's kv_cache_scheme, else --dtype")  # fmt: skip
 
 
 def _add_gptq_args(p: argparse.ArgumentParser) -> None:
@@ -88,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the AWQ-scaled weights are quantized: rtn (AWQ's own, default) or gptq")
     _add_gptq_args(p)
 
+    p = sub.add_parser("kv", help="KV-cache quantization: static fp8/int8 K and V scales calibrated on data")
+    _add_calibration(p, positional_model=True)
+    _add_kv_args(p, required=True)
+
     p = sub.add_parser("eval", help="lm-eval tasks and perplexity of a model or checkpoint, through the runtime")
     p.add_argument("model", help="asset name, local directory or hub id")
     p.add_argument("--tasks", help="comma-separated lm-eval tasks; bundled: slimlm_tasks (all), "
@@ -100,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=positive_int, default=16384, help="--ppl tokens taken from the source")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-memory", type=parse_size, default="512M", help="KV block pool size (e.g. 512M, 2G)")
+    _add_kv_cache_dtype(p)
     p.add_argument("--output", type=Path, help="write the results as JSON here")
     _add_device(p)
 
@@ -119,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-memory", type=parse_size, default="512M", help="KV block pool size (e.g. 512M, 2G)")
+    _add_kv_cache_dtype(p)
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     _add_device(p)
     return parser
@@ -187,11 +213,12 @@ def cmd_assets(a: argparse.Namespace) -> None:
         print(assets.fetch(name, force=a.force, verify=True))
 
 
-def _measure(spec: str, source: str, seq_len: int, max_tokens: int, device: str | None) -> dict:
+def _measure(spec: str, source: str, seq_len: int, max_tokens: int, device: str | None,
+             kv_cache_dtype: str = "auto") -> dict:  # fmt: skip
     from slimlm.eval.perplexity import engine_for, perplexity
     from slimlm.formats import shards
 
-    engine = engine_for(spec, seq_len, device=device)
+    engine = engine_for(spec, seq_len, device=device, kv_cache_dtype=kv_cache_dtype)
     result = perplexity(engine, source, seq_len=seq_len, max_tokens=max_tokens)
     result["model"] = str(engine.model_dir)
     result["size_bytes"] = shards.total_size(engine.model_dir)
@@ -232,14 +259,15 @@ def cmd_eval(a: argparse.Namespace) -> None:
         from slimlm.eval import harness  # lm-eval and datasets load only when tasks are asked for
 
         results = harness.evaluate(a.model, tasks, limit=a.limit, num_fewshot=a.num_fewshot, batch_size=a.batch_size,
-                                   dtype=a.dtype, kv_cache_memory=a.kv_cache_memory, device=a.device)  # fmt: skip
+                                   dtype=a.dtype, kv_cache_memory=a.kv_cache_memory, device=a.device,
+                                   kv_cache_dtype=a.kv_cache_dtype)  # fmt: skip
         print(harness.table(results))
         s = results["slimlm"]
         print(f"[{s['tokens_computed']} tokens through the runtime in {s['seconds']:.0f}s: "
               f"{s['tokens_per_second']:.0f} tokens/s]")  # fmt: skip
     ppl = None
     if ppl_source:
-        ppl = _measure(a.model, ppl_source, a.seq_len, a.max_tokens, a.device)
+        ppl = _measure(a.model, ppl_source, a.seq_len, a.max_tokens, a.device, a.kv_cache_dtype)
         print(f"perplexity on {ppl_source}: {ppl['perplexity']:.3f} ({ppl['tokens_scored']} tokens, "
               f"windows of {a.seq_len}, {ppl['seconds']:.0f}s)")  # fmt: skip
     if results is not None:
@@ -278,18 +306,36 @@ def _weight_args(a: argparse.Namespace):
     return QuantArgs(bits=a.bits, group_size=group, sym=a.sym)
 
 
+def _kv_steps(a: argparse.Namespace) -> list:
+    """The KV-cache step that ends a run, when --kv-dtype asks for one."""
+    if a.kv_dtype is None:
+        if a.kv_strategy is not None:
+            raise SlimlmError("--kv-strategy applies to a quantized KV cache; add --kv-dtype fp8 or int8")
+        return []
+    from slimlm.compress.kv import KVCache
+
+    return [KVCache(a.kv_dtype, a.kv_strategy or ("tensor" if a.kv_dtype == "fp8" else "attn_head"))]
+
+
 def cmd_rtn(a: argparse.Namespace) -> None:
     from slimlm.compress.rtn import RTN
 
     args = _weight_args(a)
-    _quantize_and_report("rtn", [RTN(args)], args, a, report_error=a.report_error)
+    kv = _kv_steps(a)
+    _quantize_and_report("rtn" + "+kv" * bool(kv), [RTN(args), *kv], args, a, report_error=a.report_error or bool(kv))
 
 
 def cmd_gptq(a: argparse.Namespace) -> None:
     from slimlm.compress.gptq import GPTQ
 
     args = _weight_args(a)
-    _quantize_and_report("gptq", [GPTQ(args, damp=a.damp, act_order=a.act_order)], args, a)
+    kv = _kv_steps(a)
+    _quantize_and_report("gptq" + "+kv" * bool(kv), [GPTQ(args, damp=a.damp, act_order=a.act_order), *kv], args, a)
+
+
+def cmd_kv(a: argparse.Namespace) -> None:
+    a.ignore, a.format, a.quantize_lm_head = [], "compressed-tensors", False
+    _quantize_and_report("kv", _kv_steps(a), None, a, report_error=False)  # the weights do not change
 
 
 def cmd_awq(a: argparse.Namespace) -> None:
@@ -299,8 +345,9 @@ def cmd_awq(a: argparse.Namespace) -> None:
 
     args = _weight_args(a)
     quantizer = GPTQ(args, damp=a.damp, act_order=a.act_order) if a.then == "gptq" else RTN(args)
-    name = "awq" if a.then == "rtn" else f"awq+{a.then}"
-    _quantize_and_report(name, [AWQ(args, search_batches=a.search_batches, clip=a.clip), quantizer], args, a)
+    name = ("awq" if a.then == "rtn" else f"awq+{a.then}") + "+kv" * (a.kv_dtype is not None)
+    steps = [AWQ(args, search_batches=a.search_batches, clip=a.clip), quantizer, *_kv_steps(a)]
+    _quantize_and_report(name, steps, args, a)
 
 
 def _quantize_and_report(name: str, steps: list, args, a: argparse.Namespace, report_error: bool = True) -> None:
@@ -332,7 +379,9 @@ def _quantize_and_report(name: str, steps: list, args, a: argparse.Namespace, re
     base = _measure(a.model, a.ppl, a.seq_len, a.ppl_tokens, a.device)
     quant = _measure(str(out), a.ppl, a.seq_len, a.ppl_tokens, a.device)
     (out / "eval.json").write_text(json.dumps({"baseline": base, "quantized": quant}, indent=2) + "\n")
-    label = f"{name} w{args.bits} g{args.group_size} {'sym' if args.sym else 'asym'}"
+    label = "" if args is None else f"{name} w{args.bits} g{args.group_size} {'sym' if args.sym else 'asym'} "
+    if a.kv_dtype:
+        label += f"kv {a.kv_dtype} {steps[-1].strategy}"
     rise = quant["perplexity"] / base["perplexity"] - 1
     shrink = base["size_bytes"] / quant["size_bytes"]
     print(f"\n{'':24}{'ppl (' + a.ppl + ')':>14}{'size':>14}")
@@ -349,7 +398,8 @@ def cmd_generate(a: argparse.Namespace) -> None:
 
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed, stop=a.stop)  # fmt: skip
-    llm = LLM(a.model, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory, device=a.device)
+    llm = LLM(a.model, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory, device=a.device,
+              kv_cache_dtype=a.kv_cache_dtype)  # fmt: skip
     streaming = a.stream and len(a.prompt) == 1  # several prompts would interleave: they print when done
     if streaming:
         shown = 0
@@ -378,7 +428,8 @@ def cmd_generate(a: argparse.Namespace) -> None:
 
 
 COMMANDS = {
-    "assets": cmd_assets, "rtn": cmd_rtn, "gptq": cmd_gptq, "awq": cmd_awq, "eval": cmd_eval, "generate": cmd_generate,
+    "assets": cmd_assets, "rtn": cmd_rtn, "gptq": cmd_gptq, "awq": cmd_awq, "kv": cmd_kv, "eval": cmd_eval,
+    "generate": cmd_generate,
     "lm-eval": cmd_lm_eval,
 }  # fmt: skip
 

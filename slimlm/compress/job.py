@@ -13,7 +13,7 @@ from slimlm import SlimlmError, arch, data, models
 from slimlm.compress import offload, pipeline
 from slimlm.compress.quantize import quantize_rtn
 from slimlm.devices import resolve_device
-from slimlm.formats import atomic, gptq_v1, shards, writer
+from slimlm.formats import atomic, gptq_v1, kv_cache, shards, writer
 from slimlm.formats.quantized import SUPPORTED_GROUP_SIZES, QuantArgs
 
 
@@ -41,7 +41,7 @@ def _check_lm_head(model: torch.nn.Module, args: QuantArgs) -> None:
 def quantize_weights(
     method_name: str,
     steps: pipeline.Step | list[pipeline.Step],
-    args: QuantArgs,
+    args: QuantArgs | None,
     model_spec: str,
     out: Path,
     calib: str = "owt",
@@ -58,18 +58,31 @@ def quantize_weights(
     report_error: bool = True,
     checks: list = (),
 ) -> Path:
-    """`checks`: callables run after the inputs are validated and before any work (e.g. the --ppl source)."""
+    """`args` None: the weights are left as they are (a KV-cache step alone; a quantized source keeps its
+    packed weights bit for bit). `checks`: callables run after the inputs are validated and before any work
+    (e.g. the --ppl source)."""
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     steps = steps if isinstance(steps, list) else [steps]
     for name, value in (("--num-samples", num_samples), ("--seq-len", seq_len), ("--batch-size", batch_size)):
         if not (type(value) is int and value > 0):
             raise SlimlmError(f"{name} {value!r} must be a positive integer")
-    if fmt == "gptq":
+    if fmt == "gptq" and args is not None:
         gptq_v1.check_exportable(args)
-    writer.quantization_config(fmt, args, [], {})  # an unknown --format fails here, not after calibration
+    if quantize_lm_head and args is None:
+        raise SlimlmError("--quantize-lm-head needs a weight quantization method (rtn, gptq, awq)")
+    method_args: dict = {}
+    for step in steps:
+        method_args.update(step.arguments())
+    writer.quantization_config(fmt, args, [], method_args)  # an unknown --format fails here, not after calibration
     dev = resolve_device(device)
     model_dir = models.resolve(model_spec)
     source_config = models.check(model_dir)
+    source_qcfg = source_config.get("quantization_config")
+    keep_weights = args is None and source_qcfg is not None
+    if keep_weights and source_qcfg.get("quant_method") != "compressed-tensors":
+        raise SlimlmError(f"{model_dir} is a {source_qcfg.get('quant_method')} checkpoint, which has no place for "
+                          "KV-cache scales; give compress kv a float or compressed-tensors checkpoint, or pass "
+                          "--kv-dtype to the weight method")  # fmt: skip
     with_data = report_error or any(s.needs_data for s in steps)
     data.check_source(calib)  # even when no step reads it: a mistyped --calib is worth saying
     for check in checks:
@@ -86,7 +99,8 @@ def quantize_weights(
             model, tokenizer, _ = models.load(str(model_dir))
             model.to(dev)
             weights = None
-        pipeline.check_group_size(model, args, ignore)
+        if args is not None:
+            pipeline.check_group_size(model, args, ignore)
         if quantize_lm_head:
             _check_lm_head(model, args)
         start = time.time()
@@ -100,19 +114,17 @@ def quantize_weights(
         quantized = result.quantized
         seconds = time.time() - start
         if weights is None:
-            float_tensors = {k: v.cpu() for k, v in writer.state_tensors(model).items()}
+            float_tensors = {**{k: v.cpu() for k, v in writer.state_tensors(model).items()}, **result.float_tensors}
         else:
             outside = weights.read(weights.names_outside(arch.LAYERS + "."))
             float_tensors = {**outside, **result.float_tensors}
         if quantize_lm_head:
             # The lm_head sees the final hidden states only; it is rounded to nearest whatever the method.
             quantized["lm_head"] = quantize_rtn(float_tensors["lm_head.weight"].float(), args)
-        method_args: dict = {}
-        for step in steps:
-            method_args.update(step.arguments())
         meta = {
             "method": method_name,
-            "arguments": {**asdict(args), "ignore": list(ignore), "quantize_lm_head": quantize_lm_head, **method_args},
+            "arguments": {**(asdict(args) if args else {}), "ignore": list(ignore),
+                          "quantize_lm_head": quantize_lm_head, **method_args},
             "calibration": {"source": calib, "num_samples": num_samples, "seq_len": seq_len, "seed": seed}
             if with_data else None,
             "source_model": {"spec": model_spec, "path": str(model_dir),
@@ -122,10 +134,15 @@ def quantize_weights(
             "device": str(dev),
             "layers": result.report,
         }  # fmt: skip
-        linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-        ignored = sorted(linear_names - set(quantized))
-        qconfig = writer.quantization_config(fmt, args, ignored, method_args)
-        tensors = writer.quantized_tensors(quantized, float_tensors, fmt)
+        if keep_weights:  # the source's own tensors and config, the new KV scales in place of any old ones
+            tensors = {k: v for k, v in shards.read(model_dir).items() if not k.endswith(kv_cache.SUFFIXES)}
+            tensors.update({k: v for k, v in float_tensors.items() if k.endswith(kv_cache.SUFFIXES)})
+            qconfig = {**source_qcfg, "kv_cache_scheme": method_args.get("kv_cache_scheme")}
+        else:
+            linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+            ignored = sorted(linear_names - set(quantized))
+            qconfig = writer.quantization_config(fmt, args, ignored, method_args)
+            tensors = writer.quantized_tensors(quantized, float_tensors, fmt)
         config_patch = {**result.config_patch, "quantization_config": qconfig}
         del quantized, float_tensors, result
         config = model.config

@@ -36,7 +36,7 @@ class StepResult:
 
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)  # by full module name
     modules: dict[str, nn.Module] = field(default_factory=dict)  # replacements, by name within the layer
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # extra tensors to store, by full name
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # extra tensors to store, by name within the layer
     config_patch: dict[str, Any] = field(default_factory=dict)  # merged into config.json
 
 
@@ -213,7 +213,7 @@ def run(
             for local, module in result.modules.items():
                 layer.set_submodule(local, module)
             done.update(result.quantized)
-            float_tensors.update({k: v.detach().cpu() for k, v in result.tensors.items()})
+            float_tensors.update({f"{arch.LAYERS}.{i}.{k}": v.detach().cpu() for k, v in result.tensors.items()})
             config_patch.update(result.config_patch)
         entry = {"layer": i}
         if with_data:

@@ -7,7 +7,8 @@ Per quantized linear `name`:
     name.weight_shape       int64 [2]
     name.weight_g_idx       int32 [in]  act-order only
 KV-cache scales, when present, are `k_scale`/`v_scale` tensors per attention module, described by the
-config's `kv_cache_scheme`.
+config's `kv_cache_scheme` (formats/kv_cache.py); a checkpoint that quantizes only its KV cache has no
+config groups and format "dense".
 """
 
 from __future__ import annotations
@@ -24,38 +25,38 @@ MARKER = "weight_packed"  # the tensor suffix that marks a quantized linear
 KEYS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 
 
-def quantization_config(args: QuantArgs, ignore: list[str], act_order: str | None = None,
+def quantization_config(args: QuantArgs | None, ignore: list[str], act_order: str | None = None,
                         kv_cache_scheme: dict | None = None) -> dict:  # fmt: skip
-    weights = {
-        "num_bits": args.bits,
-        "type": "int",
-        "symmetric": args.sym,
-        "group_size": None if args.group_size == -1 else args.group_size,
-        "strategy": "channel" if args.group_size == -1 else "group",
-        "dynamic": False,
-        "actorder": act_order,
-        "observer": "minmax",
-    }
+    """`args` None: float weights, only the KV cache quantized (format "dense", no config groups)."""
+    groups = {}
+    if args is not None:
+        weights = {
+            "num_bits": args.bits,
+            "type": "int",
+            "symmetric": args.sym,
+            "group_size": None if args.group_size == -1 else args.group_size,
+            "strategy": "channel" if args.group_size == -1 else "group",
+            "dynamic": False,
+            "actorder": act_order,
+            "observer": "minmax",
+        }
+        groups["group_0"] = {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                             "output_activations": None, "format": "pack-quantized"}  # fmt: skip
     return {
         "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
+        "format": "pack-quantized" if groups else "dense",
         "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": weights,
-                "input_activations": None,
-                "output_activations": None,
-                "format": "pack-quantized",
-            }
-        },
-        "ignore": ignore,
+        "config_groups": groups,
+        "ignore": ignore if groups else [],
         "kv_cache_scheme": kv_cache_scheme,
     }
 
 
 def args_from_config(qcfg: dict) -> QuantArgs:
-    """The weight scheme of a checkpoint's quantization_config; anything slimlm cannot serve is named."""
+    """The weight scheme of a checkpoint's quantization_config (None: float weights, a quantized KV cache
+    only); anything slimlm cannot serve is named."""
+    if not qcfg.get("config_groups") and qcfg.get("kv_cache_scheme") is not None:
+        return None
     if qcfg.get("format") != "pack-quantized":
         raise SlimlmError(
             f"compressed-tensors format '{qcfg.get('format')}' is not supported; slimlm reads pack-quantized"

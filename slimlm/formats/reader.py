@@ -11,7 +11,7 @@ from types import ModuleType
 import torch
 
 from slimlm import SlimlmError
-from slimlm.formats import awq_gemm, compressed_tensors, gptq_v1, shards
+from slimlm.formats import awq_gemm, compressed_tensors, gptq_v1, kv_cache, shards
 from slimlm.formats.quantized import QuantizedWeight
 
 READERS: dict[str, ModuleType] = {"compressed-tensors": compressed_tensors, "gptq": gptq_v1, "awq": awq_gemm}
@@ -29,7 +29,8 @@ def read_config(model_dir: Path) -> dict:
 
 
 def quantization(config: dict, where: Path) -> tuple[ModuleType, object] | None:
-    """(reader module, QuantArgs) for a quantized checkpoint's config, None for a float one."""
+    """(reader module, QuantArgs) for a quantized checkpoint's config, None for a float one; QuantArgs is
+    None when only the KV cache is quantized."""
     if "quantization_config" not in config:
         return None
     qcfg = config["quantization_config"]
@@ -44,6 +45,18 @@ def quantization(config: dict, where: Path) -> tuple[ModuleType, object] | None:
         raise SlimlmError(f"{where}/config.json quantization_config: {e}") from None
 
 
+def kv_cache_scheme(config: dict, where: Path) -> dict | None:
+    """The checkpoint's kv_cache_scheme (checked: one slimlm serves), None when its KV cache is not quantized."""
+    qcfg = config.get("quantization_config")
+    scheme = qcfg.get("kv_cache_scheme") if isinstance(qcfg, dict) else None
+    if scheme is not None:
+        try:
+            kv_cache.kv_dtype_of(scheme)
+        except SlimlmError as e:
+            raise SlimlmError(f"{where}/config.json: {e}") from None
+    return scheme
+
+
 def read_checkpoint(
     model_dir: Path, expected: dict[str, tuple[int, ...]] | None = None, optional: set[str] = frozenset()
 ) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor]]:
@@ -51,12 +64,14 @@ def read_checkpoint(
 
     With `expected` (parameter name -> shape, what the model built from config.json holds), every one of
     them must be present, as a float tensor or as a quantized linear of that shape, except those in
-    `optional` (a tied lm_head); nothing else may be; float tensors, scales and zero points must be finite."""
+    `optional` (a tied lm_head); nothing else may be; float tensors, scales and zero points must be finite.
+    KV-cache scales stay among the float tensors (kv_cache.read_scales checks and takes them)."""
     model_dir = Path(model_dir)
-    q = quantization(read_config(model_dir), model_dir)
+    config = read_config(model_dir)
+    q = quantization(config, model_dir)
     tensors = shards.read(model_dir)
     quantized: dict[str, QuantizedWeight] = {}
-    if q is not None:
+    if q is not None and q[1] is not None:
         reader, args = q
         names = [k[: -len(reader.MARKER) - 1] for k in tensors if k.endswith("." + reader.MARKER)]
         for name in names:
@@ -69,6 +84,8 @@ def read_checkpoint(
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise SlimlmError(f"{model_dir}: tensor {name} holds NaN or Inf; the checkpoint is broken")
     if expected is not None:
+        if kv_cache_scheme(config, model_dir) is not None:
+            expected = {**expected, **{k: tuple(t.shape) for k, t in tensors.items() if k.endswith(kv_cache.SUFFIXES)}}
         _check_against_model(model_dir, quantized, tensors, expected, optional)
     return quantized, tensors
 

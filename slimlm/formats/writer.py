@@ -29,13 +29,17 @@ def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def quantization_config(fmt: str, args: QuantArgs, ignore: list[str], method_args: dict,
-                        kv_cache_scheme: dict | None = None) -> dict:  # fmt: skip
+def quantization_config(fmt: str, args: QuantArgs | None, ignore: list[str], method_args: dict) -> dict:
+    """The config's quantization_config; `method_args` carries act_order, damp and kv_cache_scheme."""
     if fmt not in FORMATS:
         raise SlimlmError(f"--format {fmt} is not supported; use one of {', '.join(FORMATS)}")
+    kv_scheme = method_args.get("kv_cache_scheme")
     if fmt == "gptq":
+        if kv_scheme is not None:
+            raise SlimlmError("--format gptq has no place for KV-cache scales; use --format compressed-tensors "
+                              "to quantize the KV cache too")  # fmt: skip
         return gptq_v1.quantization_config(args, method_args.get("act_order"), method_args.get("damp"))
-    return compressed_tensors.quantization_config(args, ignore, method_args.get("act_order"), kv_cache_scheme)
+    return compressed_tensors.quantization_config(args, ignore, method_args.get("act_order"), kv_scheme)
 
 
 def quantized_tensors(quantized: dict[str, QuantizedWeight], float_tensors: dict[str, torch.Tensor],

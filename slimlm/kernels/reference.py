@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from slimlm.formats.kv_cache import KV_DTYPES
 from slimlm.kernels.packed import PackedWeight, dequantize
 
 
@@ -29,6 +30,16 @@ def dequantized(kv: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
     """Cached K or V [..., Hkv, D] in `dtype`, times its per-head scale (fp8/int8 caches)."""
     kv = kv.to(dtype)
     return kv if scale is None else kv * scale.to(dtype)[:, None]
+
+
+def quantized_kv(kv: torch.Tensor, scale: torch.Tensor | None, cache_dtype: torch.dtype) -> torch.Tensor:
+    """K or V [..., Hkv, D] as a cache of `cache_dtype` stores it: kv / scale rounded to the nearest fp8
+    (saturating at ±448) or integer (±127) with a per-head scale; a float cache takes kv as it is."""
+    if scale is None:
+        return kv.to(cache_dtype)
+    limit = KV_DTYPES["int8" if cache_dtype == torch.int8 else "fp8"][1]
+    x = (kv.float() / scale[:, None]).clamp_(-limit, limit)
+    return (x.round_() if cache_dtype == torch.int8 else x).to(cache_dtype)
 
 
 def cached_kv(

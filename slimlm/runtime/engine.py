@@ -17,6 +17,7 @@ import torch
 from slimlm import SlimlmError, models
 from slimlm.devices import resolve_device
 from slimlm.runtime.block_manager import BlockManager
+from slimlm.runtime.loader import KV_CACHE_DTYPES
 from slimlm.runtime.model_runner import ModelRunner
 from slimlm.runtime.outputs import CompletionOutput, OutputProcessor, RequestOutput
 from slimlm.runtime.sampling import SamplingParams, sample, top_logprobs
@@ -36,6 +37,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str | None = None  # default: cuda when available, else cpu
     kv_cache_memory: int = 512 << 20  # bytes for the KV block pool
+    kv_cache_dtype: str = "auto"  # the checkpoint's kv_cache_scheme, else dtype; or fp8, int8, a float dtype
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # per step: decodes plus prefill chunks
@@ -46,6 +48,8 @@ class EngineConfig:
         problems = []
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             problems.append(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            problems.append(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         for name in ("kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if not _positive_int(getattr(self, name)):
                 problems.append(f"{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -93,7 +97,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or context, context)
         self.runner = ModelRunner(
             model_dir, DTYPES[config.dtype], str(self.device), config.kv_cache_memory, config.block_size,
-            self.max_model_len,
+            self.max_model_len, config.kv_cache_dtype,
         )  # fmt: skip
         self.capacity = self.runner.num_blocks * config.block_size  # tokens the pool holds
         if self.capacity < self.max_model_len:

@@ -2,7 +2,8 @@
 
 Quantized linears are repacked once into the kernels' layout (slimlm.kernels.packed) and never exist as
 float matrices. Widths the kernels do not cover (2- and 3-bit) run as dequantized float weights, with a
-warning, rather than being refused.
+warning, rather than being refused. The KV cache's dtype is decided here too: what the checkpoint's
+kv_cache_scheme says, or what was asked for, with the checkpoint's calibrated scales when it has them.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from slimlm import kernels
-from slimlm.formats import reader
+from slimlm import SlimlmError, kernels
+from slimlm.formats import kv_cache, reader
 from slimlm.kernels import pack
 from slimlm.kernels.packed import KERNEL_BITS
 from slimlm.runtime.model import CausalLM
@@ -25,8 +26,15 @@ def hf_config(model_dir: Path):
     return AutoConfig.from_pretrained(model_dir)  # no trust_remote_code: only the built-in architectures
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: int) -> CausalLM:
-    """The model in `model_dir`, which the caller has checked (models.check: architecture, file hashes)."""
+FLOAT_KV = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = kv_cache.CACHE_DTYPES
+
+
+def load_model(
+    model_dir: Path, dtype: torch.dtype, device: str, max_positions: int, kv_cache_dtype: str = "auto"
+) -> CausalLM:
+    """The model in `model_dir`, which the caller has checked (models.check: architecture, file hashes).
+    `model.kv_cache_dtype` is the dtype its KV cache pool must have."""
     config = hf_config(model_dir)
     with torch.device("meta"):  # no memory until the checkpoint's tensors are put in place
         model = CausalLM(config, dtype)
@@ -35,6 +43,11 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: 
     quantized, tensors = reader.read_checkpoint(model_dir, expected, optional=tied)
     if tied:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    scheme = reader.kv_cache_scheme(reader.read_config(model_dir), model_dir)
+    attn = model.model.layers[0].self_attn
+    scales = None
+    if scheme is not None:
+        scales = kv_cache.read_scales(tensors, scheme, len(model.model.layers), attn.kv_heads, str(model_dir))
     narrow = sorted({q.args.bits for q in quantized.values()} - set(KERNEL_BITS))
     if narrow:
         warnings.warn(f"no kernel for {narrow}-bit weights: they run dequantized to {dtype}", stacklevel=2)
@@ -49,4 +62,36 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str, max_positions: 
         setattr(model.get_submodule(module), attr, weight)
     model.set_rope(max_positions, device)
     model.set_backend(kernels.select(device))
+    set_kv_cache(model, kv_cache_dtype, scheme, scales, device)
     return model.eval()
+
+
+def set_kv_cache(model: CausalLM, requested: str, scheme: dict | None, scales: list | None, device: str) -> None:
+    """Give every attention layer its KV scales and the model its `kv_cache_dtype`. `auto` is what the
+    checkpoint's kv_cache_scheme says (else the model's dtype); fp8 without calibrated scales uses 1.0, as
+    vLLM does; int8 without them is refused (its range would clip almost every value)."""
+    if requested not in KV_CACHE_DTYPES:
+        raise SlimlmError(f"KV cache dtype '{requested}' is not one of {', '.join(KV_CACHE_DTYPES)}")
+    stored = kv_cache.kv_dtype_of(scheme) if scheme is not None else None
+    chosen = stored if requested == "auto" else requested
+    layers = [layer.self_attn for layer in model.model.layers]
+    if chosen is None or chosen in FLOAT_KV:
+        model.kv_cache_dtype = FLOAT_KV.get(chosen, model.model.norm.weight.dtype)
+        return
+    if torch.device(device).type == "cuda" and chosen == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise SlimlmError(f"an fp8 KV cache needs a GPU of compute capability 8.9 or newer ({device} has "
+                          f"{torch.cuda.get_device_capability(device)}); use --kv-cache-dtype int8")  # fmt: skip
+    if scales is None:
+        if chosen == "int8":
+            raise SlimlmError(f"{model.config.name_or_path or 'the checkpoint'} has no KV-cache scales, which "
+                              "an int8 KV cache needs; calibrate them: compress kv MODEL --kv-dtype int8 --out DIR")
+        warnings.warn("fp8 KV cache without calibrated scales: using scale 1.0 (compress kv calibrates them)",
+                      stacklevel=3)  # fmt: skip
+        heads = layers[0].kv_heads
+        scales = [(torch.ones(heads), torch.ones(heads)) for _ in layers]
+    elif stored != chosen:  # the same calibrated range, mapped onto the other dtype's
+        ratio = kv_cache.KV_DTYPES[stored][1] / kv_cache.KV_DTYPES[chosen][1]
+        scales = [(k * ratio, v * ratio) for k, v in scales]
+    for attn, (k, v) in zip(layers, scales, strict=True):
+        attn.k_scale, attn.v_scale = k.to(device), v.to(device)
+    model.kv_cache_dtype = kv_cache.KV_DTYPES[chosen][0]

@@ -16,6 +16,7 @@ from torch import nn
 
 from slimlm import kernels
 from slimlm.kernels.packed import PackedWeight
+from slimlm.kernels.reference import quantized_kv
 
 
 @dataclass
@@ -81,6 +82,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.heads * self.head_dim, hidden, getattr(config, "attention_bias", False), dtype)
         self.scale = self.head_dim**-0.5
         self.attention = kernels.paged_attention  # the load-time Backend's, once set_backend ran
+        self.k_scale = self.v_scale = None  # fp32 [kv_heads] for an fp8/int8 cache (loader.set_kv_cache)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs, kv_cache: torch.Tensor
@@ -90,11 +92,11 @@ class Attention(nn.Module):
         k = rotate(self.k_proj(x).view(t, self.kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
-        k_cache.view(-1, self.kv_heads, self.head_dim)[step.slots] = k.to(k_cache.dtype)
-        v_cache.view(-1, self.kv_heads, self.head_dim)[step.slots] = v.to(v_cache.dtype)
+        k_cache.view(-1, self.kv_heads, self.head_dim)[step.slots] = quantized_kv(k, self.k_scale, k_cache.dtype)
+        v_cache.view(-1, self.kv_heads, self.head_dim)[step.slots] = quantized_kv(v, self.v_scale, v_cache.dtype)
         out = self.attention(
             q, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start, self.scale,
-            query_lens=step.query_lens,
+            self.k_scale, self.v_scale, query_lens=step.query_lens,
         )  # fmt: skip
         return self.o_proj(out.reshape(t, self.heads * self.head_dim))
 

@@ -22,14 +22,16 @@ def _available_memory(device: str) -> int:
 
 class ModelRunner:
     def __init__(
-        self, model_dir: Path, dtype: torch.dtype, device: str, kv_cache_bytes: int, block_size: int, max_len: int
-    ) -> None:
+        self, model_dir: Path, dtype: torch.dtype, device: str, kv_cache_bytes: int, block_size: int, max_len: int,
+        kv_cache_dtype: str = "auto",
+    ) -> None:  # fmt: skip
         self.device = device
         self.block_size = block_size
-        self.model = load_model(model_dir, dtype, device, max_len)
+        self.model = load_model(model_dir, dtype, device, max_len, kv_cache_dtype)
         attn = self.model.model.layers[0].self_attn
         layers = len(self.model.model.layers)
-        per_block = layers * 2 * block_size * attn.kv_heads * attn.head_dim * dtype.itemsize
+        kv_dtype = self.model.kv_cache_dtype
+        per_block = layers * 2 * block_size * attn.kv_heads * attn.head_dim * kv_dtype.itemsize
         self.num_blocks = max(1, kv_cache_bytes // per_block)
         # one preallocated pool: [layer, K/V, block, offset, kv_head, head_dim]
         shape = (layers, 2, self.num_blocks, block_size, attn.kv_heads, attn.head_dim)
@@ -38,7 +40,7 @@ class ModelRunner:
         if pool > available:
             raise SlimlmError(f"a KV cache pool of {pool / 2**30:.2f} GiB does not fit in the "
                               f"{available / 2**30:.2f} GiB free on {device}; lower --kv-cache-memory")  # fmt: skip
-        self.kv_cache = torch.empty(shape, dtype=dtype, device=device)
+        self.kv_cache = torch.empty(shape, dtype=kv_dtype, device=device)
 
     def weight_bytes(self) -> int:
         """Bytes of weights a decode step reads (the embedding table is gathered from, not read)."""

@@ -1,0 +1,173 @@
+"""Quantized KV caches in the engine, held to transformers with the same quantize-dequantize of every
+cached key (after RoPE) and value, per KV head: prompt log-probabilities, greedy decoding, capacity, bad
+scales."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from slimlm import SlimlmError
+from slimlm.compress.job import quantize_weights
+from slimlm.compress.kv import KVCache
+from slimlm.formats import kv_cache
+from slimlm.runtime.engine import Engine, EngineConfig
+from slimlm.runtime.llm import LLM
+from slimlm.runtime.sampling import SamplingParams
+from tests.conftest import make_text
+from tests.runtime.conftest import next_token_logprobs
+
+
+@pytest.fixture(scope="module", params=[("fp8", "tensor"), ("int8", "attn_head")], ids=["fp8", "int8"])
+def kv_checkpoint(request, tiny_llama, calib_txt, tmp_path_factory):
+    kv_dtype, strategy = request.param
+    out = tmp_path_factory.mktemp("kv") / f"tiny-{kv_dtype}"
+    quantize_weights("kv", [KVCache(kv_dtype, strategy)], None, str(tiny_llama), out, calib=str(calib_txt),
+                     num_samples=8, seq_len=64, progress=False, report_error=False)  # fmt: skip
+    return out, kv_dtype
+
+
+def _qdq(x: torch.Tensor, scale: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    """x [B, H, T, D] through an fp8/int8 cache with per-head scale [H], written from the definition."""
+    s = scale[None, :, None, None]
+    limit = 448.0 if kv_dtype == "fp8" else 127.0
+    y = (x / s).clamp(-limit, limit)
+    y = y.to(torch.float8_e4m3fn).float() if kv_dtype == "fp8" else y.round()
+    return y * s
+
+
+def transformers_with_quantized_kv(model_dir, kv_dtype: str):
+    """transformers' Llama whose attention sees every K (after RoPE) and V as the quantized cache holds it."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tensors = load_file(model_dir / "model.safetensors")
+    heads = model.config.num_key_value_heads
+    scales = [[tensors[n].float().flatten().expand(heads) for n in kv_cache.scale_names(i)]
+              for i in range(model.config.num_hidden_layers)]  # fmt: skip
+    layer = {}
+    rotary = modeling_llama.apply_rotary_pos_emb
+
+    def rotary_then_quantize(q, k, cos, sin, *args, **kwargs):
+        q, k = rotary(q, k, cos, sin, *args, **kwargs)
+        return q, _qdq(k, scales[layer["i"]][0], kv_dtype)
+
+    for i, block in enumerate(model.model.layers):
+        attn = block.self_attn
+        attn.register_forward_pre_hook(lambda _m, _a, i=i: layer.update(i=i))
+        attn.v_proj.register_forward_hook(
+            lambda _m, _x, out, i=i: _qdq(out.unflatten(-1, (heads, -1)).transpose(1, 2), scales[i][1], kv_dtype)
+            .transpose(1, 2).flatten(-2)  # fmt: skip
+        )
+    return model, rotary_then_quantize
+
+
+@pytest.fixture
+def reference(kv_checkpoint, monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    model_dir, kv_dtype = kv_checkpoint
+    model, patched = transformers_with_quantized_kv(model_dir, kv_dtype)
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", patched)
+    return model
+
+
+def _prompt(engine: Engine, seed: int, n: int) -> list[int]:
+    return engine.tokenizer.encode(" ".join(make_text(30, seed=seed).split()[:n]))
+
+
+def test_prompt_logprobs_match_transformers_through_the_same_quantized_cache(kv_checkpoint, reference, tiny_llama):
+    model_dir, kv_dtype = kv_checkpoint
+    llm = LLM(str(model_dir), block_size=16)
+    assert llm.engine.runner.kv_cache.dtype == kv_cache.KV_DTYPES[kv_dtype][0]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    ids = _prompt(llm.engine, 5, 70)  # several blocks, prefilled in one chunk
+    ours = torch.tensor(llm.generate([ids], params)[0].prompt_logprobs)
+    with torch.no_grad():
+        theirs = next_token_logprobs(reference(torch.tensor([ids])).logits[0], ids)
+    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=0)
+    float_kv = torch.tensor(LLM(str(tiny_llama)).generate([ids], params)[0].prompt_logprobs)
+    assert (float_kv - theirs).abs().max() > 10 * 2e-4  # the quantization is really there and really matched
+
+
+def test_greedy_decoding_matches_transformers_through_the_same_quantized_cache(kv_checkpoint, reference):
+    model_dir, _ = kv_checkpoint
+    llm = LLM(str(model_dir), block_size=8, max_num_batched_tokens=16)  # chunked prefill, decodes across blocks
+    prompts = [_prompt(llm.engine, s, n) for s, n in ((1, 5), (2, 19), (3, 33))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    for ids, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            want = reference.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, min_new_tokens=20)
+        assert out.outputs[0].token_ids == want[0, len(ids) :].tolist()
+
+
+def test_one_memory_budget_holds_4x_the_tokens_of_fp32_in_8_bits(kv_checkpoint, tiny_llama):
+    model_dir, _ = kv_checkpoint
+    budget = dict(kv_cache_memory=4 << 20, max_model_len=256)
+    fp32 = Engine(str(tiny_llama), EngineConfig(**budget)).runner
+    bf16 = Engine(str(tiny_llama), EngineConfig(kv_cache_dtype="bfloat16", **budget)).runner
+    eight = Engine(str(model_dir), EngineConfig(**budget)).runner
+    assert eight.num_blocks == 4 * fp32.num_blocks == 2 * bf16.num_blocks
+    assert eight.kv_bytes_per_token * 4 == fp32.kv_bytes_per_token
+
+
+def test_kv_cache_dtype_overrides_the_checkpoint(kv_checkpoint):
+    model_dir, kv_dtype = kv_checkpoint
+    other = "int8" if kv_dtype == "fp8" else "fp8"
+    engine = Engine(str(model_dir), EngineConfig(kv_cache_dtype=other, max_model_len=256))
+    assert engine.runner.kv_cache.dtype == kv_cache.KV_DTYPES[other][0]
+    tensors = load_file(model_dir / "model.safetensors")
+    stored = tensors["model.layers.1.self_attn.k_scale"].float().flatten()
+    ratio = kv_cache.KV_DTYPES[kv_dtype][1] / kv_cache.KV_DTYPES[other][1]  # the same calibrated amax
+    torch.testing.assert_close(engine.model.model.layers[1].self_attn.k_scale, (stored * ratio).expand(2))
+    float_engine = Engine(str(model_dir), EngineConfig(kv_cache_dtype="float32", max_model_len=256))
+    assert float_engine.runner.kv_cache.dtype == torch.float32
+    assert float_engine.model.model.layers[0].self_attn.k_scale is None
+
+
+def test_without_scales_fp8_uses_1_with_a_warning_and_int8_is_refused(tiny_llama):
+    with pytest.warns(UserWarning, match="fp8 KV cache without calibrated scales: using scale 1.0"):
+        engine = Engine(str(tiny_llama), EngineConfig(kv_cache_dtype="fp8", max_model_len=256))
+    assert torch.equal(engine.model.model.layers[0].self_attn.v_scale, torch.ones(2))
+    with pytest.raises(SlimlmError, match="has no KV-cache scales, which an int8 KV cache needs; calibrate them"):
+        Engine(str(tiny_llama), EngineConfig(kv_cache_dtype="int8", max_model_len=256))
+    with pytest.raises(SlimlmError, match="kv_cache_dtype 'int4' is not one of auto, fp8, int8"):
+        EngineConfig(kv_cache_dtype="int4")
+
+
+def _broken(model_dir, tmp_path, edit) -> str:
+    bad = tmp_path / "bad"
+    shutil.copytree(model_dir, bad)
+    tensors = load_file(bad / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    (bad / "slimlm.json").unlink()  # the file hashes would catch the edit first; this is about the contents
+    return str(bad)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.pop("model.layers.1.self_attn.v_scale"), "model.layers.1.self_attn.v_scale is missing"),
+    (lambda t: t["model.layers.0.self_attn.k_scale"].fill_(float("nan")), "k_scale holds NaN or Inf"),
+    (lambda t: t["model.layers.0.self_attn.k_scale"].fill_(0), "finite and positive"),
+    (lambda t: t.update({"model.layers.0.self_attn.k_scale": torch.ones(3)}), "implies a float"),
+], ids=["missing", "nan", "zero", "shape"])  # fmt: skip
+def test_bad_kv_scales_are_named(kv_checkpoint, tmp_path, edit, message):
+    model_dir, _ = kv_checkpoint
+    with pytest.raises(SlimlmError, match=message):
+        Engine(_broken(model_dir, tmp_path, edit), EngineConfig(max_model_len=256))
+
+
+def test_an_unsupported_kv_cache_scheme_is_named(kv_checkpoint, tmp_path):
+    model_dir, _ = kv_checkpoint
+    bad = tmp_path / "scheme"
+    shutil.copytree(model_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"]["num_bits"] = 4
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SlimlmError, match="kv_cache_scheme num_bits=4 type=.* is not supported"):
+        Engine(str(bad), EngineConfig(max_model_len=256))
