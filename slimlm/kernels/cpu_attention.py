@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from slimlm.kernels import cpu_library
-from slimlm.kernels.reference import cached_kv, dequantized
+from slimlm.kernels.reference import cached_kv
 
 
 def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, native) -> torch.Tensor:
@@ -23,17 +23,23 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     blocks = -(-int(seq_lens.max()) // block_size)
     table = block_tables[:, :blocks].long()
-    # [S, blocks, block_size, Hkv, D] -> [S, Hkv, L, D]
-    k = dequantized(k_cache[table], k_scale, q.dtype).flatten(1, 2).transpose(1, 2)
-    v = dequantized(v_cache[table], v_scale, q.dtype).flatten(1, 2).transpose(1, 2)
+    # [S, blocks, block_size, Hkv, D] -> [S, Hkv, L, D], widened to q's dtype. Per-head KV scales are applied
+    # to the query and to the output instead (q·(s·k) = (s·q)·k, Σ p·(s·v) = s·Σ p·v): a pass over K and V saved.
+    k = k_cache[table].to(q.dtype).flatten(1, 2).transpose(1, 2)
+    v = v_cache[table].to(q.dtype).flatten(1, 2).transpose(1, 2)
     qg = q.view(s, kv_heads, heads // kv_heads, dim)
+    if k_scale is not None:
+        qg = qg * k_scale.to(q.dtype)[None, :, None, None]
     scores = torch.matmul(qg, k.transpose(2, 3)) * scale  # [S, Hkv, group, L]
     unseen = torch.arange(k.shape[2], device=q.device)[None, :] >= seq_lens[:, None]
     scores.masked_fill_(unseen[:, None, None, :], float("-inf"))
     # Slots past a sequence's end hold whatever the pool held (never written): a zero weight times a NaN
     # there is NaN, so they are zeroed, not just given zero weight.
     v = v.masked_fill(unseen[:, None, :, None], 0)
-    return torch.matmul(scores.softmax(-1), v).view(s, heads, dim)
+    out = torch.matmul(scores.softmax(-1), v)  # [S, Hkv, group, D]
+    if v_scale is not None:
+        out = out * v_scale.to(q.dtype)[None, :, None, None]
+    return out.view(s, heads, dim)
 
 
 def _native_applies(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:

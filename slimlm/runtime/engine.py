@@ -21,8 +21,9 @@ from slimlm.runtime.loader import KV_CACHE_DTYPES
 from slimlm.runtime.model_runner import ModelRunner
 from slimlm.runtime.outputs import CompletionOutput, OutputProcessor, RequestOutput
 from slimlm.runtime.sampling import SamplingParams, sample, top_logprobs
-from slimlm.runtime.scheduler import Scheduler
+from slimlm.runtime.scheduler import Batch, Scheduler
 from slimlm.runtime.sequence import Sequence
+from slimlm.runtime.speculative import NgramProposer, Proposal, distributions, verify
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 __all__ = ["CompletionOutput", "Engine", "EngineConfig", "EngineStats", "RequestOutput"]
@@ -43,6 +44,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # per step: decodes plus prefill chunks
     prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    speculative: str | None = None  # "ngram" (prompt lookup) or a draft model with the same tokenizer
+    num_speculative_tokens: int = 4  # drafted tokens per verification pass, at most block_size
 
     def __post_init__(self) -> None:
         problems = []
@@ -57,6 +60,12 @@ class EngineConfig:
             problems.append(f"block_size must be a power of two, got {self.block_size}")
         if self.max_model_len is not None and not _positive_int(self.max_model_len):
             problems.append(f"max_model_len must be a positive integer or None, got {self.max_model_len!r}")
+        if self.speculative is not None and not (isinstance(self.speculative, str) and self.speculative):
+            problems.append(f"speculative must be 'ngram', a draft model or None, got {self.speculative!r}")
+        k = self.num_speculative_tokens
+        if not _positive_int(k) or (_positive_int(self.block_size) and k > self.block_size):
+            problems.append(f"num_speculative_tokens must be an integer in 1..block_size ({self.block_size}), "
+                            f"got {k!r}")  # fmt: skip
         if problems:
             raise SlimlmError("invalid engine config: " + "; ".join(problems))
 
@@ -116,6 +125,16 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         self._finished_outside_step: list[RequestOutput] = []  # aborted requests, reported by the next step
         self._ids = itertools.count()
+        self.proposer = self._proposer(config)
+
+    def _proposer(self, config: EngineConfig):
+        if config.speculative is None:
+            return None
+        if config.speculative == "ngram":
+            return NgramProposer(config.num_speculative_tokens)
+        from slimlm.runtime.draft import DraftProposer
+
+        return DraftProposer(config.speculative, self, config.num_speculative_tokens)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -213,13 +232,21 @@ class Engine:
         """Run one batch; outputs of every request that produced a token or finished in it. Unfinished
         outputs carry their text so far only with `detokenize` (streaming); finished ones always do."""
         done, self._finished_outside_step = self._finished_outside_step, []
+        drafted = self._propose() if self.proposer is not None else {}
         batch = self.scheduler.schedule()
+        if drafted:
+            drafted = self._keep_scheduled_drafts(batch, drafted)
         if not batch.items:
             return done
         # Logits are computed only for the rows that need them: a sampling row per sequence at the end of
         # its prompt or in decode, and the prompt positions whose log-probabilities were asked for.
         rows, prompt_rows, sample_row, offset = [], {}, {}, 0
         for item in batch.items:
+            if id(item.seq) in drafted:  # the last token and its drafts: every position is scored
+                sample_row[id(item)] = len(rows)
+                rows += range(offset, offset + item.num_tokens)
+                offset += item.num_tokens
+                continue
             lo, hi = self._prompt_positions(item.seq, item.num_tokens)
             if lo < hi:
                 prompt_rows[id(item)] = (len(rows), lo, hi)
@@ -233,6 +260,11 @@ class Engine:
         touched: dict[str, None] = {}
         to_sample: list[tuple[Sequence, int]] = []
         for item in batch.items:
+            if id(item.seq) in drafted:
+                row = sample_row[id(item)]
+                self._verify(item.seq, drafted[id(item.seq)], logits[row : row + item.num_tokens], now)
+                touched[item.seq.request_id] = None
+                continue
             seq, samples = item.seq, item.samples  # `samples` reads num_computed: before it moves on
             seq.num_computed += item.num_tokens
             self.blocks.register_full_blocks(seq)
@@ -254,6 +286,58 @@ class Engine:
             if finished:
                 del self.requests[r]
         return done
+
+    # ---- speculative decoding (speculative.py has the rule) ------------------------------------------
+
+    def _propose(self) -> dict[int, Proposal]:
+        """Drafts for every decoding sequence, appended to its tokens so the scheduler schedules them with
+        its last token; at most what the request may still emit, less the token verification always adds."""
+        seqs = [s for s in self.scheduler.running if s.output_ids and s.num_computed == s.num_tokens - 1]
+        room = [min(s.params.max_tokens - len(s.output_ids), self.max_model_len - s.num_tokens) - 1 for s in seqs]
+        drafted = {}
+        for seq, proposal in zip(seqs, self.proposer.propose(seqs, room), strict=True):
+            if proposal.tokens:
+                seq.token_ids += proposal.tokens
+                drafted[id(seq)] = proposal
+        return drafted
+
+    def _keep_scheduled_drafts(self, batch: Batch, drafted: dict[int, Proposal]) -> dict[int, Proposal]:
+        """Drop the drafts the step will not verify: all of a sequence that was not scheduled (no budget, or
+        preempted), the tail beyond its share of the token budget."""
+        scheduled = {id(item.seq): item.num_tokens - 1 for item in batch.items}
+        kept = {}
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            proposal = drafted.get(id(seq))
+            if proposal is None:
+                continue
+            keep = scheduled.get(id(seq), 0)
+            if keep < len(proposal.tokens):
+                del seq.token_ids[len(seq.token_ids) - len(proposal.tokens) + keep :]
+                probs = None if proposal.probs is None else proposal.probs[:keep]
+                proposal = Proposal(proposal.tokens[:keep], probs)
+            if proposal.tokens:
+                kept[id(seq)] = proposal
+        return kept
+
+    def _verify(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor, now: float) -> None:
+        """Accept or correct the drafts (logits [1 + k, V] at the last token and each draft), emit the
+        tokens, and forget the rejected drafts' KV."""
+        k = len(proposal.tokens)
+        q = distributions(logits, [seq.params] * (k + 1))
+        tokens, accepted = verify(q, proposal, seq.generator)
+        del seq.token_ids[-k:]
+        seq.num_computed += k + 1
+        self.blocks.release_last(seq, k - accepted)
+        seq.num_drafted += k
+        seq.num_accepted += accepted
+        lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+        chosen = lp[torch.arange(len(tokens)), tokens].tolist()
+        top = top_logprobs(lp, [seq.params.logprobs] * len(tokens))
+        for i, token in enumerate(tokens):
+            self._append(seq, token, chosen[i], top[i], now)
+            if seq.is_finished:
+                return
+        self.blocks.register_full_blocks(seq)
 
     def _finished(self, request_id: str) -> bool:
         request = self.requests[request_id]

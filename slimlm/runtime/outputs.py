@@ -23,6 +23,8 @@ class CompletionOutput:
     first_token_time: float | None
     token_times: list[float]
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: the N most likely (id, logprob)
+    num_drafted: int = 0  # speculative decoding: tokens proposed and verified
+    num_accepted: int = 0  # of those, accepted
 
 
 @dataclass
@@ -110,6 +112,7 @@ class OutputProcessor:
                 logprobs=list(seq.logprobs) if want else None,
                 first_token_time=seq.token_times[0] if seq.token_times else None, token_times=list(seq.token_times),
                 top_logprobs=list(seq.top_logprobs) if want and seq.params.logprobs else None,
+                num_drafted=seq.num_drafted, num_accepted=seq.num_accepted,
             ))  # fmt: skip
         if finished:
             for seq in request.seqs:

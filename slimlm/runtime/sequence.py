@@ -38,6 +38,8 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_drafted: int = 0  # speculative tokens proposed for this sequence and verified
+    num_accepted: int = 0  # of those, accepted by the target
 
     @property
     def num_tokens(self) -> int:
