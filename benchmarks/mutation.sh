@@ -31,6 +31,8 @@ declare -A TESTS=(
   [slimlm/runtime/scheduler.py]="tests/runtime/test_scheduler.py tests/runtime/test_engine.py"
   [slimlm/runtime/sequence.py]="tests/runtime"
   [slimlm/runtime/engine.py]="tests/runtime/test_engine.py tests/runtime/test_fuzz.py"
+  [slimlm/runtime/speculative.py]="tests/runtime/test_speculative.py"
+  [slimlm/formats/kv_cache.py]="tests/runtime/test_kv_cache.py tests/compress/test_kv.py"
 )
 MODULES=("$@")
 [ ${#MODULES[@]} -gt 0 ] || MODULES=("${!TESTS[@]}")

@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-memory", type=parse_size, default="512M", help="KV block pool size (e.g. 512M, 2G)")
     _add_kv_cache_dtype(p)
+    p.add_argument("--speculative", metavar="ngram|DRAFT", help="speculative decoding: ngram (prompt lookup) or "
+                   "a draft model with the same tokenizer (asset, directory or hub id)")  # fmt: skip
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=4, help="drafted tokens per target pass")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     _add_device(p)
     return parser
@@ -399,7 +402,8 @@ def cmd_generate(a: argparse.Namespace) -> None:
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed, stop=a.stop)  # fmt: skip
     llm = LLM(a.model, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory, device=a.device,
-              kv_cache_dtype=a.kv_cache_dtype)  # fmt: skip
+              kv_cache_dtype=a.kv_cache_dtype, speculative=a.speculative,
+              num_speculative_tokens=a.num_speculative_tokens)  # fmt: skip
     streaming = a.stream and len(a.prompt) == 1  # several prompts would interleave: they print when done
     if streaming:
         shown = 0
@@ -421,8 +425,9 @@ def cmd_generate(a: argparse.Namespace) -> None:
             print(c.text)
         ttft = (c.first_token_time - out.arrival) * 1e3 if c.first_token_time else float("nan")
         rate = (len(c.token_times) - 1) / (c.token_times[-1] - c.token_times[0]) if len(c.token_times) > 1 else 0
+        spec = f", {c.num_accepted}/{c.num_drafted} drafts accepted" if a.speculative else ""
         print(f"[{len(c.token_ids)} tokens, finish: {c.finish_reason}, first token {ttft:.0f} ms, "
-              f"{rate:.1f} tokens/s after it]", file=sys.stderr)  # fmt: skip
+              f"{rate:.1f} tokens/s after it{spec}]", file=sys.stderr)  # fmt: skip
     if rejected:  # the others were served; all rejections on one line
         raise SlimlmError("; ".join(rejected))
 

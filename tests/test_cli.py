@@ -230,3 +230,31 @@ def test_without_group_size_the_largest_that_fits_is_used_and_said(capsys, tiny_
     assert code == 0, err
     assert "--group-size not given: using 32" in err  # in-dims 64 and 96: 128 and 64 do not divide both
     assert json.loads((tmp_path / "q" / "slimlm.json").read_text())["arguments"]["group_size"] == 32
+
+
+def test_kv_then_generate_and_eval_on_the_quantized_cache(capsys, tiny_llama, calib_txt, tmp_path):
+    out = tmp_path / "kv"
+    code, _, err = run_cli(capsys, "kv", str(tiny_llama), "--kv-dtype", "int8", "--calib", str(calib_txt),
+                           "--num-samples", "8", "--seq-len", "32", "--out", str(out))  # fmt: skip
+    assert code == 0, err
+    scheme = json.loads((out / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
+    assert scheme["type"] == "int" and scheme["strategy"] == "attn_head"  # int8's default: per head
+    code, _, err = run_cli(capsys, "generate", str(out), "--prompt", "the city", "--max-tokens", "4",
+                           "--speculative", "ngram", "--num-speculative-tokens", "2")  # fmt: skip
+    assert code == 0 and "drafts accepted" in err, err
+    code, _, err = run_cli(capsys, "generate", str(tiny_llama), "--prompt", "x", "--kv-cache-dtype", "int8")
+    assert_one_line_error(code, err, "has no KV-cache scales, which an int8 KV cache needs")
+
+
+def test_kv_flags_that_do_not_fit_are_named(capsys, tiny_llama, out_dir, tmp_path):
+    code, _, err = run_cli(capsys, "rtn", "--model", str(tiny_llama), "--kv-strategy", "tensor", "--out", out_dir)
+    assert_one_line_error(code, err, "--kv-strategy applies to a quantized KV cache; add --kv-dtype")
+    code, _, err = run_cli(capsys, "rtn", "--model", str(tiny_llama), "--kv-dtype", "fp8", "--format", "gptq",
+                           "--out", out_dir)  # fmt: skip
+    assert_one_line_error(code, err, "--format gptq has no place for KV-cache scales")
+    code, _, err = run_cli(capsys, "generate", str(tiny_llama), "--prompt", "x", "--speculative", "ngram",
+                           "--num-speculative-tokens", "99")  # fmt: skip
+    assert_one_line_error(code, err, "num_speculative_tokens must be an integer in 1..block_size (16)")
+    code, _, err = run_cli(capsys, "generate", str(tiny_llama), "--prompt", "x", "--speculative",
+                           str(tmp_path / "no-such-draft"))  # fmt: skip
+    assert_one_line_error(code, err, "unknown model")

@@ -1,0 +1,196 @@
+"""KV-cache quantization on the default model, through the runtime, every baseline measured in the same run.
+
+  quality   wiki perplexity (and optionally the task pack) for KV float32 / bfloat16, fp8 with scale 1
+            (uncalibrated, what vLLM does without scales), and checkpoints from `compress kv` (defaults:
+            128 owt windows of 512): fp8 and int8, per layer ("tensor") and per KV head ("attn_head")
+  capacity  one KV memory budget: how many sequences of a fixed context it holds, and the output
+            throughput of a Poisson workload of long prompts under it (preemptions counted)
+  decode    one decode step at context 4096, batch 1 and 8, with the cache filled, against the floor:
+            (weight bytes + KV bytes read) / the bandwidth of a large copy measured in the same run
+
+    .venv/bin/python benchmarks/kv_cache.py [--parts quality,capacity,decode] [--json out/kv.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_vs_hf import copy_bandwidth  # noqa: E402
+
+MODEL = "smollm2-135m"
+CHECKPOINTS = {"fp8 tensor": ("fp8", "tensor"), "fp8 attn_head": ("fp8", "attn_head"),
+               "int8 tensor": ("int8", "tensor"), "int8 attn_head": ("int8", "attn_head")}  # fmt: skip
+
+
+def checkpoint(label: str, cache: Path) -> str:
+    """`compress kv` with its defaults, made once per cache directory."""
+    from slimlm.compress.job import quantize_weights
+    from slimlm.compress.kv import KVCache
+
+    kv_dtype, strategy = CHECKPOINTS[label]
+    out = cache / f"kv-{kv_dtype}-{strategy}"
+    if not (out / "slimlm.json").exists():
+        quantize_weights("kv", [KVCache(kv_dtype, strategy)], None, MODEL, out, report_error=False, overwrite=True)
+    return str(out)
+
+
+def quality(args) -> list[dict]:
+    from slimlm.eval import harness
+    from slimlm.eval.perplexity import engine_for, perplexity
+
+    configs = [("float32 KV", MODEL, "float32"), ("bfloat16 KV", MODEL, "bfloat16"), ("fp8 scale 1", MODEL, "fp8")]
+    configs += [(label, checkpoint(label, args.cache), "auto") for label in CHECKPOINTS]
+    rows = []
+    for label, model, kv_dtype in configs:
+        engine = engine_for(model, 512, kv_cache_dtype=kv_dtype)
+        ppl = perplexity(engine, "wiki", 512, args.ppl_tokens, progress=False)["perplexity"]
+        del engine
+        row = {"kv": label, "kv_cache_dtype": kv_dtype, "model": model, "wiki_ppl": ppl}
+        if args.tasks_limit and label in args.tasks_kv.split(","):
+            results = harness.evaluate(model, ["slimlm_tasks"], limit=args.tasks_limit, kv_cache_dtype=kv_dtype)
+            accs = [r.get("acc_norm,none", r.get("acc,none")) for t, r in results["results"].items()
+                    if t != "slimlm_tasks"]  # fmt: skip
+            row["task_avg"] = 100 * sum(accs) / len(accs)
+        rows.append(row)
+        base = rows[0]
+        extra = f", tasks {row['task_avg']:.2f} ({row['task_avg'] / base['task_avg']:.1%} of float)" \
+            if "task_avg" in row else ""
+        print(f"{label:16} wiki ppl {ppl:8.4f} ({ppl / base['wiki_ppl'] - 1:+.2%}){extra}", flush=True)
+    return rows
+
+
+def _workload(args, tokenizer) -> list[dict]:
+    from slimlm.data import passages, token_stream
+
+    rng = random.Random(0)
+    stream = token_stream(passages("owt"), tokenizer, max_tokens=40_000)
+    t, out = 0.0, []
+    for i in range(args.requests):
+        t += rng.expovariate(args.rate)
+        start = rng.randrange(0, len(stream) - args.prompt_len)
+        out.append({"id": f"r{i}", "arrival": t, "prompt": stream[start : start + args.prompt_len]})
+    return out
+
+
+def capacity(args) -> list[dict]:
+    from slimlm.runtime.engine import Engine, EngineConfig
+    from slimlm.runtime.sampling import SamplingParams
+
+    rows = []
+    context = args.prompt_len + args.output_len
+    for label, model, kv_dtype in [("float32 KV", MODEL, "float32"), ("bfloat16 KV", MODEL, "bfloat16"),
+                                   ("int8 attn_head", checkpoint("int8 attn_head", args.cache), "auto")]:  # fmt: skip
+        engine = Engine(model, EngineConfig(kv_cache_memory=args.budget << 20, kv_cache_dtype=kv_dtype,
+                                            max_model_len=context, max_num_batched_tokens=512))  # fmt: skip
+        fits = engine.capacity // (-(-context // engine.config.block_size) * engine.config.block_size)
+        pending = _workload(args, engine.tokenizer)
+        params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+        start, peak, tokens, seqs = time.perf_counter(), 0, 0, []
+        while pending or engine.has_unfinished():
+            now = time.perf_counter() - start
+            while pending and pending[0]["arrival"] <= now:
+                r = pending.pop(0)
+                engine.add_request(r["prompt"], params, r["id"])
+                seqs += engine.requests[r["id"]].seqs
+            if not engine.has_unfinished():
+                time.sleep(max(0.0, pending[0]["arrival"] - now))
+                continue
+            for out in engine.step():
+                if out.finished:
+                    tokens += len(out.outputs[0].token_ids)
+            peak = max(peak, engine.stats().running)
+        wall = time.perf_counter() - start
+        preempted = sum(s.num_preemptions for s in seqs)
+        row = {"kv": label, "budget_mib": args.budget, "kv_bytes_per_token": engine.runner.kv_bytes_per_token,
+               "tokens_held": engine.capacity, "sequences_fit": fits, "peak_running": peak,
+               "preemptions": preempted, "output_tok_s": tokens / wall, "wall_s": wall}  # fmt: skip
+        rows.append(row)
+        print(f"{label:16} {engine.capacity:6} tokens in {args.budget} MiB -> {fits:2} sequences of {context}; "
+              f"Poisson: peak {peak} running, {preempted} preemptions, {tokens / wall:6.1f} output tok/s "
+              f"({wall:.0f} s)", flush=True)  # fmt: skip
+        del engine
+    return rows
+
+
+def decode(args) -> list[dict]:
+    from slimlm.runtime.engine import Engine, EngineConfig
+    from slimlm.runtime.model import StepInputs
+
+    bandwidth = copy_bandwidth()
+    rows = []
+    for label, model, kv_dtype in [("float32 KV", MODEL, "float32"), ("bfloat16 KV", MODEL, "bfloat16"),
+                                   ("fp8 tensor", checkpoint("fp8 tensor", args.cache), "auto"),
+                                   ("int8 attn_head", checkpoint("int8 attn_head", args.cache), "auto")]:  # fmt: skip
+        for batch in (1, 8):
+            ctx = args.context
+            probe = Engine(model, EngineConfig(kv_cache_dtype=kv_dtype, kv_cache_memory=1 << 20, max_model_len=16))
+            per_token = probe.runner.kv_bytes_per_token
+            del probe
+            engine = Engine(model, EngineConfig(kv_cache_dtype=kv_dtype, kv_cache_memory=batch * ctx * per_token
+                                                + (16 << 20), max_model_len=ctx + 16))  # fmt: skip
+            runner, bs = engine.runner, engine.config.block_size
+            cache = runner.kv_cache
+            if cache.dtype.itemsize == 1:  # random finite bytes: fp8 codes below its NaN pattern, int8 anything
+                cache.view(torch.uint8).random_(0, 120)
+            else:
+                cache.normal_()
+            blocks = torch.arange(batch * (ctx // bs), dtype=torch.int32).view(batch, -1)
+            step = StepInputs(positions=torch.full((batch,), ctx - 1), slots=blocks[:, -1].long() * bs + bs - 1,
+                              block_tables=blocks, seq_lens=torch.full((batch,), ctx, dtype=torch.int32),
+                              query_start=torch.arange(batch + 1, dtype=torch.int32),
+                              query_lens=[1] * batch)  # fmt: skip
+            ids = torch.randint(0, 1000, (batch,))
+            times = []
+            with torch.inference_mode():
+                for _ in range(args.reps + 1):
+                    t = time.perf_counter()
+                    runner.model.logits(runner.model(ids, step, cache))
+                    times.append(time.perf_counter() - t)
+            step_s = statistics.median(times[1:])
+            moved = runner.weight_bytes() + batch * ctx * per_token
+            floor = moved / (bandwidth * 1e9)
+            rows.append({"kv": label, "batch": batch, "context": ctx, "step_ms": 1e3 * step_s, "floor_ms": 1e3 * floor,
+                         "ratio": step_s / floor, "bytes": moved, "bandwidth_gb_s": bandwidth})  # fmt: skip
+            print(f"{label:16} batch {batch}: step {1e3 * step_s:7.1f} ms, floor {1e3 * floor:6.1f} ms "
+                  f"({step_s / floor:.2f}x), {moved / 1e6:.0f} MB moved", flush=True)  # fmt: skip
+            del engine
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="quality,capacity,decode")
+    parser.add_argument("--cache", type=Path, default=Path("out/kv-checkpoints"), help="compress kv outputs")
+    parser.add_argument("--ppl-tokens", type=int, default=32768)
+    parser.add_argument("--tasks-limit", type=int, default=0, help="documents per task-pack task (0: no tasks)")
+    parser.add_argument("--tasks-kv", default="float32 KV,fp8 tensor,int8 attn_head", help="configs run on the tasks")
+    parser.add_argument("--budget", type=int, default=64, help="KV memory budget for capacity, MiB")
+    parser.add_argument("--prompt-len", type=int, default=768)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    print(f"{MODEL}, fp32 weights, {torch.get_num_threads()} threads", flush=True)
+    results = {"args": {k: str(v) for k, v in vars(args).items()}}
+    for part in args.parts.split(","):
+        print(f"\n== {part}", flush=True)
+        results[part] = {"quality": quality, "capacity": capacity, "decode": decode}[part](args)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

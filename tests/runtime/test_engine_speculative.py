@@ -1,0 +1,101 @@
+"""Speculative decoding in the engine: greedy output equals non-speculative output for every proposer, and
+sampled tokens follow the target's exact distribution (computed with transformers) for both proposers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slimlm import SlimlmError
+from slimlm.runtime.engine import EngineConfig
+from slimlm.runtime.llm import LLM
+from slimlm.runtime.sampling import SamplingParams
+from tests.conftest import make_text, make_tiny_llama
+from tests.runtime.test_speculative import chi_square_p
+
+
+@pytest.fixture(scope="module")
+def sharp_pair(tmp_path_factory):
+    """Two tiny Llamas with the same tokenizer whose next-token distributions are far from uniform (their
+    embeddings, tied to the head, scaled up), so a wrong rule would show in the counts."""
+    from safetensors.torch import load_file, save_file
+
+    paths = []
+    for seed in (0, 1):
+        path = make_tiny_llama(tmp_path_factory.mktemp("sharp") / f"m{seed}", seed=seed)
+        tensors = load_file(path / "model.safetensors")
+        tensors["model.embed_tokens.weight"] *= 4
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        paths.append(path)
+    return paths
+
+
+def _prompts(llm: LLM, n: int) -> list[list[int]]:
+    return [llm.tokenizer.encode(" ".join(make_text(10, seed=s).split()[: 12 + 5 * s])) for s in range(n)]
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft", "self"])
+def test_greedy_output_equals_non_speculative_greedy(sharp_pair, proposer):
+    target, other = sharp_pair
+    draft = {"ngram": "ngram", "draft": str(other), "self": str(target)}[proposer]
+    base = LLM(str(target), max_num_batched_tokens=64)
+    spec = LLM(str(target), speculative=draft, num_speculative_tokens=3, max_num_batched_tokens=64)
+    prompts = _prompts(base, 20)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+    outs = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    drafted = sum(o.outputs[0].num_drafted for o in outs)
+    accepted = sum(o.outputs[0].num_accepted for o in outs)
+    assert drafted > 0
+    if proposer == "self":
+        assert accepted == drafted  # the target drafting for itself is always right
+    assert spec.engine.blocks.num_free == spec.engine.runner.num_blocks  # every block came back
+
+
+def _exact_second_token(model_dir, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """P(second generated token) under the target alone: Σ_t1 q(t1) q(t2 | t1), from transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from slimlm.runtime.speculative import distributions
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        q1 = distributions(model(torch.tensor([prompt])).logits[0, -1:], [params])[0]
+        batch = torch.cat([torch.tensor(prompt).expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
+        q2 = distributions(model(batch).logits[:, -1], [params] * vocab)
+    return q1 @ q2
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_sampled_second_tokens_follow_the_target(sharp_pair, proposer, top_p):
+    target, other = sharp_pair
+    llm = LLM(str(target), speculative="ngram" if proposer == "ngram" else str(other), num_speculative_tokens=2,
+              max_num_seqs=256, max_num_batched_tokens=2048)  # fmt: skip
+    prompt = llm.tokenizer.encode(make_text(3, seed=11))  # long enough that prompt lookup matches most tokens
+    draws = 10_000  # 20,000 on the real model: benchmarks/speculative.py
+    # max_tokens 3: the first token comes from the prompt's last position, the second from a verification
+    # with one draft (the rule leaves room for the token verification always adds)
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_p=top_p, seed=i, ignore_eos=True) for i in range(draws)]
+    outs = llm.generate([prompt] * draws, params)
+    second = torch.tensor([o.outputs[0].token_ids[1] for o in outs])
+    assert sum(o.outputs[0].num_drafted for o in outs) > draws // 2  # most second tokens went through verify
+    exact = _exact_second_token(target, prompt, params[0])
+    assert chi_square_p(torch.bincount(second, minlength=len(exact)).float(), exact) > 0.001
+
+
+def test_bad_speculative_settings_are_named(tiny_llama, tmp_path):
+    with pytest.raises(SlimlmError, match=r"num_speculative_tokens must be an integer in 1..block_size \(16\)"):
+        EngineConfig(speculative="ngram", num_speculative_tokens=17)
+    with pytest.raises(SlimlmError, match="num_speculative_tokens must be an integer"):
+        EngineConfig(speculative="ngram", num_speculative_tokens=0)
+    other = make_tiny_llama(tmp_path / "other-vocab", seed=0)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(other)
+    with pytest.raises(SlimlmError, match="does not share the target .* tokenizer"):
+        LLM(str(tiny_llama), speculative=str(other))
