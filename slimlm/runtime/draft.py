@@ -91,7 +91,8 @@ class DraftProposer:
                               seq.generator)  # fmt: skip
             self.blocks.allocate_prefix(shadow)
             self.shadows[seq.seq_id] = shadow
-        common = _common_prefix(shadow.token_ids, seq.token_ids)
-        if shadow.num_computed > common:
-            self.blocks.release_last(shadow, shadow.num_computed - common)
+        # the last token is always recomputed, even when its KV is there: its logits give the first draft
+        keep = min(_common_prefix(shadow.token_ids, seq.token_ids), len(seq.token_ids) - 1)
+        if shadow.num_computed > keep:
+            self.blocks.release_last(shadow, shadow.num_computed - keep)
         shadow.token_ids = list(seq.token_ids)

@@ -232,12 +232,10 @@ class Engine:
         """Run one batch; outputs of every request that produced a token or finished in it. Unfinished
         outputs carry their text so far only with `detokenize` (streaming); finished ones always do."""
         done, self._finished_outside_step = self._finished_outside_step, []
-        drafted = self._propose() if self.proposer is not None else {}
         batch = self.scheduler.schedule()
-        if drafted:
-            drafted = self._keep_scheduled_drafts(batch, drafted)
         if not batch.items:
             return done
+        drafted = self._add_drafts(batch) if self.proposer is not None else {}
         # Logits are computed only for the rows that need them: a sampling row per sequence at the end of
         # its prompt or in decode, and the prompt positions whose log-probabilities were asked for.
         rows, prompt_rows, sample_row, offset = [], {}, {}, 0
@@ -289,35 +287,29 @@ class Engine:
 
     # ---- speculative decoding (speculative.py has the rule) ------------------------------------------
 
-    def _propose(self) -> dict[int, Proposal]:
-        """Drafts for every decoding sequence, appended to its tokens so the scheduler schedules them with
-        its last token; at most what the request may still emit, less the token verification always adds."""
-        seqs = [s for s in self.scheduler.running if s.output_ids and s.num_computed == s.num_tokens - 1]
+    def _add_drafts(self, batch: Batch) -> dict[int, Proposal]:
+        """Drafts for the step's decoding sequences, scheduled with their last token from the budget the
+        scheduler left: at most what the request may still emit, less the token verification always adds."""
+        budget = self.scheduler.max_num_batched_tokens - sum(item.num_tokens for item in batch.items)
+        items = [item for item in batch.items  # decoding: one token, the last (not a recomputation's chunk)
+                 if item.num_tokens == 1 and item.seq.output_ids and item.seq.num_computed == item.seq.num_tokens - 1]
+        if budget <= 0 or not items:
+            return {}
+        seqs = [item.seq for item in items]
         room = [min(s.params.max_tokens - len(s.output_ids), self.max_model_len - s.num_tokens) - 1 for s in seqs]
         drafted = {}
-        for seq, proposal in zip(seqs, self.proposer.propose(seqs, room), strict=True):
-            if proposal.tokens:
-                seq.token_ids += proposal.tokens
-                drafted[id(seq)] = proposal
-        return drafted
-
-    def _keep_scheduled_drafts(self, batch: Batch, drafted: dict[int, Proposal]) -> dict[int, Proposal]:
-        """Drop the drafts the step will not verify: all of a sequence that was not scheduled (no budget, or
-        preempted), the tail beyond its share of the token budget."""
-        scheduled = {id(item.seq): item.num_tokens - 1 for item in batch.items}
-        kept = {}
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            proposal = drafted.get(id(seq))
-            if proposal is None:
+        for item, proposal in zip(items, self.proposer.propose(seqs, room), strict=True):
+            k = min(len(proposal.tokens), budget)
+            if k == 0 or not self.blocks.append(item.seq, 1 + k):  # no room in the pool: plain decode
                 continue
-            keep = scheduled.get(id(seq), 0)
-            if keep < len(proposal.tokens):
-                del seq.token_ids[len(seq.token_ids) - len(proposal.tokens) + keep :]
-                probs = None if proposal.probs is None else proposal.probs[:keep]
-                proposal = Proposal(proposal.tokens[:keep], probs)
-            if proposal.tokens:
-                kept[id(seq)] = proposal
-        return kept
+            probs = None if proposal.probs is None else proposal.probs[:k]
+            item.seq.token_ids += proposal.tokens[:k]
+            item.num_tokens += k
+            budget -= k
+            drafted[id(item.seq)] = Proposal(proposal.tokens[:k], probs)
+        batch.copies += self.blocks.pending_copies  # none expected: the block written next is already private
+        self.blocks.pending_copies = []
+        return drafted
 
     def _verify(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor, now: float) -> None:
         """Accept or correct the drafts (logits [1 + k, V] at the last token and each draft), emit the
