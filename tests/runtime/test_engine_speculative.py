@@ -99,3 +99,23 @@ def test_bad_speculative_settings_are_named(tiny_llama, tmp_path):
     tok.save_pretrained(other)
     with pytest.raises(SlimlmError, match="does not share the target .* tokenizer"):
         LLM(str(tiny_llama), speculative=str(other))
+
+
+def test_greedy_speculation_is_exact_under_preemption_and_parallel_samples(sharp_pair, monkeypatch):
+    target, other = sharp_pair
+    small = dict(kv_cache_memory=512 * 16 * 12, max_model_len=128, max_num_batched_tokens=64)  # 12 blocks
+    base = LLM(str(target), **small)
+    spec = LLM(str(target), speculative=str(other), num_speculative_tokens=3, **small)
+    preemptions = []
+    preempt = spec.engine.scheduler._preempt
+    monkeypatch.setattr(spec.engine.scheduler, "_preempt", lambda seq: (preemptions.append(seq), preempt(seq)))
+    prompts = _prompts(base, 8)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, n=2)
+    want = [[c.token_ids for c in o.outputs] for o in base.generate(prompts, params)]
+    outs = spec.generate(prompts, params)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == want
+    assert preemptions and sum(c.num_accepted for o in outs for c in o.outputs) > 0
+    assert spec.engine.blocks.num_free == spec.engine.runner.num_blocks
+    draft = spec.engine.proposer  # its pool: every block is free or held by a shadow still alive
+    held = {b for shadow in draft.shadows.values() for b in shadow.block_table}
+    assert draft.blocks.num_free + len(held) == draft.runner.num_blocks
