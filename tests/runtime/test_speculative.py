@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from slimlm.runtime import speculative
+from slimlm.runtime.sampling import SamplingParams
 from slimlm.runtime.speculative import NgramProposer, Proposal, verify
 
 
@@ -88,3 +89,56 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert ngram._lookup([1, 2, 3, 4, 3], 3) == [4, 3]  # n = 1: "3" then 4 3, cut at the end
     assert ngram._lookup([1, 2, 3], 3) == []
     assert ngram._lookup([1, 2, 1], 0) == []
+
+
+def test_prompt_lookup_proposals_respect_each_budget():
+    from slimlm.runtime.sequence import Sequence
+
+    def seq(tokens):
+        return Sequence(0, "r", tokens, 2, SamplingParams(), torch.Generator())
+
+    ngram = NgramProposer(k=4)
+    out = ngram.propose([seq([1, 2, 3, 4, 5, 6, 1]), seq([1, 2, 3, 4, 5, 6, 1]), seq([7, 8])], [2, 9, 5])
+    assert [p.tokens for p in out] == [[2, 3], [2, 3, 4, 5], []]
+    assert all(p.probs is None for p in out)
+
+
+def test_distributions_are_what_sampling_draws_from():
+    from slimlm.runtime.sampling import filter_logits
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=g) * 3
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.8),
+              SamplingParams(temperature=1.3, top_k=5), SamplingParams(temperature=0)]  # fmt: skip
+    probs = speculative.distributions(logits, params)
+    for i in (0, 3):
+        assert probs[i].sum() == 1 and probs[i, logits[i].argmax()] == 1
+    for i in (1, 2):
+        torch.testing.assert_close(probs[i], filter_logits(logits[i : i + 1], [params[i]]).softmax(-1)[0])
+    assert (probs[2] > 0).sum() == 5
+
+
+def test_prompt_lookup_edges():
+    ngram = NgramProposer(k=4)  # the default max_n is 3: the latest 3-gram match wins over an older 4-gram one
+    assert ngram._lookup([1, 2, 3, 4, 8, 9, 2, 3, 4, 6, 1, 2, 3, 4], 1) == [6]
+    assert ngram._lookup([3, 3], 2) == [3]  # the match right before the tail counts
+    assert ngram._lookup([1, 2, 3, 1], 2) == [2, 3]  # and so does one at the very start
+
+
+def test_verify_draws_only_from_its_generator_and_accepts_every_draft_of_a_perfect_draft():
+    g = torch.Generator().manual_seed(5)
+    q = torch.softmax(torch.randn(4, 7, generator=g), -1)
+    p = q[:3].clone()
+    drafts = [int(torch.multinomial(p[i], 1, generator=g)) for i in range(3)]
+
+    def run(global_seed: int):
+        torch.manual_seed(global_seed)  # the global RNG must not matter
+        gen = torch.Generator().manual_seed(11)
+        return [verify(q, Proposal(drafts, p), gen) for _ in range(50)]
+
+    first = run(0)
+    assert first == run(1)
+    assert all(accepted == 3 for _, accepted in first)  # p = q: min(1, q/p) = 1 for every draft
+    assert len({tuple(tokens) for tokens, _ in first}) > 1  # the bonus token is drawn, not fixed
+    rejections = [verify(q, Proposal(drafts, None), torch.Generator().manual_seed(s)) for s in range(50)]
+    assert len({tuple(tokens) for tokens, _ in rejections}) > 1  # a point mass does reject, from its own draws
