@@ -183,14 +183,19 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     print(f"{MODEL}, fp32 weights, {torch.get_num_threads()} threads", flush=True)
+    run_parts(args, {"quality": quality, "capacity": capacity, "decode": decode})
+
+
+def run_parts(args, parts: dict) -> None:
+    """Run the parts named in --parts in order; after each, write everything so far to --json (a run
+    stopped midway keeps what it measured)."""
     results = {"args": {k: str(v) for k, v in vars(args).items()}}
     for part in args.parts.split(","):
         print(f"\n== {part}", flush=True)
-        results[part] = {"quality": quality, "capacity": capacity, "decode": decode}[part](args)
+        results[part] = parts[part](args)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(results, indent=1))
-
 
 if __name__ == "__main__":
     main()

@@ -17,7 +17,6 @@ exactness  20,000 draws (batched) of a fixed prompt at temperature 1 and with to
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).parent))
+from kv_cache import run_parts  # noqa: E402
+
 from tests.runtime.test_speculative import chi_square_p  # noqa: E402  the same test the CI runs
 
 MODEL = "smollm2-135m"
@@ -165,14 +167,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     print(f"{MODEL}, fp32, {torch.get_num_threads()} threads", flush=True)
-    results = {"args": {k: str(v) for k, v in vars(args).items()}}
-    for part in args.parts.split(","):
-        print(f"\n== {part}", flush=True)
-        results[part] = {"speed": speed, "exactness": exactness}[part](args)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(results, indent=1))
-
+    run_parts(args, {"speed": speed, "exactness": exactness})
 
 if __name__ == "__main__":
     main()

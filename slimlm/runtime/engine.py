@@ -16,8 +16,8 @@ import torch
 
 from slimlm import SlimlmError, models
 from slimlm.devices import resolve_device
+from slimlm.formats.kv_cache import CACHE_DTYPES as KV_CACHE_DTYPES
 from slimlm.runtime.block_manager import BlockManager
-from slimlm.runtime.loader import KV_CACHE_DTYPES
 from slimlm.runtime.model_runner import ModelRunner
 from slimlm.runtime.outputs import CompletionOutput, OutputProcessor, RequestOutput
 from slimlm.runtime.sampling import SamplingParams, sample, top_logprobs

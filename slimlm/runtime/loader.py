@@ -27,7 +27,6 @@ def hf_config(model_dir: Path):
 
 
 FLOAT_KV = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_CACHE_DTYPES = kv_cache.CACHE_DTYPES
 
 
 def load_model(
@@ -70,8 +69,8 @@ def set_kv_cache(model: CausalLM, requested: str, scheme: dict | None, scales: l
     """Give every attention layer its KV scales and the model its `kv_cache_dtype`. `auto` is what the
     checkpoint's kv_cache_scheme says (else the model's dtype); fp8 without calibrated scales uses 1.0, as
     vLLM does; int8 without them is refused (its range would clip almost every value)."""
-    if requested not in KV_CACHE_DTYPES:
-        raise SlimlmError(f"KV cache dtype '{requested}' is not one of {', '.join(KV_CACHE_DTYPES)}")
+    if requested not in kv_cache.CACHE_DTYPES:
+        raise SlimlmError(f"KV cache dtype '{requested}' is not one of {', '.join(kv_cache.CACHE_DTYPES)}")
     stored = kv_cache.kv_dtype_of(scheme) if scheme is not None else None
     chosen = stored if requested == "auto" else requested
     layers = [layer.self_attn for layer in model.model.layers]
