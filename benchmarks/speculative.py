@@ -119,10 +119,12 @@ def exactness(args) -> list[dict]:
     from slimlm.runtime.speculative import distributions
 
     rows = []
-    for name, spec in (("prompt lookup", "ngram"), ("draft RTN W4", draft_model(args.cache))):
+    proposers = {"ngram": "prompt lookup", "draft": "draft RTN W4"}
+    for key in args.proposers.split(","):
+        name, spec = proposers[key], "ngram" if key == "ngram" else draft_model(args.cache)
         llm = LLM(MODEL, speculative=spec, num_speculative_tokens=2, max_num_seqs=256, max_num_batched_tokens=4096)
         prompt = prompts(llm.tokenizer, 1)[0]
-        for top_p in (1.0, 0.9):
+        for top_p in (float(t) for t in args.top_ps.split(",")):
             params = [SamplingParams(max_tokens=3, temperature=1.0, top_p=top_p, seed=i, ignore_eos=True)
                       for i in range(args.draws)]  # fmt: skip
             start = time.perf_counter()
@@ -164,6 +166,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--draws", type=int, default=20_000)
+    parser.add_argument("--proposers", default="ngram,draft", help="exactness: ngram and/or draft")
+    parser.add_argument("--top-ps", default="1.0,0.9", help="exactness: the top-p settings to test")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     print(f"{MODEL}, fp32, {torch.get_num_threads()} threads", flush=True)

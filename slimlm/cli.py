@@ -142,15 +142,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=seed_int)
     p.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    _add_engine_args(p)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
+    p.add_argument("model", help="asset name, local directory or hub id")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("SLIMLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $SLIMLM_API_KEY, else none)")
+    p.add_argument("--served-model-name", help="the model name clients send (default: the model argument)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences in the running batch")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=512, help="tokens per engine step")
+    p.add_argument("--max-model-len", type=positive_int, help="context length (default: the model's)")
+    p.add_argument("--max-waiting", type=positive_int, default=256,
+                   help="queued requests beyond which new ones get 503 with Retry-After")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for running requests before exiting")  # fmt: skip
+    _add_engine_args(p)
+    return parser
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The runtime's options, the same for generate and serve."""
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-memory", type=parse_size, default="512M", help="KV block pool size (e.g. 512M, 2G)")
     _add_kv_cache_dtype(p)
     p.add_argument("--speculative", metavar="ngram|DRAFT", help="speculative decoding: ngram (prompt lookup) or "
                    "a draft model with the same tokenizer (asset, directory or hub id)")  # fmt: skip
     p.add_argument("--num-speculative-tokens", type=positive_int, default=4, help="drafted tokens per target pass")
-    p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     _add_device(p)
-    return parser
+
+
+def _engine_config(a: argparse.Namespace) -> dict:
+    return dict(dtype=a.dtype, kv_cache_memory=a.kv_cache_memory, device=a.device, kv_cache_dtype=a.kv_cache_dtype,
+                speculative=a.speculative, num_speculative_tokens=a.num_speculative_tokens)  # fmt: skip
 
 
 def _int_arg(text: str, ok, requirement: str) -> int:
@@ -401,9 +427,7 @@ def cmd_generate(a: argparse.Namespace) -> None:
 
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed, stop=a.stop)  # fmt: skip
-    llm = LLM(a.model, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory, device=a.device,
-              kv_cache_dtype=a.kv_cache_dtype, speculative=a.speculative,
-              num_speculative_tokens=a.num_speculative_tokens)  # fmt: skip
+    llm = LLM(a.model, **_engine_config(a))
     streaming = a.stream and len(a.prompt) == 1  # several prompts would interleave: they print when done
     if streaming:
         shown = 0
@@ -432,9 +456,22 @@ def cmd_generate(a: argparse.Namespace) -> None:
         raise SlimlmError("; ".join(rejected))
 
 
+def cmd_serve(a: argparse.Namespace) -> None:
+    from slimlm.runtime.engine import Engine, EngineConfig
+    from slimlm.serve.app import serve
+
+    if not 0 <= a.port < 65536:
+        raise SlimlmError(f"--port {a.port} is not a TCP port (0..65535)")
+    config = EngineConfig(**_engine_config(a), max_num_seqs=a.max_num_seqs,
+                          max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len)  # fmt: skip
+    engine = Engine(a.model, config)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server drains on SIGTERM itself
+    serve(engine, a.served_model_name or a.model, a.host, a.port, a.api_key, a.max_waiting, a.drain_timeout)
+
+
 COMMANDS = {
     "assets": cmd_assets, "rtn": cmd_rtn, "gptq": cmd_gptq, "awq": cmd_awq, "kv": cmd_kv, "eval": cmd_eval,
-    "generate": cmd_generate,
+    "generate": cmd_generate, "serve": cmd_serve,
     "lm-eval": cmd_lm_eval,
 }  # fmt: skip
 

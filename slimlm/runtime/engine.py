@@ -145,7 +145,7 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise SlimlmError(f"sampling parameters must be a SamplingParams, got {type(params).__name__}")
-        ids = self._prompt_ids(prompt)
+        ids = self.prompt_ids(prompt)
         if len(ids) >= self.max_model_len:
             raise SlimlmError(f"the prompt has {len(ids)} tokens; the model's context holds {self.max_model_len}, "
                               "and one must be generated")  # fmt: skip
@@ -161,7 +161,8 @@ class Engine:
         self.scheduler.add(seq)
         return request_id
 
-    def _prompt_ids(self, prompt) -> list[int]:
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids (a text is encoded, ids are checked); a SlimlmError names what is wrong."""
         if isinstance(prompt, str):
             try:
                 prompt.encode("utf-8")

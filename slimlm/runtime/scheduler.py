@@ -43,6 +43,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: oldest first
+        self.num_preemptions = 0  # since start, for the server's metrics
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -98,6 +99,7 @@ class Scheduler:
         self.blocks.free_sequence(seq)
         seq.status = Status.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -1,0 +1,200 @@
+"""The engine on its own thread, driven from the event loop.
+
+The engine is synchronous and a step takes tens of milliseconds of compute, so it runs on one thread that
+owns it outright: only that thread calls add_request, abort and step. The event loop talks to it through
+an inbox of commands, and the thread hands each step's outputs back with `call_soon_threadsafe`, into one
+asyncio queue per request. A request that raises (bad input) fails only its own future; a step that raises
+(a bug) fails the requests that were in it and the loop goes on, so no client can stop the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from slimlm import SlimlmError
+from slimlm.runtime.engine import Engine, RequestOutput
+from slimlm.runtime.sampling import SamplingParams
+from slimlm.serve.metrics import EngineSnapshot, Metrics
+
+log = logging.getLogger("slimlm.serve")
+
+
+class Overloaded(Exception):
+    """The server will not take the request now (queue full, or draining): a 503 with a retry hint."""
+
+
+class EngineFailed(Exception):
+    """The engine raised while running the request: a 500 (a bug on our side, never the client's input)."""
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    arrival: float
+    streaming: bool
+    tokens_seen: dict[int, int] = field(default_factory=dict)  # per choice index: token times already counted
+    first_token: bool = False
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_waiting: int = 256) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.metrics = Metrics()
+        self.snapshot = EngineSnapshot(total_blocks=engine.runner.num_blocks, free_blocks=engine.blocks.num_free)
+        self.draining = False
+        self._streams: dict[str, _Stream] = {}  # event-loop thread only
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending_adds = 0  # adds posted but not yet taken by the engine thread (event-loop thread only)
+        self._num_streaming = 0  # streaming requests in flight (written on the event loop, read by the engine)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="slimlm-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort whatever is left and end the engine thread."""
+        if self._thread is not None:
+            self._inbox.put(("stop",))
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    # ---- the event loop side ---------------------------------------------------------------------
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, streaming: bool = False
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as it grows, the last one finished. Raises SlimlmError (bad request),
+        Overloaded or EngineFailed. Leaving the iteration early (a disconnect) aborts the request."""
+        if self.draining:
+            self.metrics.rejected_overloaded += 1
+            raise Overloaded("the server is shutting down")
+        if self.snapshot.waiting + self._pending_adds >= self.max_waiting:
+            self.metrics.rejected_overloaded += 1
+            raise Overloaded(f"the waiting queue is full ({self.max_waiting} requests)")
+        stream = _Stream(asyncio.Queue(), time.perf_counter(), streaming)
+        added = self._loop.create_future()
+        self._streams[request_id] = stream
+        self._num_streaming += streaming
+        self._pending_adds += 1
+        self._inbox.put(("add", request_id, prompt, params, added))
+        finished = False
+        try:
+            await added
+            while True:
+                out = await stream.queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            self._num_streaming -= streaming
+            if not finished:
+                self._inbox.put(("abort", request_id))
+
+    def _added(self, future: asyncio.Future, error: BaseException | None) -> None:
+        self._pending_adds -= 1
+        if future.done():  # the caller went away before the engine took the request
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    def _deliver(self, outputs: list[RequestOutput], snapshot: EngineSnapshot) -> None:
+        self.snapshot = snapshot
+        now = time.perf_counter()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted meanwhile
+                continue
+            self._record_latency(stream, out, now)
+            if out.finished:
+                self.metrics.finish(out)
+            stream.queue.put_nowait(out)
+
+    def _record_latency(self, stream: _Stream, out: RequestOutput, now: float) -> None:
+        for choice in out.outputs:
+            times = choice.token_times
+            seen = stream.tokens_seen.get(choice.index, 0)
+            if times and not stream.first_token:
+                stream.first_token = True
+                self.metrics.ttft.observe(now - stream.arrival)
+            for a, b in zip(times[max(0, seen - 1) : -1], times[max(1, seen) :], strict=True):
+                self.metrics.itl.observe(b - a)
+            stream.tokens_seen[choice.index] = len(times)
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> None:
+        for r in request_ids:
+            stream = self._streams.get(r)
+            if stream is not None:
+                stream.queue.put_nowait(error)
+
+    # ---- the engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            commands = []
+            try:  # block for a command only when there is nothing to compute
+                commands.append(self._inbox.get(block=not engine.has_unfinished()))
+                while True:
+                    commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            for command in commands:
+                if command[0] == "stop":
+                    for r in list(engine.requests):
+                        engine.abort(r, report=False)
+                    return
+                self._command(command)
+            if not engine.has_unfinished():
+                self._publish([])
+                continue
+            try:  # text so far is decoded every step only while someone streams it
+                outputs = engine.step(detokenize=self._num_streaming > 0)
+            except Exception as e:  # a bug, not the client's input: fail the requests in the engine, go on
+                log.exception("engine step failed")
+                ids = list(engine.requests)
+                for r in ids:
+                    engine.abort(r, report=False)
+                self._loop.call_soon_threadsafe(self._fail, ids, EngineFailed(f"the engine failed: {e}"))
+                continue
+            self._publish(outputs)
+
+    def _command(self, command: tuple) -> None:
+        if command[0] == "abort":
+            self.engine.abort(command[1], report=False)
+            return
+        _, request_id, prompt, params, future = command
+        error = None
+        try:
+            self.engine.add_request(prompt, params, request_id)
+        except SlimlmError as e:
+            error = e
+        except Exception as e:  # e.g. the tokenizer choking on odd text: still the request's problem only
+            log.exception("add_request failed")
+            error = SlimlmError(f"the prompt could not be processed: {e}")
+        self._loop.call_soon_threadsafe(self._added, future, error)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        s, blocks = self.engine.scheduler, self.engine.blocks
+        snapshot = EngineSnapshot(len(s.waiting), len(s.running), blocks.num_free, len(blocks.blocks),
+                                  s.num_preemptions)  # fmt: skip
+        self._loop.call_soon_threadsafe(self._deliver, outputs, snapshot)

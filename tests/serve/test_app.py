@@ -1,0 +1,206 @@
+"""The server through the official `openai` client and plain HTTP: the same tokens as the offline API,
+streaming equal to not streaming, seeds, stop strings, log-probabilities, and bad input as 4xx."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from slimlm.runtime.sampling import SamplingParams
+from tests.serve.conftest import NAME, metric
+
+PROMPTS = ["the city river", "music school team war", "the first new one two city", "game people world church"]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+def offline_texts(offline, prompts, **params) -> list[str]:
+    return [o.outputs[0].text for o in offline.generate(prompts, SamplingParams(**params))]
+
+
+def test_models_lists_the_served_name(client, offline):
+    (card,) = client.models.list().data
+    assert card.id == NAME and card.max_model_len == offline.engine.max_model_len
+
+
+def test_greedy_completions_equal_the_offline_api_token_for_token(client, offline):
+    r = client.completions.create(model=NAME, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == offline_texts(
+        offline, PROMPTS, max_tokens=12, temperature=0)  # fmt: skip
+    ids = offline.tokenizer.encode(PROMPTS[0])
+    by_ids = client.completions.create(model=NAME, prompt=ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == r.choices[0].text
+    assert r.usage.completion_tokens == 12 * len(PROMPTS)
+    assert r.usage.prompt_tokens == sum(len(offline.tokenizer.encode(p)) for p in PROMPTS)
+
+
+def test_streamed_completion_equals_the_whole_one_and_ends_with_usage(client):
+    whole = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+
+
+def test_chat_equals_the_offline_api_on_the_chat_template(client, offline):
+    messages = [{"role": "user", "content": "the river"}]
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
+    text = offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = offline.tokenizer.encode(text, add_special_tokens=False)
+    expected = offline_texts(offline, [ids], max_tokens=10, temperature=0)[0]
+    assert r.choices[0].message.content == expected and r.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+
+
+def test_seeds_fix_the_samples_and_n_gives_distinct_choices(client):
+    def texts(seed):
+        r = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=12, temperature=1.0, n=4, seed=seed)
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
+    a, b, c = texts(7), texts(7), texts(8)
+    assert a == b and a != c and len(set(a)) > 1
+
+
+def test_stop_strings_cut_the_text_streaming_or_not(client, offline):
+    full = offline_texts(offline, [PROMPTS[0]], max_tokens=30, temperature=1.0, seed=3)[0]
+    stop = full.split()[3]  # a word that appears in the text
+    expected = full[: full.find(stop)]
+    kw = dict(model=NAME, prompt=PROMPTS[0], max_tokens=30, temperature=1.0, seed=3, stop=[stop])
+    r = client.completions.create(**kw)
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices)
+    assert streamed == expected
+
+
+def test_logprobs_and_echo_equal_the_offline_scores(client, offline):
+    prompt = PROMPTS[3]
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    (out,) = offline.generate([prompt], SamplingParams(max_tokens=3, temperature=0, logprobs=2, prompt_logprobs=2))
+    lp = r.choices[0].logprobs
+    n_prompt = len(out.prompt_token_ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n_prompt] == pytest.approx(out.prompt_logprobs, abs=1e-5)
+    assert lp.token_logprobs[n_prompt:] == pytest.approx(out.outputs[0].logprobs, abs=1e-5)
+    assert all(len(top) >= 2 for top in lp.top_logprobs[1:])
+    assert r.choices[0].text.startswith(offline.tokenizer.decode(out.prompt_token_ids))
+    greedy = r.choices[0].logprobs.top_logprobs[-1]
+    assert max(greedy.values()) == pytest.approx(lp.token_logprobs[-1])  # greedy: the token is the top one
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "war"}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=3)  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"prompt": "x", "model": "other"}, "model 'other' is not served here"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "n": 0}, "n:"),
+    ({"prompt": [10**9]}, "is not a token id"),
+    ({"prompt": ""}, "the prompt is empty"),
+    ({"prompt": "x", "max_tokens": 100000}, "maximum context length is 512"),
+    ({"prompt": "x", "stop": [""]}, "stop must be a list of non-empty strings"),
+    ({"prompt": "x", "logprobs": 99}, "logprobs"),
+    ({"max_tokens": 3}, "prompt: Field required"),
+])  # fmt: skip
+def test_bad_requests_get_400_with_an_openai_error_body(server, body, needle):
+    r = httpx.post(f"{server}/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert needle in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_malformed_json_and_unknown_routes(server):
+    r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert httpx.get(f"{server}/v1/nothing").status_code == 404
+    r = httpx.post(f"{server}/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400
+
+
+def test_openai_client_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=NAME, prompt="x" * 5, max_tokens=10**6)
+
+
+def test_health_and_metrics(server):
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    text = httpx.get(f"{server}/metrics").text
+    assert metric(text, "slimlm_kv_blocks_free") == metric(text, "slimlm_kv_blocks_total") > 0
+    assert 'slimlm_time_to_first_token_seconds_bucket{le="+Inf"}' in text
+
+
+def test_a_streaming_client_that_disconnects_frees_its_blocks(server):
+    body = {"prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+    _wait_idle(server)
+
+
+def test_a_waiting_client_that_disconnects_is_aborted(server):
+    body = {"prompt": PROMPTS[1], "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.3))
+    _wait_idle(server)
+
+
+def _wait_idle(server, seconds: float = 10.0) -> None:
+    """In flight drops to 0 and every KV block is free again, well before the request would have ended."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{server}/metrics").text
+        if metric(text, "slimlm_requests_in_flight") == 0 and (
+            metric(text, "slimlm_kv_blocks_free") == metric(text, "slimlm_kv_blocks_total")
+        ):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"still busy after {seconds} s:\n{text}")
+
+
+def test_api_key_is_required_when_set(chat_llama):
+    from slimlm.runtime.engine import Engine, EngineConfig
+    from slimlm.serve.app import serve_in_thread
+
+    engine = Engine(str(chat_llama), EngineConfig(kv_cache_memory=4 << 20))
+    with serve_in_thread(engine, NAME, api_key="s3cret") as url:
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+        ok = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        assert ok.models.list().data[0].id == NAME
+        assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
+
+
+def test_a_full_waiting_queue_answers_503_with_retry_after(chat_llama):
+    import concurrent.futures
+
+    from slimlm.runtime.engine import Engine, EngineConfig
+    from slimlm.serve.app import serve_in_thread
+
+    engine = Engine(str(chat_llama), EngineConfig(kv_cache_memory=4 << 20, max_num_seqs=1))
+    body = {"prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    with serve_in_thread(engine, NAME, max_waiting=2) as url:
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            responses = list(pool.map(lambda _: httpx.post(f"{url}/v1/completions", json=body, timeout=60), range(12)))
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) == {200, 503} and codes.count(200) >= 3, codes
+    rejected = next(r for r in responses if r.status_code == 503)
+    assert rejected.headers["retry-after"] == "1" and "waiting queue is full" in rejected.json()["error"]["message"]
+    texts = {r.json()["choices"][0]["text"] for r in responses if r.status_code == 200}
+    assert len(texts) == 1  # the ones served are all the same greedy text
