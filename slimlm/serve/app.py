@@ -362,10 +362,18 @@ class Server(uvicorn.Server):
     stops once the requests in flight are done or `drain_timeout` seconds have passed; a second signal
     stops at once. Exits normally (code 0) either way."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float,
+                 print_address: bool = False) -> None:  # fmt: skip
         super().__init__(config)
         self.aengine = engine
         self.drain_timeout = drain_timeout
+        self.print_address = print_address
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.print_address:  # the bound port: --port 0 picks a free one
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            print(f"serving on http://{host}:{port}/v1", flush=True)
 
     @contextmanager
     def capture_signals(self):
@@ -400,9 +408,11 @@ def serve(engine: Engine, served_model_name: str, host: str = "127.0.0.1", port:
           api_key: str | None = None, max_waiting: int = 256, drain_timeout: float = 30.0) -> None:  # fmt: skip
     app = build_app(engine, served_model_name, api_key, max_waiting)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
-    server = Server(config, app.state.engine, drain_timeout)
-    print(f"serving {served_model_name} on http://{host}:{port}/v1 (max context {engine.max_model_len})", flush=True)
+    server = Server(config, app.state.engine, drain_timeout, print_address=True)
+    print(f"model '{served_model_name}', max context {engine.max_model_len} tokens", flush=True)
     server.run()
+    if not server.started:  # uvicorn has logged why (e.g. the port is taken)
+        raise SlimlmError(f"could not serve on {host}:{port}")
 
 
 @contextmanager

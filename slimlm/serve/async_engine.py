@@ -53,6 +53,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending_adds = 0  # adds posted but not yet taken by the engine thread (event-loop thread only)
         self._num_streaming = 0  # streaming requests in flight (written on the event loop, read by the engine)
+        self._aborted = 0  # requests aborted in the engine (engine thread only)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -180,7 +181,9 @@ class AsyncEngine:
 
     def _command(self, command: tuple) -> None:
         if command[0] == "abort":
-            self.engine.abort(command[1], report=False)
+            if command[1] in self.engine.requests:  # still running: the client left before it finished
+                self.engine.abort(command[1], report=False)
+                self._aborted += 1
             return
         _, request_id, prompt, params, future = command
         error = None
@@ -196,5 +199,5 @@ class AsyncEngine:
     def _publish(self, outputs: list[RequestOutput]) -> None:
         s, blocks = self.engine.scheduler, self.engine.blocks
         snapshot = EngineSnapshot(len(s.waiting), len(s.running), blocks.num_free, len(blocks.blocks),
-                                  s.num_preemptions)  # fmt: skip
+                                  s.num_preemptions, self._aborted)  # fmt: skip
         self._loop.call_soon_threadsafe(self._deliver, outputs, snapshot)

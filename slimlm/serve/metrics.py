@@ -42,6 +42,7 @@ class EngineSnapshot:
     free_blocks: int = 0
     total_blocks: int = 0
     preemptions: int = 0
+    aborted: int = 0  # requests the engine stopped because their client disconnected
 
 
 @dataclass
@@ -91,6 +92,8 @@ class Metrics:
             ("slimlm_kv_blocks_free", "gauge", "KV cache blocks no sequence holds.", engine.free_blocks),
             ("slimlm_kv_blocks_used", "gauge", "KV cache blocks held by sequences.",
              engine.total_blocks - engine.free_blocks),
+            ("slimlm_requests_aborted_total", "counter", "Requests stopped because the client disconnected.",
+             engine.aborted),
             ("slimlm_preemptions_total", "counter", "Sequences preempted for lack of KV blocks.", engine.preemptions),
             ("slimlm_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens),
             ("slimlm_prefix_cache_hit_tokens_total", "counter", "Of those, served from the prefix cache.",

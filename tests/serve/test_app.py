@@ -145,30 +145,32 @@ def test_health_and_metrics(server):
 
 def test_a_streaming_client_that_disconnects_frees_its_blocks(server):
     body = {"prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+    aborted = metric(httpx.get(f"{server}/metrics").text, "slimlm_requests_aborted_total")
     with httpx.stream("POST", f"{server}/v1/completions", json=body) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
-    _wait_idle(server)
+    _wait_idle(server, aborted + 1)
 
 
 def test_a_waiting_client_that_disconnects_is_aborted(server):
     body = {"prompt": PROMPTS[1], "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    aborted = metric(httpx.get(f"{server}/metrics").text, "slimlm_requests_aborted_total")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.3))
-    _wait_idle(server)
+    _wait_idle(server, aborted + 1)
 
 
-def _wait_idle(server, seconds: float = 10.0) -> None:
-    """In flight drops to 0 and every KV block is free again, well before the request would have ended."""
+def _wait_idle(server, aborted: float, seconds: float = 10.0) -> None:
+    """The engine aborted the request (it did not run to its end), nothing is in flight, every KV block is free."""
     import time
 
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         text = httpx.get(f"{server}/metrics").text
-        if metric(text, "slimlm_requests_in_flight") == 0 and (
-            metric(text, "slimlm_kv_blocks_free") == metric(text, "slimlm_kv_blocks_total")
-        ):
+        values = [metric(text, f"slimlm_{m}") for m in ("requests_in_flight", "requests_aborted_total",
+                                                        "kv_blocks_free", "kv_blocks_total")]  # fmt: skip
+        if values[:2] == [0, aborted] and values[2] == values[3]:
             return
         time.sleep(0.02)
     raise AssertionError(f"still busy after {seconds} s:\n{text}")

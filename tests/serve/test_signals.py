@@ -1,0 +1,50 @@
+"""`compress serve` as a process: SIGTERM drains (new requests get 503, the running one finishes), exit 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+
+def test_sigterm_lets_running_requests_finish_then_exits_0(chat_llama):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "slimlm.cli", "serve", str(chat_llama), "--port", "0", "--kv-cache-memory", "4M"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        line = ""
+        while "serving on" not in line:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+        url = line.split()[-1].removesuffix("/v1")
+        pieces, started = [], threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": "the city", "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        pieces.append(json.loads(line[6:])["choices"][0])
+                        started.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/health").status_code != 503:  # the signal lands asynchronously
+            assert time.monotonic() < deadline
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        reader.join(60)
+        assert pieces[-1]["finish_reason"] == "length"  # the running request was not cut
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
