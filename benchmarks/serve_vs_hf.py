@@ -9,6 +9,8 @@ Systems, each in its own process (so peak memory is its own):
               starts when its last request has arrived and the previous batch is done, and runs until its
               longest request ends
   hf-cb       transformers' own continuous batching (generate_batch's manager), requests added on arrival
+  slimlm-http the same runtime behind `compress serve` (on loopback), driven by an async client in another
+              process: open-loop arrivals, streaming, token times taken when each chunk reaches the client
 TTFT is measured from each request's scheduled arrival. Then the decode step of the runtime at batch 1, 8
 and 32 against the memory-bandwidth floor: bytes that must move per step (weights + KV read) ÷ the
 bandwidth of a large tensor copy measured in the same run.
@@ -60,11 +62,16 @@ def peak_rss_gb() -> float:
 # ---- systems (each runs in a worker process) -----------------------------------------------------
 
 
-def run_slimlm(requests: list[dict], dtype: str) -> dict:
+def slimlm_engine(dtype: str):
     from slimlm.runtime.engine import Engine, EngineConfig
+
+    return Engine(MODEL, EngineConfig(dtype=dtype, max_num_seqs=64, max_num_batched_tokens=512))
+
+
+def run_slimlm(requests: list[dict], dtype: str) -> dict:
     from slimlm.runtime.sampling import SamplingParams
 
-    engine = Engine(MODEL, EngineConfig(dtype=dtype, max_num_seqs=64, max_num_batched_tokens=512))
+    engine = slimlm_engine(dtype)
     warm = engine.add_request(requests[0]["prompt"][:32], SamplingParams(max_tokens=4, temperature=0))
     while engine.has_unfinished():
         engine.step()
@@ -109,6 +116,51 @@ def decode_steps(engine, requests: list[dict], context: int = 256, steps: int = 
             engine.abort(f"d{batch}-{i}")
         result[batch] = {"step_s": statistics.median(samples), "context": seq_len}
     return result
+
+
+def run_slimlm_http(requests: list[dict], dtype: str, workload_path: str) -> dict:
+    """The server in this process, the client in another one (as a user's would be)."""
+    from slimlm.serve.app import serve_in_thread
+
+    with serve_in_thread(slimlm_engine(dtype), MODEL) as url:
+        cmd = [sys.executable, __file__, "--client", url, "--workload", workload_path]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not line:
+        raise RuntimeError(f"the HTTP client failed: {proc.stderr.strip()[-500:]}")
+    return json.loads(line[0][len("RESULT ") :])
+
+
+def http_client(url: str, requests: list[dict]) -> None:
+    """Open-loop: each request is sent at its arrival time whatever the others are doing; streamed, with
+    logprobs=0 so every chunk says how many tokens it carries (a chunk's text can hold back a partial
+    character); a token's time is when its chunk arrived."""
+    import asyncio
+
+    import httpx
+
+    async def one(http, r: dict, start: float) -> list[float]:
+        await asyncio.sleep(max(0.0, r["arrival"] - (time.perf_counter() - start)))
+        body = {"prompt": r["prompt"], "max_tokens": r["output_len"], "temperature": 0, "ignore_eos": True,
+                "stream": True, "logprobs": 0}  # fmt: skip
+        times = []
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    now = time.perf_counter() - start
+                    times += [now] * len(json.loads(line[6:])["choices"][0]["logprobs"]["tokens"])
+        return times
+
+    async def run() -> dict:
+        limits = httpx.Limits(max_connections=len(requests) + 1, max_keepalive_connections=len(requests) + 1)
+        async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
+            await one(http, {"arrival": 0, "prompt": requests[0]["prompt"][:32], "output_len": 4}, 0.0)  # warm-up
+            start = time.perf_counter()
+            times = await asyncio.gather(*(one(http, r, start) for r in requests))
+        return {r["id"]: t for r, t in zip(requests, times, strict=True)}
+
+    print("RESULT " + json.dumps({"token_times": asyncio.run(run())}))
 
 
 def run_hf_static(requests: list[dict], dtype: str, batch: int) -> dict:
@@ -190,6 +242,8 @@ def worker(system: str, workload_path: str, dtype: str, hf_batch: int) -> None:
     t = time.perf_counter()
     if system == "slimlm":
         result = run_slimlm(requests, dtype)
+    elif system == "slimlm-http":
+        result = run_slimlm_http(requests, dtype, workload_path)
     elif system == "hf-static":
         result = run_hf_static(requests, dtype, hf_batch)
     else:
@@ -219,6 +273,17 @@ def summarize(requests: list[dict], result: dict) -> dict:
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "itl_mean_ms": 1e3 * statistics.mean(itl),
             "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99),
             "peak_rss_gb": result["peak_rss_gb"]}  # fmt: skip
+
+
+def http_vs_offline(offline: dict, http: dict) -> None:
+    """What HTTP (server, SSE, client) adds to the same workload, and the issue's targets."""
+    print("\nHTTP vs offline, same workload: " + ", ".join(
+        f"{k.replace('_', ' ')} +{1e3 * (http[k] - offline[k]) if k.endswith('_s') else http[k] - offline[k]:.1f} ms"
+        for k in ("ttft_p50_s", "ttft_p99_s", "itl_p50_ms", "itl_p99_ms")))  # fmt: skip
+    cost = 1 - http["output_tok_s"] / offline["output_tok_s"]
+    added = 1e3 * (http["ttft_p50_s"] - offline["ttft_p50_s"])
+    print(f"target: HTTP costs ≤ 5% throughput and adds ≤ 20 ms p50 TTFT: {cost:.1%}, {added:+.1f} ms -> "
+          f"{'met' if cost <= 0.05 and added <= 20 else 'missed'}")  # fmt: skip
 
 
 def copy_bandwidth() -> float:
@@ -270,7 +335,10 @@ def main() -> None:
     parser.add_argument("--json", help="write everything here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
+    parser.add_argument("--client", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.client:
+        return http_client(args.client, json.loads(Path(args.workload).read_text()))
     if args.worker:
         return worker(args.worker, args.workload, args.dtype, args.hf_batch)
 
@@ -329,6 +397,8 @@ def main() -> None:
             t = summary["slimlm"]["ttft_p50_s"] <= summary[base]["ttft_p50_s"]
             print(f"\ntarget: throughput ≥ 5× {base} at equal or better p50 TTFT: {r:.2f}×, TTFT "
                   f"{'better or equal' if t else 'worse'} -> {'met' if r >= 5 and t else 'missed'}")  # fmt: skip
+        if "slimlm-http" in summary:
+            http_vs_offline(summary["slimlm"], summary["slimlm-http"])
         b1 = floor.get("1") or floor.get(1)
         verdict = "met" if b1["ratio"] <= 2 else "missed"
         print(f"target: decode step ≤ 2× floor at batch 1: {b1['ratio']:.2f}× -> {verdict}")

@@ -1,11 +1,12 @@
-"""Dependencies point down (cli → compress/eval → runtime → kernels → formats): each package imports in a
+"""Dependencies point down (cli → compress/serve/eval → runtime → kernels → formats): each package imports in a
 fresh interpreter where every package above it is blocked, so a reach upward (or a cycle) fails here."""
 
 import subprocess
 import sys
 
-ALL = {"slimlm.formats", "slimlm.kernels", "slimlm.runtime", "slimlm.compress", "slimlm.eval", "slimlm.cli",
-       "slimlm.models", "slimlm.assets", "slimlm.data", "slimlm.arch", "slimlm.hub", "slimlm.devices"}  # fmt: skip
+ALL = {"slimlm.formats", "slimlm.kernels", "slimlm.runtime", "slimlm.compress", "slimlm.eval", "slimlm.serve",
+       "slimlm.cli", "slimlm.models", "slimlm.assets", "slimlm.data", "slimlm.arch", "slimlm.hub",
+       "slimlm.devices"}  # fmt: skip
 ALLOWED = {  # package: what it may import besides itself and the slimlm root
     "slimlm.formats": set(),
     "slimlm.kernels": {"slimlm.formats"},
@@ -13,6 +14,8 @@ ALLOWED = {  # package: what it may import besides itself and the slimlm root
                        "slimlm.devices"},  # fmt: skip
     "slimlm.compress": {"slimlm.formats", "slimlm.models", "slimlm.assets", "slimlm.hub", "slimlm.devices",
                         "slimlm.data", "slimlm.arch"},  # fmt: skip
+    "slimlm.serve": {"slimlm.runtime", "slimlm.formats", "slimlm.kernels", "slimlm.models", "slimlm.assets",
+                     "slimlm.hub", "slimlm.devices"},  # fmt: skip
 }
 # One interpreter checks the packages bottom-up (torch and transformers load once); before each check every
 # module of a blocked package is dropped from sys.modules, so a reach upward meets the blocker.
@@ -35,7 +38,7 @@ for arg in sys.argv[1:]:
     for info in pkgutil.walk_packages(root.__path__, package + "."):
         importlib.import_module(info.name)
 """
-ORDER = ["slimlm.formats", "slimlm.kernels", "slimlm.runtime", "slimlm.compress"]  # bottom-up
+ORDER = ["slimlm.formats", "slimlm.kernels", "slimlm.runtime", "slimlm.compress", "slimlm.serve"]  # bottom-up
 
 
 def check(packages: list[str]) -> subprocess.CompletedProcess:

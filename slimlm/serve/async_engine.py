@@ -17,6 +17,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import torch
+
 from slimlm import SlimlmError
 from slimlm.runtime.engine import Engine, RequestOutput
 from slimlm.runtime.sampling import SamplingParams
@@ -55,6 +57,7 @@ class AsyncEngine:
         self._num_streaming = 0  # streaming requests in flight (written on the event loop, read by the engine)
         self._aborted = 0  # requests aborted in the engine (engine thread only)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._threads = torch.get_num_threads()  # an OpenMP setting is per thread: the engine thread needs it too
         self._thread: threading.Thread | None = None
 
     @property
@@ -150,6 +153,7 @@ class AsyncEngine:
     # ---- the engine thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
+        torch.set_num_threads(self._threads)
         engine = self.engine
         while True:
             commands = []
