@@ -258,3 +258,24 @@ def test_kv_flags_that_do_not_fit_are_named(capsys, tiny_llama, out_dir, tmp_pat
     code, _, err = run_cli(capsys, "generate", str(tiny_llama), "--prompt", "x", "--speculative",
                            str(tmp_path / "no-such-draft"))  # fmt: skip
     assert_one_line_error(code, err, "unknown model")
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--port", "70000"], "--port 70000 is not a TCP port"),
+    (["--kv-cache-memory", "1K"], "fewer than one sequence of max_model_len 512"),
+    (["--num-speculative-tokens", "99"], "num_speculative_tokens must be an integer in 1..block_size"),
+])  # fmt: skip
+def test_serve_refuses_bad_settings_before_listening(capsys, tiny_llama, flags, fragment):
+    code, _, err = run_cli(capsys, "serve", str(tiny_llama), *flags)
+    assert_one_line_error(code, err, fragment)
+
+
+def test_serve_names_a_port_it_cannot_bind(capsys, tiny_llama):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, err = run_cli(capsys, "serve", str(tiny_llama), "--port", str(port), "--kv-cache-memory", "4M")
+    assert_one_line_error(code, err, f"could not serve on 127.0.0.1:{port}: Address already in use")

@@ -14,6 +14,7 @@ import hmac
 import json
 import logging
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -409,10 +410,13 @@ def serve(engine: Engine, served_model_name: str, host: str = "127.0.0.1", port:
     app = build_app(engine, served_model_name, api_key, max_waiting)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     server = Server(config, app.state.engine, drain_timeout, print_address=True)
+    try:  # bound here, so a taken port or a bad address is one clear line
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as e:
+        raise SlimlmError(f"could not serve on {host}:{port}: {e.strerror or e}") from None
     print(f"model '{served_model_name}', max context {engine.max_model_len} tokens", flush=True)
-    server.run()
-    if not server.started:  # uvicorn has logged why (e.g. the port is taken)
-        raise SlimlmError(f"could not serve on {host}:{port}")
+    with sock:
+        server.run(sockets=[sock])
 
 
 @contextmanager
