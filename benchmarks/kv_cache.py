@@ -5,6 +5,10 @@
             128 owt windows of 512): fp8 and int8, per layer ("tensor") and per KV head ("attn_head")
   capacity  one KV memory budget: how many sequences of a fixed context it holds, and the output
             throughput of a Poisson workload of long prompts under it (preemptions counted)
+  int4      the stretch, simulated: K and V rounded to 4 bits (asymmetric, per token, in groups of G along the
+            head dimension, fp16 scale and zero point per group) as they are written to a float32 cache, so
+            attention reads exactly what an int4 cache would hold; wiki perplexity against float32 KV, and
+            the bytes per element such a cache would need (capacity against 8-bit KV)
   decode    one decode step at context 4096, batch 1 and 8, with the cache filled, against the floor:
             (weight bytes + KV bytes read) / the bandwidth of a large copy measured in the same run
 
@@ -65,6 +69,37 @@ def quality(args) -> list[dict]:
         extra = f", tasks {row['task_avg']:.2f} ({row['task_avg'] / base['task_avg']:.1%} of float)" \
             if "task_avg" in row else ""
         print(f"{label:16} wiki ppl {ppl:8.4f} ({ppl / base['wiki_ppl'] - 1:+.2%}){extra}", flush=True)
+    return rows
+
+
+def int4(args) -> list[dict]:
+    import slimlm.runtime.model as runtime_model
+    from slimlm.eval.perplexity import engine_for, perplexity
+
+    def rounded(group: int):
+        def quantized_kv(kv, scale, cache_dtype):
+            x = kv.float().unflatten(-1, (-1, group))
+            lo, hi = x.amin(-1, keepdim=True).half().float(), x.amax(-1, keepdim=True).half().float()
+            step = ((hi - lo) / 15).clamp_min(1e-8)
+            return ((x - lo) / step).round_().clamp_(0, 15).mul_(step).add_(lo).flatten(-2).to(cache_dtype)
+
+        return quantized_kv
+
+    original, rows = runtime_model.quantized_kv, []
+    try:
+        for group in (None, 64, 32, 16):
+            runtime_model.quantized_kv = original if group is None else rounded(group)
+            engine = engine_for(MODEL, 512, kv_cache_dtype="float32")
+            ppl = perplexity(engine, "wiki", 512, args.ppl_tokens, progress=False)["perplexity"]
+            del engine
+            per_element = 4.0 if group is None else 0.5 + 4 / group  # codes + fp16 scale and zero per group
+            rows.append({"kv": "float32" if group is None else f"int4 g{group}", "group": group, "wiki_ppl": ppl,
+                         "bytes_per_element": per_element, "capacity_vs_8bit": 1.0 / per_element})  # fmt: skip
+            change = ppl / rows[0]["wiki_ppl"] - 1
+            print(f"{rows[-1]['kv']:10} wiki ppl {ppl:8.4f} ({change:+.2%}), {per_element:.3f} bytes/element, "
+                  f"capacity {1 / per_element:.2f}x of 8-bit KV", flush=True)  # fmt: skip
+    finally:
+        runtime_model.quantized_kv = original
     return rows
 
 
@@ -183,7 +218,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     print(f"{MODEL}, fp32 weights, {torch.get_num_threads()} threads", flush=True)
-    run_parts(args, {"quality": quality, "capacity": capacity, "decode": decode})
+    run_parts(args, {"quality": quality, "int4": int4, "capacity": capacity, "decode": decode})
 
 
 def run_parts(args, parts: dict) -> None:

@@ -33,6 +33,9 @@ declare -A TESTS=(
   [slimlm/runtime/engine.py]="tests/runtime/test_engine.py tests/runtime/test_fuzz.py"
   [slimlm/runtime/speculative.py]="tests/runtime/test_speculative.py"
   [slimlm/formats/kv_cache.py]="tests/runtime/test_kv_cache.py tests/compress/test_kv.py"
+  [slimlm/serve/protocol.py]="tests/serve/test_app.py"
+  [slimlm/serve/metrics.py]="tests/serve/test_metrics.py tests/serve/test_app.py"
+  [slimlm/serve/async_engine.py]="tests/serve/test_app.py tests/serve/test_load.py"
 )
 MODULES=("$@")
 [ ${#MODULES[@]} -gt 0 ] || MODULES=("${!TESTS[@]}")

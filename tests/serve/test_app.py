@@ -206,3 +206,17 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(chat_llama):
     assert rejected.headers["retry-after"] == "1" and "waiting queue is full" in rejected.json()["error"]["message"]
     texts = {r.json()["choices"][0]["text"] for r in responses if r.status_code == 200}
     assert len(texts) == 1  # the ones served are all the same greedy text
+
+
+def test_speculative_serving_gives_the_same_text_and_reports_acceptance(chat_llama, offline):
+    from slimlm.runtime.engine import Engine, EngineConfig
+    from slimlm.serve.app import serve_in_thread
+
+    engine = Engine(str(chat_llama), EngineConfig(kv_cache_memory=4 << 20, speculative="ngram"))
+    prompt = "the city river the city river the city river"
+    with serve_in_thread(engine, NAME) as url:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0})
+        text = httpx.get(f"{url}/metrics").text
+    assert r.json()["choices"][0]["text"] == offline_texts(offline, [prompt], max_tokens=24, temperature=0)[0]
+    drafted, accepted = (metric(text, f"slimlm_spec_decode_{m}_tokens_total") for m in ("draft", "accepted"))
+    assert drafted > 0 and metric(text, "slimlm_spec_decode_acceptance_rate") == pytest.approx(accepted / drafted)

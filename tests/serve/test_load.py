@@ -61,6 +61,7 @@ def test_many_concurrent_clients_get_the_offline_text_and_leak_nothing(server, o
             await asyncio.gather(*(client(http, queue) for _ in range(CLIENTS)))
 
     asyncio.run(run())
+    print(counts)
     assert counts["5xx"] == 0 and counts["wrong"] == 0, counts
     assert counts["completed"] + counts["cancelled"] == REQUESTS and counts["cancelled"] >= REQUESTS // 6 - 1, counts
     import time
