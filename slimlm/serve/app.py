@@ -140,6 +140,7 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None = None
             check_length(ids, body.max_tokens)
         echo_logprobs = body.logprobs if body.echo else None
         params = body.sampling_params(body.max_tokens, body.logprobs, echo_logprobs)
+        aengine.admit()
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         gens = [aengine.generate(ids, params, f"{rid}-{i}", body.stream) for i, ids in enumerate(prompt_ids)]
@@ -209,6 +210,7 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None = None
         check_length(ids, max_tokens)
         top = body.top_logprobs or 0
         params = body.sampling_params(max_tokens, top if body.logprobs else None, None)
+        aengine.admit()
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         header = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": served_model_name}
         gens = [aengine.generate(ids, params, rid, body.stream)]

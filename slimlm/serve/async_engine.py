@@ -78,17 +78,21 @@ class AsyncEngine:
 
     # ---- the event loop side ---------------------------------------------------------------------
 
-    async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, streaming: bool = False
-    ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as it grows, the last one finished. Raises SlimlmError (bad request),
-        Overloaded or EngineFailed. Leaving the iteration early (a disconnect) aborts the request."""
+    def admit(self) -> None:
+        """Raise Overloaded when the server takes no more requests now: it is draining, or the waiting
+        queue is at its bound. Called before a response starts, so the answer can still be a 503."""
         if self.draining:
             self.metrics.rejected_overloaded += 1
             raise Overloaded("the server is shutting down")
         if self.snapshot.waiting + self._pending_adds >= self.max_waiting:
             self.metrics.rejected_overloaded += 1
             raise Overloaded(f"the waiting queue is full ({self.max_waiting} requests)")
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, streaming: bool = False
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as it grows, the last one finished (call admit() first). Raises
+        SlimlmError (bad request) or EngineFailed. Leaving the iteration early (a disconnect) aborts it."""
         stream = _Stream(asyncio.Queue(), time.perf_counter(), streaming)
         added = self._loop.create_future()
         self._streams[request_id] = stream

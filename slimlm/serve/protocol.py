@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from slimlm import SlimlmError
 from slimlm.runtime.outputs import CompletionOutput
 from slimlm.runtime.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -36,6 +37,10 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    # OpenAI fields this server does not implement: accepted at their no-op values only, never ignored
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -43,6 +48,10 @@ class _Sampling(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """Raises SlimlmError (a 400) for what the field bounds above cannot express, e.g. an empty stop string."""
+        unsupported = [name for name in ("presence_penalty", "frequency_penalty") if getattr(self, name)]
+        unsupported += ["logit_bias"] if self.logit_bias else []
+        if unsupported:
+            raise SlimlmError(f"{', '.join(unsupported)} is not supported by this server; leave it out")
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             n=self.n, stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),

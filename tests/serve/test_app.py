@@ -115,6 +115,7 @@ def test_chat_logprobs(client):
     ({"prompt": "x", "stop": [""]}, "stop must be a list of non-empty strings"),
     ({"prompt": "x", "logprobs": 99}, "logprobs"),
     ({"max_tokens": 3}, "prompt: Field required"),
+    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty is not supported by this server"),
 ])  # fmt: skip
 def test_bad_requests_get_400_with_an_openai_error_body(server, body, needle):
     r = httpx.post(f"{server}/v1/completions", json=body)

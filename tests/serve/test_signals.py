@@ -43,6 +43,8 @@ def test_sigterm_lets_running_requests_finish_then_exits_0(chat_llama):
             assert time.monotonic() < deadline
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+        streamed = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True})
+        assert streamed.status_code == 503  # refused before a stream starts, not an error event inside one
         reader.join(60)
         assert pieces[-1]["finish_reason"] == "length"  # the running request was not cut
         assert proc.wait(30) == 0
