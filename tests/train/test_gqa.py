@@ -1,0 +1,86 @@
+"""GQA conversion on a tiny model: expanding is exact, merging copies is exact (contiguous or permuted
+groups), merging to the same count is the identity, similarity finds the copies, bad targets are named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from slimlm import SlimlmError
+from slimlm.train import gqa
+
+
+@pytest.fixture
+def model(tiny_llama):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()  # 4 heads, 2 KV heads
+
+
+def logits(model, seed: int = 0) -> torch.Tensor:
+    x = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model(x).logits
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_expand_keeps_the_function_and_merging_back_restores_the_weights(model):
+    before, original = logits(model), weights(model)
+    gqa.expand(model, 4)
+    assert model.config.num_key_value_heads == 4 and model.model.layers[0].self_attn.k_proj.out_features == 64
+    assert torch.allclose(logits(model), before, atol=1e-5)
+    gqa.merge(model, [gqa.contiguous_groups(4, 2)] * 2)
+    after = weights(model)
+    assert all(torch.equal(after[k], original[k]) for k in original)
+
+
+def test_merging_to_the_same_count_is_the_identity(model):
+    before, original = logits(model), weights(model)
+    gqa.merge(model, [gqa.contiguous_groups(2, 2)] * 2)
+    assert all(torch.equal(weights(model)[k], original[k]) for k in original)
+    assert torch.equal(logits(model), before)
+
+
+def test_a_permuted_grouping_moves_query_heads_and_o_proj_with_it(model):
+    """4 KV heads where 0 and 2 are copies, and 1 and 3: merging [0, 2] and [1, 3] changes nothing, which
+    only holds if each query head follows its KV head and o_proj's columns follow the query heads."""
+    gqa.expand(model, 4)  # copies at 0,1 and 2,3: swap heads 1 and 2 (K, V rows and their query heads)
+    hd = 16
+    for layer in model.model.layers:
+        a = layer.self_attn
+        swap = [0, 2, 1, 3]
+        with torch.no_grad():
+            for lin in (a.k_proj, a.v_proj, a.q_proj):
+                lin.weight.copy_(gqa._rows(lin.weight, swap, hd))
+            a.o_proj.weight.copy_(gqa._rows(a.o_proj.weight.T, swap, hd).T)
+    before = logits(model)
+    groups = gqa.similarity_groups(model, torch.randint(0, model.config.vocab_size, (4, 16)), kv_heads=2)
+    assert groups == [[[0, 2], [1, 3]]] * 2
+    gqa.merge(model, groups)
+    assert model.config.num_key_value_heads == 2
+    assert torch.allclose(logits(model), before, atol=1e-5)
+
+
+def test_mean_pooling_is_the_mean_of_the_groups_rows(model):
+    k = model.model.layers[1].self_attn.k_proj.weight.clone()
+    gqa.merge(model, [[[0, 1]]] * 2)
+    assert torch.allclose(model.model.layers[1].self_attn.k_proj.weight, (k[:16] + k[16:]) / 2)
+    assert model.model.layers[1].self_attn.num_key_value_groups == 4
+
+
+def test_best_partition_minimises_the_within_group_distance():
+    points = torch.tensor([0.0, 10.0, 0.1, 10.2, 5.0, 5.1])
+    distance = (points[:, None] - points[None, :]) ** 2
+    assert sorted(map(sorted, gqa.best_partition(distance, 2))) == [[0, 2], [1, 3], [4, 5]]
+
+
+@pytest.mark.parametrize("kv_heads,expand,fragment", [
+    (3, False, "does not divide the 4 query heads; use one of 1, 2, 4"),
+    (4, False, "more than the model's 2 KV heads"),
+    (1, True, "--expand needs a multiple of the current 2 KV heads"),
+])  # fmt: skip
+def test_targets_that_cannot_work_are_named(model, kv_heads, expand, fragment):
+    with pytest.raises(SlimlmError, match=fragment):
+        gqa.check_kv_heads(model.config, kv_heads, expand)
