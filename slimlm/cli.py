@@ -112,6 +112,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_calibration(p, positional_model=True)
     _add_kv_args(p, required=True)
 
+    p = sub.add_parser("gqa", help="MHA->GQA (or fewer KV heads): merge KV heads, then uptrain by distillation")
+    p.add_argument("--model", default=assets.DEFAULT_MODEL, help="asset name, local float HF directory or hub id")
+    p.add_argument("--kv-heads", type=positive_int, required=True, help="KV heads of the output")
+    p.add_argument("--expand", action="store_true", help="repeat KV heads up to --kv-heads (exact; no training)")
+    p.add_argument("--grouping", choices=["similarity", "mean"], default="similarity",
+                   help="which heads merge: the most similar on --calib data (default), or contiguous ones")
+    p.add_argument("--calib", default="owt", help="text for --grouping similarity")
+    p.add_argument("--num-samples", type=positive_int, default=16, help="calibration windows for the grouping")
+    p.add_argument("--uptrain-tokens", type=nonnegative_int, default=0, help="distillation budget (0: none)")
+    p.add_argument("--train-data", default="owt", help="training text: owt | wiki | c4 | PATH.txt | PATH.jsonl")
+    p.add_argument("--eval-data", default="wiki", help="text whose first 8192 tokens score the curve")
+    p.add_argument("--train", default="", help="parameter-name parts to train, e.g. k_proj,v_proj (default: all)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seq-len", type=positive_int, default=512)
+    p.add_argument("--global-batch", type=positive_int, default=8, help="windows per optimizer step")
+    p.add_argument("--micro-batch", type=positive_int, default=2, help="windows per forward pass")
+    p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature")
+    p.add_argument("--lm-weight", type=float, default=0.0, help="weight of the language-model loss (0..1)")
+    p.add_argument("--warmup", type=float, default=0.05, help="warmup, a fraction of the steps")
+    p.add_argument("--checkpoint-every", type=positive_int, default=25, help="steps between resumable checkpoints")
+    p.add_argument("--eval-every", type=positive_int, default=25, help="steps between evaluations")
+    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--out", required=True, type=Path, help="output checkpoint directory")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+
     p = sub.add_parser("eval", help="lm-eval tasks and perplexity of a model or checkpoint, through the runtime")
     p.add_argument("model", help="asset name, local directory or hub id")
     p.add_argument("--tasks", help="comma-separated lm-eval tasks; bundled: slimlm_tasks (all), "
@@ -456,6 +481,26 @@ def cmd_generate(a: argparse.Namespace) -> None:
         raise SlimlmError("; ".join(rejected))
 
 
+def cmd_gqa(a: argparse.Namespace) -> None:
+    from slimlm.train.distill import TrainConfig
+    from slimlm.train.job import convert_gqa
+
+    config = None
+    if a.uptrain_tokens:
+        if not 0 <= a.lm_weight <= 1 or a.temperature <= 0 or not 0 <= a.warmup < 1 or a.lr <= 0:
+            raise SlimlmError("--lm-weight must be in [0, 1], --temperature and --lr > 0, --warmup in [0, 1)")
+        config = TrainConfig(
+            train_tokens=a.uptrain_tokens, seq_len=a.seq_len, global_batch=a.global_batch, micro_batch=a.micro_batch,
+            lr=a.lr, warmup=a.warmup, temperature=a.temperature, lm_weight=a.lm_weight,
+            train=tuple(t for t in a.train.split(",") if t), checkpoint_every=a.checkpoint_every,
+            eval_every=a.eval_every, seed=a.seed,
+        )  # fmt: skip
+    out = convert_gqa(a.model, a.kv_heads, a.out, a.expand, a.grouping, config, a.calib, a.num_samples,
+                      a.train_data, a.eval_data, a.overwrite)  # fmt: skip
+    if os.environ.get("RANK", "0") == "0":  # under torchrun / accelerate launch, one process says it
+        print(f"checkpoint: {out}")
+
+
 def cmd_serve(a: argparse.Namespace) -> None:
     from slimlm.runtime.engine import Engine, EngineConfig
     from slimlm.serve.app import serve
@@ -471,7 +516,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
 
 COMMANDS = {
     "assets": cmd_assets, "rtn": cmd_rtn, "gptq": cmd_gptq, "awq": cmd_awq, "kv": cmd_kv, "eval": cmd_eval,
-    "generate": cmd_generate, "serve": cmd_serve,
+    "generate": cmd_generate, "serve": cmd_serve, "gqa": cmd_gqa,
     "lm-eval": cmd_lm_eval,
 }  # fmt: skip
 

@@ -1,0 +1,299 @@
+"""One training loop for uptraining and distillation, on accelerate.
+
+The student learns the teacher's next-token distributions: loss = T² · KL(teacher_T ‖ student_T) per token
+(T the temperature), optionally mixed with the language-model loss on the text itself. The teacher is the
+model before the change, run without gradients on the same windows; its logits are computed on the fly
+rather than cached: a cache would hold vocab-size floats per token (49152 × 2 bytes ≈ 100 KB per token for
+the default model, 10 GB per 100 K tokens), while one teacher forward costs a third of a training step.
+
+One optimizer step consumes `global_batch` windows, split over the processes and then into micro-batches
+(gradient accumulation), so the same global batch gives the same loss curve on 1 process or many (DDP via
+`accelerate launch`; the same code on CPU, one GPU or many). AdamW, linear warmup then cosine decay,
+gradient clipping, bf16 autocast where the device has it. The data order is fixed by the seed, and every
+`checkpoint_every` steps the model, optimizer, scheduler, RNG and step are written atomically to the run
+directory (safetensors and JSON, no pickle): the same command after a kill resumes there and continues
+the same curve. The log is JSON lines (step, tokens, loss, lr, grad norm, eval); the curve is a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from slimlm import SlimlmError
+from slimlm.formats.atomic import staging
+from slimlm.formats.writer import state_tensors
+
+
+@dataclass
+class TrainConfig:
+    train_tokens: int  # the budget: steps = train_tokens // (global_batch * seq_len)
+    seq_len: int = 512
+    global_batch: int = 8  # windows per optimizer step, over all processes and micro-batches
+    micro_batch: int = 2  # windows per forward pass
+    lr: float = 1e-4
+    warmup: float = 0.05  # fraction of the steps
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0
+    lm_weight: float = 0.0  # 0: pure distillation; 1: pure language-model loss
+    train: tuple[str, ...] = ()  # parameter-name parts to train (e.g. k_proj, v_proj); empty: all
+    checkpoint_every: int = 25
+    eval_every: int = 25
+    seed: int = 0
+
+    @property
+    def steps(self) -> int:
+        return self.train_tokens // (self.global_batch * self.seq_len)
+
+
+def distill_loss(student: torch.Tensor, teacher: torch.Tensor, ids: torch.Tensor, temperature: float,
+                 lm_weight: float) -> torch.Tensor:  # fmt: skip
+    """Mean over tokens of T²·KL(p_teacher ‖ p_student) at temperature T, mixed with next-token cross entropy."""
+    t = temperature
+    log_s = F.log_softmax(student.float() / t, dim=-1)
+    log_t = F.log_softmax(teacher.float() / t, dim=-1)
+    kl = (log_t.exp() * (log_t - log_s)).sum(-1).mean() * t * t
+    if lm_weight == 0:
+        return kl
+    ce = F.cross_entropy(student[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    return (1 - lm_weight) * kl + lm_weight * ce
+
+
+@torch.no_grad()
+def mean_nll(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> float:
+    """Mean next-token negative log-likelihood of `windows` (exp of it is the perplexity)."""
+    total, count = 0.0, 0
+    for start in range(0, len(windows), batch_size):
+        x = windows[start : start + batch_size].to(next(model.parameters()).device)
+        logits = model(x).logits[:, :-1].float()
+        total += F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum").item()
+        count += x[:, 1:].numel()
+    return total / count
+
+
+def lr_factor(step: int, steps: int, warmup_steps: int) -> float:
+    """Linear warmup to 1, then cosine decay toward 0 (reached one step after the last)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+    return 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def trainable(model: nn.Module, parts: tuple[str, ...]) -> list[nn.Parameter]:
+    params = []
+    for name, p in model.named_parameters():
+        p.requires_grad_(not parts or any(part in name for part in parts))
+        if p.requires_grad:
+            params.append(p)
+    if not params:
+        raise SlimlmError(f"--train {','.join(parts)} matches no parameter of the model")
+    return params
+
+
+def check(config: TrainConfig, num_windows: int, num_processes: int = 1) -> None:
+    """One-line errors for a budget or batch shape that cannot run, before anything is loaded or trained."""
+    per_process, rest = divmod(config.global_batch, num_processes)
+    if rest or per_process % config.micro_batch:
+        raise SlimlmError(f"the global batch {config.global_batch} must split into {num_processes} process(es) "
+                          f"× micro-batches of {config.micro_batch}")  # fmt: skip
+    tokens_per_step = config.global_batch * config.seq_len
+    if config.steps < 1:
+        raise SlimlmError(f"a training budget of {config.train_tokens} tokens is less than one global batch "
+                          f"({config.global_batch} × {config.seq_len} = {tokens_per_step} tokens)")  # fmt: skip
+    if config.steps * config.global_batch > num_windows:
+        need = config.steps * config.global_batch
+        raise SlimlmError(f"{config.train_tokens} training tokens need {need} windows of {config.seq_len}, but the "
+                          f"text gives {num_windows}: lower the budget or add text")  # fmt: skip
+
+
+def train(
+    student: nn.Module,
+    teacher: nn.Module,
+    windows: torch.Tensor,
+    config: TrainConfig,
+    run_dir: Path,
+    evaluate: Callable[[nn.Module], dict] | None = None,
+    progress: bool = True,
+) -> list[dict]:
+    """Train `student` in place toward `teacher` on `windows` [N, seq_len]; returns the log (one dict per
+    step). Resumes from run_dir's checkpoint when one is there (written by the same configuration)."""
+    from accelerate import Accelerator
+    from tqdm import tqdm
+
+    bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16" if bf16 else "no")
+    check(config, len(windows), accelerator.num_processes)
+    run_dir = Path(run_dir)
+    params = trainable(student, config.train)
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    warmup = max(1, round(config.warmup * config.steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config.steps, warmup))
+    teacher.requires_grad_(False).eval().to(accelerator.device)
+    student.train()
+    student, optimizer = accelerator.prepare(student, optimizer)
+    main = accelerator.is_main_process
+    start, log = _resume(run_dir, config, accelerator.unwrap_model(student), optimizer, scheduler, main)
+    if start == 0 and evaluate is not None:  # where the curve starts: the changed model before training
+        if main:
+            log.append({"step": 0, "tokens": 0, **evaluate(accelerator.unwrap_model(student).eval())})
+            _append_log(run_dir, log[-1])
+            student.train()
+        accelerator.wait_for_everyone()
+
+    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(config.seed))
+    per_process = config.global_batch // accelerator.num_processes
+    micro_steps = per_process // config.micro_batch
+    rank = accelerator.process_index
+    bar = tqdm(total=config.steps, initial=start, desc="training", unit="step",
+               disable=not (progress and accelerator.is_main_process))  # fmt: skip
+    clock = time.perf_counter()
+    for step in range(start, config.steps):
+        batch = order[step * config.global_batch : (step + 1) * config.global_batch]
+        mine = batch[rank * per_process : (rank + 1) * per_process]
+        total = torch.zeros((), device=accelerator.device)
+        for m in range(micro_steps):
+            x = windows[mine[m * config.micro_batch : (m + 1) * config.micro_batch]].to(accelerator.device)
+            with torch.no_grad(), accelerator.autocast():
+                target = teacher(x).logits
+            last = m == micro_steps - 1  # gradients are averaged over processes once, on the last micro-batch
+            with nullcontext() if last else accelerator.no_sync(student), accelerator.autocast():
+                loss = distill_loss(student(x).logits, target, x, config.temperature, config.lm_weight) / micro_steps
+            accelerator.backward(loss)
+            total += loss.detach()
+        grad_norm = accelerator.clip_grad_norm_(params, config.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        entry = {"step": step + 1, "tokens": (step + 1) * config.global_batch * config.seq_len,
+                 "loss": accelerator.reduce(total, "mean").item(), "lr": lr, "grad_norm": float(grad_norm)}  # fmt: skip
+        if evaluate is not None and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
+            if main:
+                student.eval()
+                entry.update(evaluate(accelerator.unwrap_model(student)))
+                student.train()
+            accelerator.wait_for_everyone()
+        log.append(entry)
+        tokens_per_s = (step + 1 - start) * config.global_batch * config.seq_len / (time.perf_counter() - clock)
+        bar.set_postfix(loss=f"{entry['loss']:.4f}", tok_s=f"{tokens_per_s:.0f}")
+        bar.update()
+        if main:
+            _append_log(run_dir, entry)
+        if (step + 1) % config.checkpoint_every == 0 and step + 1 < config.steps:
+            if main:
+                _save(run_dir, config, accelerator.unwrap_model(student), optimizer, scheduler, step + 1)
+            accelerator.wait_for_everyone()
+    bar.close()
+    student = accelerator.unwrap_model(student)
+    student.eval()
+    if main:
+        plot(log, run_dir / "curve.png")
+    return log
+
+
+# ---- run directory: checkpoint and log --------------------------------------------------------------
+
+
+def _fingerprint(config: TrainConfig) -> dict:
+    keep = asdict(config)
+    keep.pop("checkpoint_every")
+    keep.pop("eval_every")
+    return json.loads(json.dumps(keep))
+
+
+def _save(run_dir: Path, config: TrainConfig, model: nn.Module, optimizer, scheduler, step: int) -> None:
+    tensors = {f"model.{k}": v for k, v in state_tensors(model).items()}
+    state = optimizer.state_dict()
+    for index, values in state["state"].items():
+        for key, value in values.items():
+            tensors[f"optim.{index}.{key}"] = value.detach().contiguous()
+    tensors["rng.torch"] = torch.get_rng_state()
+    meta = {"step": step, "config": _fingerprint(config), "param_groups": state["param_groups"],
+            "scheduler": scheduler.state_dict()}  # fmt: skip
+    with staging(run_dir / "checkpoint") as tmp:
+        save_file(tensors, tmp / "state.safetensors")
+        (tmp / "state.json").write_text(json.dumps(meta))
+
+
+def _resume(run_dir: Path, config: TrainConfig, model: nn.Module, optimizer, scheduler,
+            main: bool) -> tuple[int, list[dict]]:  # fmt: skip
+    """The step to start from and the log so far (entries past the checkpoint dropped: they are redone;
+    only the main process rewrites the log)."""
+    checkpoint = run_dir / "checkpoint"
+    log_path = run_dir / "log.jsonl"
+    if not (checkpoint / "state.json").exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if main:
+            log_path.write_text("")
+        return 0, []
+    meta = json.loads((checkpoint / "state.json").read_text())
+    if meta["config"] != _fingerprint(config):
+        raise SlimlmError(f"{run_dir} holds a run with other settings; delete it or rerun with the same ones")
+    tensors = load_file(checkpoint / "state.safetensors")
+    names = dict(model.named_parameters())
+    weights = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+    missing = set(model.state_dict()) - set(weights) - _tied(model)
+    if missing:
+        raise SlimlmError(f"the checkpoint in {checkpoint} lacks {sorted(missing)[:3]}; delete the run directory")
+    with torch.no_grad():
+        for name, value in weights.items():
+            (names[name] if name in names else model.get_buffer(name)).copy_(value)
+    state = {"state": {}, "param_groups": meta["param_groups"]}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, index, field = key.split(".", 2)
+            state["state"].setdefault(int(index), {})[field] = value
+    optimizer.load_state_dict(state)
+    scheduler.load_state_dict(meta["scheduler"])
+    torch.set_rng_state(tensors["rng.torch"])
+    step = meta["step"]
+    log = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    log = [e for e in log if e["step"] <= step]
+    if main:
+        log_path.write_text("".join(json.dumps(e) + "\n" for e in log))
+    return step, log
+
+
+def _tied(model: nn.Module) -> set[str]:
+    """Names that state_tensors leaves out because they share storage with an earlier one."""
+    return set(model.state_dict()) - set(state_tensors(model))
+
+
+def _append_log(run_dir: Path, entry: dict) -> None:
+    with open(run_dir / "log.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def plot(log: list[dict], path: Path) -> None:
+    """Training loss, and the evaluation perplexity where there is one, against training tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [e for e in log if "loss" in e]  # the step-0 entry is an evaluation only
+    ax.plot([e["tokens"] for e in steps], [e["loss"] for e in steps], label="training loss (distillation)")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("loss")
+    evals = [e for e in log if "eval_ppl" in e]
+    if evals:
+        right = ax.twinx()
+        right.plot([e["tokens"] for e in evals], [e["eval_ppl"] for e in evals], "o-", color="C1", label="eval ppl")
+        right.set_ylabel("evaluation perplexity")
+        right.legend(loc="upper center")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

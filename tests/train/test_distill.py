@@ -1,0 +1,138 @@
+"""The training loop: one step equals a hand-written KL + AdamW step, a run killed with SIGKILL resumes
+and continues the same curve, 2 processes (gloo) give the 1-process curve, and bad budgets are named."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from slimlm import SlimlmError
+from slimlm.train import gqa
+from slimlm.train.distill import TrainConfig, check, distill_loss, lr_factor, train
+
+
+@pytest.fixture
+def pair(tiny_llama):
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    student = copy.deepcopy(teacher)
+    gqa.merge(student, [gqa.contiguous_groups(2, 1)] * 2)
+    return student, teacher
+
+
+def test_one_step_equals_a_hand_written_distillation_step(pair, tmp_path):
+    student, teacher = pair
+    reference = copy.deepcopy(student)
+    windows = torch.randint(0, teacher.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    config = TrainConfig(train_tokens=48, seq_len=24, global_batch=2, micro_batch=1, lr=1e-3, warmup=0.0,
+                         weight_decay=5.0, max_grad_norm=0.05, temperature=2.0)  # fmt: skip
+    train(student, teacher, windows, config, tmp_path / "run", progress=False)
+
+    t = config.temperature
+    with torch.no_grad():
+        p_teacher = torch.softmax(teacher(windows).logits / t, -1)
+    log_student = torch.log_softmax(reference(windows).logits / t, -1)
+    loss = (p_teacher * (p_teacher.log() - log_student)).sum(-1).mean() * t * t  # both windows, one mean
+    loss.backward()
+    params = [p for p in reference.parameters()]
+    norm = torch.sqrt(sum((p.grad**2).sum() for p in params))
+    scale = min(1.0, config.max_grad_norm / (norm.item() + 1e-6))
+    b1, b2, eps, lr = 0.9, 0.999, 1e-8, config.lr  # AdamW's defaults; warmup of one step: the full lr
+    with torch.no_grad():
+        for p in params:
+            g = p.grad * scale
+            m, v = (1 - b1) * g, (1 - b2) * g * g
+            p.mul_(1 - lr * config.weight_decay).sub_(lr * (m / (1 - b1)) / ((v / (1 - b2)).sqrt() + eps))
+    for (name, mine), theirs in zip(student.named_parameters(), params, strict=True):
+        # 1% of one step (lr): float sums in another order move the few near-zero gradients Adam normalises;
+        # a wrong moment, bias correction, clip or decay (5 × lr × |w| ≈ 1e-4) moves far more
+        assert torch.allclose(mine, theirs, atol=config.lr / 100, rtol=0), (name, (mine - theirs).abs().max())
+
+
+def test_distillation_loss_is_zero_for_the_teacher_and_mixes_the_lm_loss():
+    logits = torch.randn(2, 5, 11)
+    ids = torch.randint(0, 11, (2, 5))
+    assert distill_loss(logits, logits, ids, 1.0, 0.0).item() == pytest.approx(0.0, abs=1e-6)
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    assert distill_loss(logits, logits, ids, 1.0, 0.25).item() == pytest.approx(0.25 * ce.item(), rel=1e-5)
+
+
+def test_the_learning_rate_warms_up_then_decays_to_zero():
+    factors = [lr_factor(s, 10, 2) for s in range(10)]
+    assert factors[:3] == [0.5, 1.0, 1.0] and factors[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 7 / 8)))
+    assert all(a >= b for a, b in zip(factors[1:], factors[2:], strict=False))
+
+
+@pytest.mark.parametrize("config,windows,fragment", [
+    (TrainConfig(train_tokens=100, seq_len=64, global_batch=8), 100, "less than one global batch (8 × 64 = 512"),
+    (TrainConfig(train_tokens=10_000, seq_len=64, global_batch=8), 20, "need 152 windows of 64, but the text gives 20"),
+    (TrainConfig(train_tokens=10_000, seq_len=64, global_batch=6, micro_batch=4), 200, "must split into 1 process"),
+])  # fmt: skip
+def test_budgets_and_batches_that_cannot_run_are_named(config, windows, fragment):
+    with pytest.raises(SlimlmError, match=fragment.replace("(", r"\(")):
+        check(config, windows)
+
+
+def gqa_command(model, text, out, steps: int = 24) -> list[str]:
+    return ["gqa", "--model", str(model), "--kv-heads", "1", "--calib", str(text), "--train-data", str(text),
+            "--eval-data", str(text), "--uptrain-tokens", str(steps * 4 * 32), "--seq-len", "32", "--global-batch",
+            "4", "--micro-batch", "2", "--checkpoint-every", "4", "--eval-every", "8", "--num-samples", "4",
+            "--out", str(out)]  # fmt: skip
+
+
+def losses(out) -> list[float]:
+    return [e["loss"] for e in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in e]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_llama, calib_txt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("train") / "straight"
+    subprocess.run([sys.executable, "-m", "slimlm.cli", *gqa_command(tiny_llama, calib_txt, out)], check=True,
+                   capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    return out
+
+
+def test_a_killed_run_resumes_from_its_checkpoint_and_continues_the_same_curve(tiny_llama, calib_txt, tmp_path,
+                                                                              uninterrupted):  # fmt: skip
+    out = tmp_path / "killed"
+    run_log = tmp_path / ".killed.train" / "log.jsonl"
+    command = [sys.executable, "-m", "slimlm.cli", *gqa_command(tiny_llama, calib_txt, out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 120
+    while not (run_log.exists() and len(run_log.read_text().splitlines()) >= 11):  # past the checkpoint at step 8
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists() and (tmp_path / ".killed.train" / "checkpoint" / "state.json").exists()
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert losses(out) == pytest.approx(losses(uninterrupted), rel=1e-6, abs=1e-9)
+    assert len(losses(out)) == 24 and (out / "curve.png").stat().st_size > 0
+
+
+def test_two_processes_give_the_one_process_curve(tiny_llama, calib_txt, tmp_path, uninterrupted):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "two"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+               "-m", "slimlm.cli", *gqa_command(tiny_llama, calib_txt, out)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "on 2 process(es)" in done.stderr
+    mine, theirs = losses(out), losses(uninterrupted)
+    assert len(mine) == 24 and mine == pytest.approx(theirs, rel=1e-4)  # float sums in another order
+    assert math.isfinite(json.loads((out / "slimlm.json").read_text())["training"]["log"][-1]["eval_ppl"])
