@@ -84,3 +84,40 @@ def test_best_partition_minimises_the_within_group_distance():
 def test_targets_that_cannot_work_are_named(model, kv_heads, expand, fragment):
     with pytest.raises(SlimlmError, match=fragment):
         gqa.check_kv_heads(model.config, kv_heads, expand)
+
+
+def test_the_converted_checkpoint_loads_in_transformers_and_the_runtime_agrees_token_for_token(
+    tiny_llama, calib_txt, tmp_path
+):
+    from slimlm.cli import main
+    from slimlm.runtime.llm import LLM
+    from slimlm.runtime.sampling import SamplingParams
+
+    out = tmp_path / "mqa"
+    assert main(["gqa", "--model", str(tiny_llama), "--kv-heads", "1", "--calib", str(calib_txt),
+                 "--num-samples", "4", "--out", str(out)]) == 0  # fmt: skip
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert theirs.config.num_key_value_heads == 1
+    prompt = [5, 17, 42, 8, 99, 3]
+    with torch.no_grad():
+        expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :]
+    (ours,) = LLM(str(out), kv_cache_memory=4 << 20).generate([prompt], SamplingParams(max_tokens=12, temperature=0))
+    assert ours.outputs[0].token_ids == expected.tolist()
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--kv-heads", "3"], "does not divide the 4 query heads"),
+    (["--kv-heads", "4"], "add --expand to repeat them"),
+    (["--kv-heads", "4", "--expand", "--uptrain-tokens", "100"], "--expand is exact"),
+    (["--kv-heads", "1", "--uptrain-tokens", "100"], "less than one global batch"),
+    (["--kv-heads", "1", "--uptrain-tokens", "100000000"], "but the text gives"),
+    (["--kv-heads", "1", "--uptrain-tokens", "4096", "--train", "nothing_like_this"], "matches no parameter"),
+])  # fmt: skip
+def test_the_command_names_what_cannot_work(capsys, tiny_llama, calib_txt, tmp_path, flags, fragment):
+    from slimlm.cli import main
+
+    text = ["--calib", str(calib_txt), "--train-data", str(calib_txt), "--eval-data", str(calib_txt)]
+    code = main(["gqa", "--model", str(tiny_llama), *text, "--seq-len", "32", *flags, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and fragment in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
