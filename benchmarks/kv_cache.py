@@ -117,43 +117,46 @@ def _workload(args, tokenizer) -> list[dict]:
 
 
 def capacity(args) -> list[dict]:
+    configs = [("float32 KV", MODEL, "float32"), ("bfloat16 KV", MODEL, "bfloat16"),
+               ("int8 attn_head", checkpoint("int8 attn_head", args.cache), "auto")]  # fmt: skip
+    return [serve_under_budget(label, model, kv_dtype, args) for label, model, kv_dtype in configs]
+
+
+def serve_under_budget(label: str, model: str, kv_dtype: str, args) -> dict:
+    """How many sequences of prompt_len + output_len one KV budget holds, and the output throughput of the
+    Poisson workload under it (peak running sequences and preemptions counted)."""
     from slimlm.runtime.engine import Engine, EngineConfig
     from slimlm.runtime.sampling import SamplingParams
 
-    rows = []
     context = args.prompt_len + args.output_len
-    for label, model, kv_dtype in [("float32 KV", MODEL, "float32"), ("bfloat16 KV", MODEL, "bfloat16"),
-                                   ("int8 attn_head", checkpoint("int8 attn_head", args.cache), "auto")]:  # fmt: skip
-        engine = Engine(model, EngineConfig(kv_cache_memory=args.budget << 20, kv_cache_dtype=kv_dtype,
-                                            max_model_len=context, max_num_batched_tokens=512))  # fmt: skip
-        fits = engine.capacity // (-(-context // engine.config.block_size) * engine.config.block_size)
-        pending = _workload(args, engine.tokenizer)
-        params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-        start, peak, tokens, seqs = time.perf_counter(), 0, 0, []
-        while pending or engine.has_unfinished():
-            now = time.perf_counter() - start
-            while pending and pending[0]["arrival"] <= now:
-                r = pending.pop(0)
-                engine.add_request(r["prompt"], params, r["id"])
-                seqs += engine.requests[r["id"]].seqs
-            if not engine.has_unfinished():
-                time.sleep(max(0.0, pending[0]["arrival"] - now))
-                continue
-            for out in engine.step():
-                if out.finished:
-                    tokens += len(out.outputs[0].token_ids)
-            peak = max(peak, engine.stats().running)
-        wall = time.perf_counter() - start
-        preempted = sum(s.num_preemptions for s in seqs)
-        row = {"kv": label, "budget_mib": args.budget, "kv_bytes_per_token": engine.runner.kv_bytes_per_token,
-               "tokens_held": engine.capacity, "sequences_fit": fits, "peak_running": peak,
-               "preemptions": preempted, "output_tok_s": tokens / wall, "wall_s": wall}  # fmt: skip
-        rows.append(row)
-        print(f"{label:16} {engine.capacity:6} tokens in {args.budget} MiB -> {fits:2} sequences of {context}; "
-              f"Poisson: peak {peak} running, {preempted} preemptions, {tokens / wall:6.1f} output tok/s "
-              f"({wall:.0f} s)", flush=True)  # fmt: skip
-        del engine
-    return rows
+    engine = Engine(model, EngineConfig(kv_cache_memory=args.budget << 20, kv_cache_dtype=kv_dtype,
+                                        max_model_len=context, max_num_batched_tokens=512))  # fmt: skip
+    fits = engine.capacity // (-(-context // engine.config.block_size) * engine.config.block_size)
+    pending = _workload(args, engine.tokenizer)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    start, peak, tokens, seqs = time.perf_counter(), 0, 0, []
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while pending and pending[0]["arrival"] <= now:
+            r = pending.pop(0)
+            engine.add_request(r["prompt"], params, r["id"])
+            seqs += engine.requests[r["id"]].seqs
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[0]["arrival"] - now))
+            continue
+        for out in engine.step():
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+        peak = max(peak, engine.stats().running)
+    wall = time.perf_counter() - start
+    preempted = sum(s.num_preemptions for s in seqs)
+    row = {"kv": label, "budget_mib": args.budget, "kv_bytes_per_token": engine.runner.kv_bytes_per_token,
+           "tokens_held": engine.capacity, "sequences_fit": fits, "peak_running": peak,
+           "preemptions": preempted, "output_tok_s": tokens / wall, "wall_s": wall}  # fmt: skip
+    print(f"{label:16} {engine.capacity:6} tokens in {args.budget} MiB -> {fits:2} sequences of {context}; "
+          f"Poisson: peak {peak} running, {preempted} preemptions, {tokens / wall:6.1f} output tok/s "
+          f"({wall:.0f} s)", flush=True)  # fmt: skip
+    return row
 
 
 def decode(args) -> list[dict]:

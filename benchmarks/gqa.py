@@ -1,0 +1,144 @@
+"""GQA conversion and uptraining on the default model, every baseline measured in the same run.
+
+  mha       expand SmolLM2's 3 KV heads to 9 (a true multi-head model: logits checked identical), then
+            convert 9 -> 3 by mean pooling of contiguous heads and by similarity grouping; wiki perplexity
+            right after conversion, and after a short uptraining of each (--mha-uptrain-tokens)
+  mqa       3 -> 1 KV head (similarity grouping), uptrained with --uptrain-tokens (default sized for 20
+            minutes on 2 cores here): perplexity before, right after, along the curve and after; the
+            share of the lost perplexity that uptraining recovered; the curve as PNG
+  capacity  one KV budget at context 2048: sequences held and Poisson throughput, 3 vs 1 KV heads
+
+Perplexity is `wiki` through the runtime (--ppl-tokens); the curve's points are the first 8192 wiki
+tokens scored during training. Training reads `owt`, never the wiki text.
+
+    .venv/bin/python benchmarks/gqa.py [--parts mha,mqa,capacity] [--json out/gqa.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from kv_cache import run_parts, serve_under_budget  # noqa: E402
+
+MODEL = "smollm2-135m"
+
+
+def ppl(model: str, tokens: int) -> float:
+    from slimlm.eval.perplexity import engine_for, perplexity
+
+    return perplexity(engine_for(model, 512), "wiki", 512, tokens, progress=False)["perplexity"]
+
+
+def sizes(model: str) -> dict:
+    from slimlm import models
+
+    config = models.read_config(models.resolve(model))
+    hd = config["hidden_size"] // config["num_attention_heads"]
+    kv_per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * hd * 4  # fp32 cache
+    m, _, _ = models.load(model)
+    return {"kv_heads": config["num_key_value_heads"], "parameters": sum(p.numel() for p in m.parameters()),
+            "kv_bytes_per_token_fp32": kv_per_token}  # fmt: skip
+
+
+def convert(out: Path, source: str, kv_heads: int, tokens: int = 0, **kwargs) -> tuple[str, float]:
+    """`compress gqa` (made once per cache directory); its wall time."""
+    from slimlm.train.distill import TrainConfig
+    from slimlm.train.job import convert_gqa
+
+    if not (out / "slimlm.json").exists():
+        start = time.perf_counter()
+        config = TrainConfig(train_tokens=tokens, checkpoint_every=10**9, eval_every=8) if tokens else None
+        convert_gqa(source, kv_heads, out, train_config=config, overwrite=True, **kwargs)
+        (out / "wall.txt").write_text(f"{time.perf_counter() - start:.1f}")
+    return str(out), float((out / "wall.txt").read_text())
+
+
+def mha(args) -> list[dict]:
+    from slimlm import models
+
+    mha_dir, _ = convert(args.cache / "mha9", MODEL, 9, expand=True)
+    a, b = models.load(MODEL)[0], models.load(mha_dir)[0]
+    x = torch.randint(0, a.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (a(x).logits - b(x).logits).abs().max().item()
+    print(f"expanded 3 -> 9 KV heads: max |logit difference| {diff:.2e}", flush=True)
+    base = ppl(mha_dir, args.ppl_tokens)
+    rows = [{"model": "MHA (9 KV, expanded)", "wiki_ppl": base, "logit_max_diff": diff, **sizes(mha_dir)}]
+    print(f"{rows[0]['model']:34} wiki ppl {base:.4f}", flush=True)
+    for grouping in ("mean", "similarity"):
+        for tokens in (0, args.mha_uptrain_tokens):
+            label = f"9 -> 3 {grouping}" + (f", uptrained {tokens // 1000}K" if tokens else "")
+            out, wall = convert(args.cache / f"gqa3-{grouping}-{tokens}", mha_dir, 3, tokens, grouping=grouping)
+            value = ppl(out, args.ppl_tokens)
+            rows.append({"model": label, "grouping": grouping, "uptrain_tokens": tokens, "wiki_ppl": value,
+                         "seconds": wall, **sizes(out)})  # fmt: skip
+            print(f"{label:34} wiki ppl {value:.4f} ({value / base - 1:+.2%}) [{wall:.0f} s]", flush=True)
+    return rows
+
+
+def mqa(args) -> list[dict]:
+    base = ppl(MODEL, args.ppl_tokens)
+    converted, _ = convert(args.cache / "mqa-0", MODEL, 1)
+    lost = ppl(converted, args.ppl_tokens)
+    trained, wall = convert(args.cache / f"mqa-{args.uptrain_tokens}", MODEL, 1, args.uptrain_tokens)
+    after = ppl(trained, args.ppl_tokens)
+    recovered = (lost - after) / (lost - base) if lost > base else float("nan")
+    curve = [json.loads(line) for line in (Path(trained) / "log.jsonl").read_text().splitlines()]
+    rows = [{"model": "SmolLM2 (3 KV)", "wiki_ppl": base, **sizes(MODEL)},
+            {"model": "MQA (1 KV), converted", "wiki_ppl": lost, **sizes(converted)},
+            {"model": f"MQA, uptrained {args.uptrain_tokens} tokens", "wiki_ppl": after, "train_seconds": wall,
+             "recovered": recovered, "curve": [{k: e[k] for k in ("tokens", "eval_ppl") if k in e}
+                                               for e in curve if "eval_ppl" in e], **sizes(trained)}]  # fmt: skip
+    for r in rows:
+        print(f"{r['model']:34} wiki ppl {r['wiki_ppl']:.4f} ({r['wiki_ppl'] / base - 1:+.2%}), "
+              f"{r['kv_bytes_per_token_fp32'] / 1e3:.1f} kB KV/token", flush=True)  # fmt: skip
+    points = ", ".join(f"{c['tokens']}: {c['eval_ppl']:.2f}" for c in rows[-1]["curve"])
+    print(f"curve (training tokens -> eval ppl): {points}", flush=True)
+    verdict = "met" if recovered >= 0.5 and wall <= 20 * 60 else "missed"
+    print(f"target: uptraining recovers >= 50% of the lost perplexity within 20 minutes: {recovered:.0%} in "
+          f"{wall / 60:.1f} min -> {verdict}", flush=True)  # fmt: skip
+    if args.curve_png:
+        shutil.copy(Path(trained) / "curve.png", args.curve_png)
+    return rows
+
+
+def capacity(args) -> list[dict]:
+    mqa_dir, _ = convert(args.cache / "mqa-0", MODEL, 1)
+    rows = [serve_under_budget(label, model, "float32", args)
+            for label, model in (("3 KV heads", MODEL), ("1 KV head (MQA)", mqa_dir))]  # fmt: skip
+    ratio = rows[1]["sequences_fit"] / rows[0]["sequences_fit"]
+    speed = rows[1]["output_tok_s"] / rows[0]["output_tok_s"]
+    print(f"target: 3x the sequences at one budget: {ratio:.2f}x -> {'met' if ratio >= 3 else 'missed'}; "
+          f"Poisson throughput {speed:.2f}x", flush=True)  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="mha,mqa,capacity")
+    parser.add_argument("--cache", type=Path, default=Path("out/gqa-checkpoints"))
+    parser.add_argument("--ppl-tokens", type=int, default=16384)
+    parser.add_argument("--uptrain-tokens", type=int, default=65536)
+    parser.add_argument("--mha-uptrain-tokens", type=int, default=16384)
+    parser.add_argument("--curve-png", type=Path, help="copy the MQA uptraining curve here")
+    parser.add_argument("--budget", type=int, default=192, help="KV memory budget for capacity, MiB")
+    parser.add_argument("--prompt-len", type=int, default=1984)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    print(f"{MODEL}, fp32, {torch.get_num_threads()} threads", flush=True)
+    run_parts(args, {"mha": mha, "mqa": mqa, "capacity": capacity})
+
+
+if __name__ == "__main__":
+    main()
