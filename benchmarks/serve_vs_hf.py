@@ -332,6 +332,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--hf-batch", type=int, default=8)
     parser.add_argument("--systems", default="slimlm,hf-static,hf-cb")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each system, interleaved; medians reported")
     parser.add_argument("--json", help="write everything here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
@@ -353,21 +354,26 @@ def main() -> None:
           f"prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens ({in_tokens} in all), outputs "
           f"{args.output_len[0]}-{args.output_len[1]} ({out_tokens}), seed {args.seed}, {args.dtype}, "
           f"{torch.get_num_threads()} threads", flush=True)  # fmt: skip
-    results, summary = {}, {}
-    for system in args.systems.split(","):
-        cmd = [sys.executable, __file__, "--worker", system, "--workload", str(path), "--dtype", args.dtype,
-               "--hf-batch", str(args.hf_batch)]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode != 0 or not line:
-            reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            print(f"{system}: failed ({reason})", flush=True)
-            continue
-        results[system] = json.loads(line[0][len("RESULT ") :])
-        summary[system] = summarize(requests, results[system])
-        s = summary[system]
-        print(f"{system}: {s['output_tok_s']:.1f} output tok/s, TTFT p50 {s['ttft_p50_s']:.2f} s, "
-              f"ITL p50 {s['itl_p50_ms']:.0f} ms (wall {results[system]['wall_s']:.0f} s)", flush=True)  # fmt: skip
+    results, runs = {}, {}
+    for repeat in range(args.repeats):  # interleaved, so a slow patch of a shared machine hits every system
+        for system in args.systems.split(","):
+            cmd = [sys.executable, __file__, "--worker", system, "--workload", str(path), "--dtype", args.dtype,
+                   "--hf-batch", str(args.hf_batch)]  # fmt: skip
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode != 0 or not line:
+                reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                print(f"{system}: failed ({reason})", flush=True)
+                continue
+            results[system] = json.loads(line[0][len("RESULT ") :])
+            s = summarize(requests, results[system])
+            runs.setdefault(system, []).append(s)
+            wall = results[system]["wall_s"]
+            print(f"{system} (run {repeat + 1}): {s['output_tok_s']:.1f} output tok/s, TTFT p50 "
+                  f"{s['ttft_p50_s']:.2f} s, ITL p50 {s['itl_p50_ms']:.0f} ms (wall {wall:.0f} s)", flush=True)
+    summary = {system: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for system, rs in runs.items()}
+    if args.repeats > 1:
+        print(f"\n(medians over {args.repeats} runs of each system)")
 
     base = "hf-static"
     print(f"\n{'system':<11}{'out tok/s':>10}{'TTFT mean':>11}{'p50':>9}{'p99':>9}{'ITL mean':>10}{'p50':>8}{'p99':>8}"
@@ -403,7 +409,7 @@ def main() -> None:
         verdict = "met" if b1["ratio"] <= 2 else "missed"
         print(f"target: decode step ≤ 2× floor at batch 1: {b1['ratio']:.2f}× -> {verdict}")
     if args.json:
-        everything = {"args": vars(args), "summary": summary, "decode_floor": floor}
+        everything = {"args": vars(args), "summary": summary, "runs": runs, "decode_floor": floor}
         Path(args.json).write_text(json.dumps(everything, indent=1))
 
 

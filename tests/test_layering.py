@@ -1,10 +1,11 @@
-"""Dependencies point down (cli → compress/serve/eval → runtime → kernels → formats): each package imports in a
+"""Dependencies point down (cli → compress/train/serve/eval → runtime → kernels → formats): each package imports in a
 fresh interpreter where every package above it is blocked, so a reach upward (or a cycle) fails here."""
 
 import subprocess
 import sys
 
 ALL = {"slimlm.formats", "slimlm.kernels", "slimlm.runtime", "slimlm.compress", "slimlm.eval", "slimlm.serve",
+       "slimlm.train",
        "slimlm.cli", "slimlm.models", "slimlm.assets", "slimlm.data", "slimlm.arch", "slimlm.hub",
        "slimlm.devices"}  # fmt: skip
 ALLOWED = {  # package: what it may import besides itself and the slimlm root
@@ -14,6 +15,8 @@ ALLOWED = {  # package: what it may import besides itself and the slimlm root
                        "slimlm.devices"},  # fmt: skip
     "slimlm.compress": {"slimlm.formats", "slimlm.models", "slimlm.assets", "slimlm.hub", "slimlm.devices",
                         "slimlm.data", "slimlm.arch"},  # fmt: skip
+    "slimlm.train": {"slimlm.formats", "slimlm.models", "slimlm.assets", "slimlm.hub", "slimlm.devices",
+                     "slimlm.data", "slimlm.arch"},  # fmt: skip
     "slimlm.serve": {"slimlm.runtime", "slimlm.formats", "slimlm.kernels", "slimlm.models", "slimlm.assets",
                      "slimlm.hub", "slimlm.devices"},  # fmt: skip
 }
@@ -38,7 +41,8 @@ for arg in sys.argv[1:]:
     for info in pkgutil.walk_packages(root.__path__, package + "."):
         importlib.import_module(info.name)
 """
-ORDER = ["slimlm.formats", "slimlm.kernels", "slimlm.runtime", "slimlm.compress", "slimlm.serve"]  # bottom-up
+ORDER = ["slimlm.formats", "slimlm.kernels", "slimlm.runtime", "slimlm.compress", "slimlm.train",
+         "slimlm.serve"]  # bottom-up
 
 
 def check(packages: list[str]) -> subprocess.CompletedProcess:
