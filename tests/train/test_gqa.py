@@ -103,6 +103,11 @@ def test_the_converted_checkpoint_loads_in_transformers_and_the_runtime_agrees_t
         expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :]
     (ours,) = LLM(str(out), kv_cache_memory=4 << 20).generate([prompt], SamplingParams(max_tokens=12, temperature=0))
     assert ours.outputs[0].token_ids == expected.tolist()
+    # and it composes with what comes after it: quantized, it still serves with one KV head
+    assert main(["rtn", "--model", str(out), "--bits", "8", "--group-size", "32", "--out", str(tmp_path / "q")]) == 0
+    llm = LLM(str(tmp_path / "q"), kv_cache_memory=4 << 20)
+    assert llm.engine.runner.model.config.num_key_value_heads == 1
+    assert len(llm.generate([prompt], SamplingParams(max_tokens=4))[0].outputs[0].token_ids) == 4
 
 
 @pytest.mark.parametrize("flags,fragment", [
