@@ -1,8 +1,9 @@
 """GQA conversion and uptraining on the default model, every baseline measured in the same run.
 
-  mha       expand SmolLM2's 3 KV heads to 9 (a true multi-head model: logits checked identical), then
-            convert 9 -> 3 by mean pooling of contiguous heads and by similarity grouping; wiki perplexity
-            right after conversion, and after a short uptraining of each (--mha-uptrain-tokens)
+  mha       expand SmolLM2's 3 KV heads to 9 (a true multi-head model: logits checked identical), also with
+            the heads shuffled (same function); convert 9 -> 3 by mean pooling of contiguous heads and by
+            similarity grouping: wiki perplexity right after conversion, and after a short uptraining
+            (--mha-uptrain-tokens) where a grouping lost quality
   mqa       3 -> 1 KV head (similarity grouping), uptrained with --uptrain-tokens (default sized for 20
             minutes on 2 cores here): perplexity before, right after, along the curve and after; the
             share of the lost perplexity that uptraining recovered; the curve as PNG
@@ -62,25 +63,41 @@ def convert(out: Path, source: str, kv_heads: int, tokens: int = 0, **kwargs) ->
 
 
 def mha(args) -> list[dict]:
+    """SmolLM2's expansion puts each head's copies side by side, where contiguous mean pooling is exact too;
+    shuffling the heads (with their queries: the same function) is the case that tells groupings apart."""
     from slimlm import models
+    from slimlm.train import gqa
 
     mha_dir, _ = convert(args.cache / "mha9", MODEL, 9, expand=True)
+    shuffled = args.cache / "mha9-shuffled"
     a, b = models.load(MODEL)[0], models.load(mha_dir)[0]
+    if not (shuffled / "config.json").exists():
+        rng = torch.Generator().manual_seed(0)
+        gqa.permute_kv_heads(b, [torch.randperm(9, generator=rng).tolist() for _ in b.model.layers])
+        b.save_pretrained(shuffled)
+        models.load_tokenizer(models.resolve(MODEL)).save_pretrained(shuffled)
+    c = models.load(str(shuffled))[0]
     x = torch.randint(0, a.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        diff = (a(x).logits - b(x).logits).abs().max().item()
-    print(f"expanded 3 -> 9 KV heads: max |logit difference| {diff:.2e}", flush=True)
+        diffs = [(a(x).logits - m(x).logits).abs().max().item() for m in (models.load(mha_dir)[0], c)]
+    print(f"3 -> 9 KV heads: max |logit difference| {diffs[0]:.2e} (copies adjacent), {diffs[1]:.2e} (shuffled)")
     base = ppl(mha_dir, args.ppl_tokens)
-    rows = [{"model": "MHA (9 KV, expanded)", "wiki_ppl": base, "logit_max_diff": diff, **sizes(mha_dir)}]
-    print(f"{rows[0]['model']:34} wiki ppl {base:.4f}", flush=True)
-    for grouping in ("mean", "similarity"):
-        for tokens in (0, args.mha_uptrain_tokens):
-            label = f"9 -> 3 {grouping}" + (f", uptrained {tokens // 1000}K" if tokens else "")
-            out, wall = convert(args.cache / f"gqa3-{grouping}-{tokens}", mha_dir, 3, tokens, grouping=grouping)
-            value = ppl(out, args.ppl_tokens)
-            rows.append({"model": label, "grouping": grouping, "uptrain_tokens": tokens, "wiki_ppl": value,
-                         "seconds": wall, **sizes(out)})  # fmt: skip
-            print(f"{label:34} wiki ppl {value:.4f} ({value / base - 1:+.2%}) [{wall:.0f} s]", flush=True)
+    rows = [{"model": "MHA (9 KV, expanded)", "wiki_ppl": base, "logit_max_diff": diffs, **sizes(mha_dir)}]
+    print(f"{rows[0]['model']:40} wiki ppl {base:.4f}", flush=True)
+    cases = [("adjacent", mha_dir, "mean", 0), ("adjacent", mha_dir, "similarity", 0),
+             ("shuffled", str(shuffled), "mean", 0), ("shuffled", str(shuffled), "similarity", 0),
+             ("shuffled", str(shuffled), "mean", args.mha_uptrain_tokens)]  # fmt: skip
+    for heads, source, grouping, tokens in cases:
+        label = f"9 -> 3 {grouping}, {heads}" + (f", uptrained {tokens // 1024}K" if tokens else "")
+        out, wall = convert(args.cache / f"gqa3-{heads}-{grouping}-{tokens}", source, 3, tokens, grouping=grouping)
+        value = ppl(out, args.ppl_tokens)
+        rows.append({"model": label, "heads": heads, "grouping": grouping, "uptrain_tokens": tokens,
+                     "wiki_ppl": value, "seconds": wall, **sizes(out)})  # fmt: skip
+        print(f"{label:40} wiki ppl {value:.4f} ({value / base - 1:+.2%}) [{wall:.0f} s]", flush=True)
+    by = {(r.get("heads"), r.get("grouping"), r.get("uptrain_tokens")): r["wiki_ppl"] for r in rows}
+    met = all(by[(h, "similarity", 0)] <= by[(h, "mean", 0)] * 1.0001 for h in ("adjacent", "shuffled"))
+    print(f"target: similarity grouping loses no more than mean pooling right after conversion -> "
+          f"{'met' if met else 'missed'}", flush=True)  # fmt: skip
     return rows
 
 

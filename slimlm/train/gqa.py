@@ -74,33 +74,42 @@ def _replace(linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 @torch.no_grad()
-def merge(model: nn.Module, groups: list[Groups]) -> None:
-    """Merge KV heads in place: layer i's new KV head g is the mean of its old heads groups[i][g]."""
+def permute_kv_heads(model: nn.Module, orders: list[list[int]]) -> None:
+    """Reorder each layer's KV heads (layer i's new head j is its old head orders[i][j]), and their query
+    heads and o_proj's columns with them: the same function, another head order."""
     config = model.config
     hd = arch.head_dim(config.to_dict())
-    per_kv = config.num_attention_heads // config.num_key_value_heads  # query heads per old KV head
-    for attention, layer_groups in zip(_attentions(model), groups, strict=True):
+    per_kv = config.num_attention_heads // config.num_key_value_heads  # query heads per KV head
+    for attention, order in zip(_attentions(model), orders, strict=True):
+        if order == sorted(order):
+            continue
+        queries = [q for h in order for q in range(h * per_kv, (h + 1) * per_kv)]
+        for linear, heads in ((attention.k_proj, order), (attention.v_proj, order), (attention.q_proj, queries)):
+            linear.weight.copy_(_rows(linear.weight, heads, hd))
+            if linear.bias is not None:
+                linear.bias.copy_(_rows(linear.bias[:, None], heads, hd).flatten())
+        attention.o_proj.weight.copy_(_rows(attention.o_proj.weight.T, queries, hd).T)
+
+
+@torch.no_grad()
+def merge(model: nn.Module, groups: list[Groups]) -> None:
+    """Merge KV heads in place: layer i's new KV head g is the mean of its old heads groups[i][g]. The heads
+    are first permuted so that every group is contiguous, then each contiguous block is averaged."""
+    config = model.config
+    hd, current = arch.head_dim(config.to_dict()), config.num_key_value_heads
+    for layer_groups in groups:
         order = [h for group in layer_groups for h in group]
-        if sorted(order) != list(range(config.num_key_value_heads)) or len({len(g) for g in layer_groups}) != 1:
-            raise SlimlmError(f"KV head groups {layer_groups} do not split the {config.num_key_value_heads} heads "
-                              "evenly")  # fmt: skip
+        if sorted(order) != list(range(current)) or len({len(g) for g in layer_groups}) != 1:
+            raise SlimlmError(f"KV head groups {layer_groups} do not split the {current} heads evenly")
+    permute_kv_heads(model, [[h for group in layer_groups for h in group] for layer_groups in groups])
+    kv_heads = len(groups[0])
+    for attention in _attentions(model):
         for name in ("k_proj", "v_proj"):
             linear = getattr(attention, name)
-            weight = torch.stack([_rows(linear.weight, g, hd).view(len(g), hd, -1).mean(0) for g in layer_groups])
-            bias = None
-            if linear.bias is not None:
-                bias = torch.stack([_rows(linear.bias[:, None], g, hd).view(len(g), hd).mean(0) for g in layer_groups])
-                bias = bias.flatten()
-            setattr(attention, name, _replace(linear, weight.flatten(0, 1), bias))
-        if order != sorted(order):  # query heads follow their KV heads; o_proj's columns follow the queries
-            queries = [q for h in order for q in range(h * per_kv, (h + 1) * per_kv)]
-            q = attention.q_proj
-            q.weight.copy_(_rows(q.weight, queries, hd))
-            if q.bias is not None:
-                q.bias.copy_(_rows(q.bias[:, None], queries, hd).flatten())
-            o = attention.o_proj
-            o.weight.copy_(_rows(o.weight.T, queries, hd).T)
-    _set_kv_heads(model, len(groups[0]))
+            weight = linear.weight.view(kv_heads, -1, hd, linear.in_features).mean(1).flatten(0, 1)
+            bias = None if linear.bias is None else linear.bias.view(kv_heads, -1, hd).mean(1).flatten()
+            setattr(attention, name, _replace(linear, weight, bias))
+    _set_kv_heads(model, kv_heads)
 
 
 @torch.no_grad()

@@ -47,19 +47,20 @@ def test_a_permuted_grouping_moves_query_heads_and_o_proj_with_it(model):
     """4 KV heads where 0 and 2 are copies, and 1 and 3: merging [0, 2] and [1, 3] changes nothing, which
     only holds if each query head follows its KV head and o_proj's columns follow the query heads."""
     gqa.expand(model, 4)  # copies at 0,1 and 2,3: swap heads 1 and 2 (K, V rows and their query heads)
-    hd = 16
-    for layer in model.model.layers:
-        a = layer.self_attn
-        swap = [0, 2, 1, 3]
-        with torch.no_grad():
-            for lin in (a.k_proj, a.v_proj, a.q_proj):
-                lin.weight.copy_(gqa._rows(lin.weight, swap, hd))
-            a.o_proj.weight.copy_(gqa._rows(a.o_proj.weight.T, swap, hd).T)
     before = logits(model)
+    gqa.permute_kv_heads(model, [[0, 2, 1, 3]] * 2)
+    assert torch.allclose(logits(model), before, atol=1e-5)
     groups = gqa.similarity_groups(model, torch.randint(0, model.config.vocab_size, (4, 16)), kv_heads=2)
     assert groups == [[[0, 2], [1, 3]]] * 2
     gqa.merge(model, groups)
     assert model.config.num_key_value_heads == 2
+    assert torch.allclose(logits(model), before, atol=1e-5)
+
+
+def test_permuting_kv_heads_moves_their_query_groups_too(model):
+    before, q = logits(model), model.model.layers[0].self_attn.q_proj.weight.clone()
+    gqa.permute_kv_heads(model, [[1, 0], [0, 1]])  # 2 query heads per KV head: rows 32..63 move to the front
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight[:32], q[32:])
     assert torch.allclose(logits(model), before, atol=1e-5)
 
 
