@@ -284,16 +284,17 @@ def plot(log: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [e for e in log if "loss" in e]  # the step-0 entry is an evaluation only
-    ax.plot([e["tokens"] for e in steps], [e["loss"] for e in steps], label="training loss (distillation)")
+    lines = ax.plot([e["tokens"] for e in steps], [e["loss"] for e in steps], label="training loss")
     ax.set_xlabel("training tokens")
-    ax.set_ylabel("loss")
+    ax.set_ylabel("loss (distillation)")
     evals = [e for e in log if "eval_ppl" in e]
     if evals:
         right = ax.twinx()
-        right.plot([e["tokens"] for e in evals], [e["eval_ppl"] for e in evals], "o-", color="C1", label="eval ppl")
-        right.set_ylabel("evaluation perplexity")
-        right.legend(loc="upper center")
-    ax.legend(loc="upper right")
+        lines += right.plot([e["tokens"] for e in evals], [e["eval_ppl"] for e in evals], "o-", color="C1",
+                            label="evaluation perplexity")  # fmt: skip
+        right.set_yscale("log")  # a conversion can cost orders of magnitude: the recovery reads on a log scale
+        right.set_ylabel("evaluation perplexity (log)")
+    ax.legend(lines, [line.get_label() for line in lines], loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
