@@ -9,8 +9,8 @@ Systems, each in its own process (so peak memory is its own):
               starts when its last request has arrived and the previous batch is done, and runs until its
               longest request ends
   hf-cb       transformers' own continuous batching (generate_batch's manager), requests added on arrival
-  slimlm-http the same runtime behind `compress serve` (on loopback), driven by an async client in another
-              process: open-loop arrivals, streaming, token times taken when each chunk reaches the client
+  slimlm-http the same runtime behind `compress serve` (its own process, on loopback), driven by an async
+              client: open-loop arrivals, streaming, token times taken when each chunk reaches the client
 TTFT is measured from each request's scheduled arrival. Then the decode step of the runtime at batch 1, 8
 and 32 against the memory-bandwidth floor: bytes that must move per step (weights + KV read) ÷ the
 bandwidth of a large tensor copy measured in the same run.
@@ -119,19 +119,25 @@ def decode_steps(engine, requests: list[dict], context: int = 256, steps: int = 
 
 
 def run_slimlm_http(requests: list[dict], dtype: str, workload_path: str) -> dict:
-    """The server in this process, the client in another one (as a user's would be)."""
-    from slimlm.serve.app import serve_in_thread
+    """`compress serve` as its own process (engine settings as above), this process as the client."""
+    import signal
 
-    with serve_in_thread(slimlm_engine(dtype), MODEL) as url:
-        cmd = [sys.executable, __file__, "--client", url, "--workload", workload_path]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not line:
-        raise RuntimeError(f"the HTTP client failed: {proc.stderr.strip()[-500:]}")
-    return json.loads(line[0][len("RESULT ") :])
+    cmd = [sys.executable, "-m", "slimlm.cli", "serve", MODEL, "--port", "0", "--dtype", dtype,
+           "--max-num-seqs", "64", "--max-num-batched-tokens", "512"]  # fmt: skip
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "serving on" not in line:
+            line = server.stdout.readline()
+            if not line:
+                raise RuntimeError(f"compress serve did not start: {server.stderr.read()[-500:]}")
+        return http_client(line.split()[-1].removesuffix("/v1"), requests)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
 
 
-def http_client(url: str, requests: list[dict]) -> None:
+def http_client(url: str, requests: list[dict]) -> dict:
     """Open-loop: each request is sent at its arrival time whatever the others are doing; streamed, with
     logprobs=0 so every chunk says how many tokens it carries (a chunk's text can hold back a partial
     character); a token's time is when its chunk arrived."""
@@ -160,7 +166,7 @@ def http_client(url: str, requests: list[dict]) -> None:
             times = await asyncio.gather(*(one(http, r, start) for r in requests))
         return {r["id"]: t for r, t in zip(requests, times, strict=True)}
 
-    print("RESULT " + json.dumps({"token_times": asyncio.run(run())}))
+    return {"token_times": asyncio.run(run())}
 
 
 def run_hf_static(requests: list[dict], dtype: str, batch: int) -> dict:
@@ -336,10 +342,7 @@ def main() -> None:
     parser.add_argument("--json", help="write everything here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
-    parser.add_argument("--client", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.client:
-        return http_client(args.client, json.loads(Path(args.workload).read_text()))
     if args.worker:
         return worker(args.worker, args.workload, args.dtype, args.hf_batch)
 

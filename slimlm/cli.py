@@ -510,7 +510,6 @@ def cmd_serve(a: argparse.Namespace) -> None:
     config = EngineConfig(**_engine_config(a), max_num_seqs=a.max_num_seqs,
                           max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len)  # fmt: skip
     engine = Engine(a.model, config)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server drains on SIGTERM itself
     serve(engine, a.served_model_name or a.model, a.host, a.port, a.api_key, a.max_waiting, a.drain_timeout)
 
 

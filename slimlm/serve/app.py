@@ -53,8 +53,10 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
-def build_app(engine: Engine, served_model_name: str, api_key: str | None = None, max_waiting: int = 256) -> FastAPI:
-    aengine = AsyncEngine(engine, max_waiting)
+def build_app(engine: Engine, served_model_name: str, api_key: str | None = None, max_waiting: int = 256,
+              own_thread: bool = True) -> FastAPI:  # fmt: skip
+    """`own_thread`: the engine loop gets a thread of its own; else the caller runs app.state.engine.run()."""
+    aengine = AsyncEngine(engine, max_waiting, own_thread)
     tokenizer = engine.tokenizer
 
     @asynccontextmanager
@@ -373,32 +375,27 @@ class Server(uvicorn.Server):
         self.print_address = print_address
 
     async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if self.started and self.print_address:  # the bound port: --port 0 picks a free one
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             print(f"serving on http://{host}:{port}/v1", flush=True)
 
     @contextmanager
-    def capture_signals(self):
-        if threading.current_thread() is not threading.main_thread():  # in a thread (tests, benchmarks)
-            yield
-            return
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_signal, sig)
-        try:
-            yield
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
+    def capture_signals(self):  # signals are the main thread's: serve() forwards them to on_signal
+        yield
 
-    def _on_signal(self, sig: int) -> None:
-        if self.aengine.draining:  # the second signal: stop now
+    def on_signal(self, sig: int, frame=None) -> None:
+        """From any thread: start draining, or on the second signal stop now."""
+        self._loop.call_soon_threadsafe(self._on_signal)
+
+    def _on_signal(self) -> None:
+        if self.aengine.draining:
             self.should_exit = self.force_exit = True
             return
         log.info("draining: %d requests in flight, new requests get 503", self.aengine.in_flight)
         self.aengine.draining = True
-        asyncio.get_running_loop().create_task(self._drain())
+        self._loop.create_task(self._drain())
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.drain_timeout
@@ -409,7 +406,7 @@ class Server(uvicorn.Server):
 
 def serve(engine: Engine, served_model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, max_waiting: int = 256, drain_timeout: float = 30.0) -> None:  # fmt: skip
-    app = build_app(engine, served_model_name, api_key, max_waiting)
+    app = build_app(engine, served_model_name, api_key, max_waiting, own_thread=False)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     server = Server(config, app.state.engine, drain_timeout, print_address=True)
     try:  # bound here, so a taken port or a bad address is one clear line
@@ -417,8 +414,17 @@ def serve(engine: Engine, served_model_name: str, host: str = "127.0.0.1", port:
     except OSError as e:
         raise SlimlmError(f"could not serve on {host}:{port}: {e.strerror or e}") from None
     print(f"model '{served_model_name}', max context {engine.max_model_len} tokens", flush=True)
+    # The engine loop runs here, on the main thread (torch steps run slower on another one); uvicorn's event
+    # loop gets a thread; signals arrive here and are handed to it.
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="slimlm-server", daemon=True)
     with sock:
-        server.run(sockets=[sock])
+        thread.start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda sig, frame: server.on_signal(sig) if server.started else None)
+        app.state.engine.run(alive=thread.is_alive)  # until the server's shutdown stops it
+        thread.join()
+    if not server.started:
+        raise SlimlmError(f"could not serve on {host}:{port}")
 
 
 @contextmanager

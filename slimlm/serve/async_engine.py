@@ -1,7 +1,9 @@
 """The engine on its own thread, driven from the event loop.
 
 The engine is synchronous and a step takes tens of milliseconds of compute, so it runs on one thread that
-owns it outright: only that thread calls add_request, abort and step. The event loop talks to it through
+owns it outright: only that thread calls add_request, abort and step. `compress serve` runs it on the main
+thread and the event loop on another (measured here: torch steps run ~30% slower on a secondary thread);
+tests and benchmarks may give it a thread of its own (`own_thread`). The event loop talks to it through
 an inbox of commands, and the thread hands each step's outputs back with `call_soon_threadsafe`, into one
 asyncio queue per request. A request that raises (bad input) fails only its own future; a step that raises
 (a bug) fails the requests that were in it and the loop goes on, so no client can stop the engine.
@@ -14,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -45,7 +47,7 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_waiting: int = 256) -> None:
+    def __init__(self, engine: Engine, max_waiting: int = 256, own_thread: bool = True) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = Metrics()
@@ -58,23 +60,38 @@ class AsyncEngine:
         self._aborted = 0  # requests aborted in the engine (engine thread only)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads = torch.get_num_threads()  # an OpenMP setting is per thread: the engine thread needs it too
+        self._own_thread = own_thread
         self._thread: threading.Thread | None = None
+        self._ready, self._done = threading.Event(), threading.Event()
 
     @property
     def in_flight(self) -> int:
         return len(self._streams)
 
     def start(self) -> None:
+        """Called on the event loop (the app's startup): the engine loop may begin."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="slimlm-engine", daemon=True)
-        self._thread.start()
+        self._ready.set()
+        if self._own_thread:
+            self._thread = threading.Thread(target=self.run, name="slimlm-engine", daemon=True)
+            self._thread.start()
+
+    def run(self, alive: Callable[[], bool] = lambda: True) -> None:
+        """The engine loop, on the calling thread, from the event loop's start() until stop(), or until
+        `alive()` turns false (the server's thread ended without a shutdown: a forced exit, a failed start)."""
+        while not self._ready.wait(0.5):  # a timed wait: the main thread stays responsive to signals
+            if not alive():
+                return
+        try:
+            self._run(alive)
+        finally:
+            self._done.set()
 
     async def stop(self) -> None:
-        """Abort whatever is left and end the engine thread."""
-        if self._thread is not None:
+        """Abort whatever is left and end the engine loop."""
+        if self._ready.is_set() and not self._done.is_set():
             self._inbox.put(("stop",))
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
+            await asyncio.to_thread(self._done.wait)
 
     # ---- the event loop side ---------------------------------------------------------------------
 
@@ -156,22 +173,20 @@ class AsyncEngine:
 
     # ---- the engine thread -----------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, alive: Callable[[], bool]) -> None:
         torch.set_num_threads(self._threads)
         engine = self.engine
-        while True:
+        while alive():
             commands = []
-            try:  # block for a command only when there is nothing to compute
-                commands.append(self._inbox.get(block=not engine.has_unfinished()))
+            try:  # block for a command only when there is nothing to compute (timed: signals get through)
+                commands.append(self._inbox.get(block=not engine.has_unfinished(), timeout=0.5))
                 while True:
                     commands.append(self._inbox.get_nowait())
             except queue.Empty:
                 pass
+            if any(command[0] == "stop" for command in commands):
+                break
             for command in commands:
-                if command[0] == "stop":
-                    for r in list(engine.requests):
-                        engine.abort(r, report=False)
-                    return
                 self._command(command)
             if not engine.has_unfinished():
                 self._publish([])
@@ -186,6 +201,8 @@ class AsyncEngine:
                 self._loop.call_soon_threadsafe(self._fail, ids, EngineFailed(f"the engine failed: {e}"))
                 continue
             self._publish(outputs)
+        for r in list(engine.requests):  # stopped: nothing stays queued
+            engine.abort(r, report=False)
 
     def _command(self, command: tuple) -> None:
         if command[0] == "abort":
