@@ -88,7 +88,7 @@ class Metrics:
             ("slimlm_requests_in_flight", "gauge", "Requests the server is answering.", in_flight),
             ("slimlm_num_requests_running", "gauge", "Sequences in the running batch.", engine.running),
             ("slimlm_num_requests_waiting", "gauge", "Sequences waiting to be scheduled.", engine.waiting),
-            ("slimlm_kv_blocks_total", "gauge", "KV cache blocks in the pool.", engine.total_blocks),
+            ("slimlm_kv_blocks_pool", "gauge", "KV cache blocks in the pool.", engine.total_blocks),
             ("slimlm_kv_blocks_free", "gauge", "KV cache blocks no sequence holds.", engine.free_blocks),
             ("slimlm_kv_blocks_used", "gauge", "KV cache blocks held by sequences.",
              engine.total_blocks - engine.free_blocks),

@@ -140,7 +140,7 @@ def test_openai_client_raises_bad_request(client):
 def test_health_and_metrics(server):
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
     text = httpx.get(f"{server}/metrics").text
-    assert metric(text, "slimlm_kv_blocks_free") == metric(text, "slimlm_kv_blocks_total") > 0
+    assert metric(text, "slimlm_kv_blocks_free") == metric(text, "slimlm_kv_blocks_pool") > 0
     assert 'slimlm_time_to_first_token_seconds_bucket{le="+Inf"}' in text
 
 
@@ -170,7 +170,7 @@ def _wait_idle(server, aborted: float, seconds: float = 10.0) -> None:
     while time.monotonic() < deadline:
         text = httpx.get(f"{server}/metrics").text
         values = [metric(text, f"slimlm_{m}") for m in ("requests_in_flight", "requests_aborted_total",
-                                                        "kv_blocks_free", "kv_blocks_total")]  # fmt: skip
+                                                        "kv_blocks_free", "kv_blocks_pool")]  # fmt: skip
         if values[:2] == [0, aborted] and values[2] == values[3]:
             return
         time.sleep(0.02)

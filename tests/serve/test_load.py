@@ -72,5 +72,5 @@ def test_many_concurrent_clients_get_the_offline_text_and_leak_nothing(server, o
             break
         time.sleep(0.05)
     assert metric(text, "slimlm_requests_in_flight") == 0
-    assert metric(text, "slimlm_kv_blocks_free") == metric(text, "slimlm_kv_blocks_total")
+    assert metric(text, "slimlm_kv_blocks_free") == metric(text, "slimlm_kv_blocks_pool")
     assert metric(text, "slimlm_prefix_cache_hit_rate") > 0  # each prompt came ten times
