@@ -13,7 +13,13 @@ from slimlm.runtime.speculative import NgramProposer, Proposal, verify
 
 
 def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's chi-square goodness of fit; categories expected fewer than 5 times are pooled."""
+    """Pearson's chi-square goodness of fit; categories expected fewer than 5 times are pooled. A draw of a
+    probability-0 category is a certain misfit (0.0); a single possible category fits if it got every draw."""
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    counts, probs = counts[probs > 0], probs[probs > 0]
+    if len(probs) == 1:
+        return 1.0
     n = counts.sum()
     expected = probs.double() * n
     small = expected < 5
@@ -142,3 +148,10 @@ def test_verify_draws_only_from_its_generator_and_accepts_every_draft_of_a_perfe
     assert len({tuple(tokens) for tokens, _ in first}) > 1  # the bonus token is drawn, not fixed
     rejections = [verify(q, Proposal(drafts, None), torch.Generator().manual_seed(s)) for s in range(50)]
     assert len({tuple(tokens) for tokens, _ in rejections}) > 1  # a point mass does reject, from its own draws
+
+
+def test_the_chi_square_helper_fails_a_draw_the_target_cannot_make():
+    q = torch.tensor([0.5, 0.5, 0.0])
+    assert chi_square_p(torch.tensor([500.0, 500.0, 1.0]), q) == 0.0
+    assert chi_square_p(torch.tensor([500.0, 500.0, 0.0]), q) > 0.5
+    assert chi_square_p(torch.tensor([0.0, 9.0, 0.0]), torch.tensor([0.0, 1.0, 0.0])) == 1.0
