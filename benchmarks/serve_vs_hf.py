@@ -118,7 +118,7 @@ def decode_steps(engine, requests: list[dict], context: int = 256, steps: int = 
     return result
 
 
-def run_slimlm_http(requests: list[dict], dtype: str, workload_path: str) -> dict:
+def run_slimlm_http(requests: list[dict], dtype: str) -> dict:
     """`compress serve` as its own process (engine settings as above), this process as the client."""
     import signal
 
@@ -249,7 +249,7 @@ def worker(system: str, workload_path: str, dtype: str, hf_batch: int) -> None:
     if system == "slimlm":
         result = run_slimlm(requests, dtype)
     elif system == "slimlm-http":
-        result = run_slimlm_http(requests, dtype, workload_path)
+        result = run_slimlm_http(requests, dtype)
     elif system == "hf-static":
         result = run_hf_static(requests, dtype, hf_batch)
     else:

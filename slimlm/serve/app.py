@@ -150,13 +150,14 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None = None
         if body.stream:
             return _sse(_completion_chunks(gens, body, header))
         outs = await _collect(gens, request)
-        choices = [_completion_choice(out, choice, body, i * body.n + choice.index)
-                   for i, out in enumerate(outs) for choice in out.outputs]  # fmt: skip
+        choices = []
+        for i, out in enumerate(outs):
+            prompt_text = tokenizer.decode(out.prompt_token_ids) if body.echo else ""  # once for its n choices
+            choices += [_completion_choice(out, c, body, i * body.n + c.index, prompt_text) for c in out.outputs]
         return {**header, "choices": choices, "usage": _usage(outs)}
 
-    def _completion_choice(out: RequestOutput, choice, body: p.CompletionRequest, index: int) -> dict:
+    def _completion_choice(out: RequestOutput, choice, body: p.CompletionRequest, index: int, prompt_text: str) -> dict:
         text, logprobs = choice.text, None
-        prompt_text = tokenizer.decode(out.prompt_token_ids) if body.echo else ""
         if body.logprobs is not None:
             ids, lps, tops = _completion_tokens(out, choice, body, 0, len(choice.token_ids), first=True)
             logprobs = p.completion_logprobs(tokenizer, ids, lps, tops, 0)
@@ -179,6 +180,7 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None = None
         sent_text: dict[int, int] = {}  # per choice: characters sent
         sent_tokens: dict[int, int] = {}  # tokens whose log-probabilities were sent
         offsets: dict[int, int] = {}  # text_offset of the next token
+        prompt_texts: dict[int, str] = {}  # echo: per prompt
         finals = []
         async for i, out in _merge(gens):
             finals += [out] if out.finished else []
@@ -188,7 +190,9 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None = None
                 text = _streamable(choice, body, out.finished)
                 delta = text[sent_text.get(index, 0) :]
                 if first and body.echo:
-                    delta = tokenizer.decode(out.prompt_token_ids) + delta
+                    if i not in prompt_texts:  # once for the prompt's n choices
+                        prompt_texts[i] = tokenizer.decode(out.prompt_token_ids)
+                    delta = prompt_texts[i] + delta
                 elif not delta and choice.finish_reason is None:
                     continue
                 logprobs = None

@@ -61,7 +61,6 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads = torch.get_num_threads()  # an OpenMP setting is per thread: the engine thread needs it too
         self._own_thread = own_thread
-        self._thread: threading.Thread | None = None
         self._ready, self._done = threading.Event(), threading.Event()
 
     @property
@@ -73,8 +72,7 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._ready.set()
         if self._own_thread:
-            self._thread = threading.Thread(target=self.run, name="slimlm-engine", daemon=True)
-            self._thread.start()
+            threading.Thread(target=self.run, name="slimlm-engine", daemon=True).start()
 
     def run(self, alive: Callable[[], bool] = lambda: True) -> None:
         """The engine loop, on the calling thread, from the event loop's start() until stop(), or until

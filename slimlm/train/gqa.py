@@ -59,8 +59,6 @@ def _set_kv_heads(model: nn.Module, kv_heads: int) -> None:
     model.config.num_key_value_heads = kv_heads
     for attention in _attentions(model):
         attention.num_key_value_groups = model.config.num_attention_heads // kv_heads
-        if hasattr(attention, "config"):
-            attention.config.num_key_value_heads = kv_heads
 
 
 def _replace(linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:

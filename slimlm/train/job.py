@@ -19,12 +19,13 @@ from slimlm.train import gqa
 from slimlm.train.distill import TrainConfig, check, mean_nll, train
 
 GROUPINGS = ("similarity", "mean")  # similarity: heads chosen by their outputs; mean: contiguous heads
+EVAL_TOKENS = 8192  # the curve's points: the first tokens of --eval-data, which training never reads
 
 
-def eval_windows(tokenizer, source: str = "wiki", tokens: int = 8192, seq_len: int = 512) -> torch.Tensor:
-    """Fixed evaluation windows (the first `tokens` of the source, which calibration and training never read)."""
-    stream = data.token_stream(data.passages(source), tokenizer, max_tokens=tokens)
-    return data.windows(stream, seq_len)
+def text_windows(source: str, tokenizer, seq_len: int, max_tokens: int | None = None) -> torch.Tensor:
+    """Consecutive windows of `seq_len` cut from the source's passages joined in order (as calibration cuts
+    them), from its first `max_tokens` tokens or all of it."""
+    return data.windows(data.token_stream(data.passages(source), tokenizer, max_tokens=max_tokens), seq_len)
 
 
 def convert_gqa(
@@ -47,25 +48,25 @@ def convert_gqa(
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     if grouping not in GROUPINGS:
         raise SlimlmError(f"--grouping {grouping} is not one of {', '.join(GROUPINGS)}")
-    model_dir = models.resolve(model_spec)
-    config = models.check(model_dir)
-    if "quantization_config" in config:
-        raise SlimlmError(f"{model_dir} is quantized; GQA conversion needs a float checkpoint (convert first, "
-                          "then quantize)")  # fmt: skip
-    teacher, tokenizer, _ = models.load(str(model_dir))
-    gqa.check_kv_heads(teacher.config, kv_heads, expand)
     if expand and train_config is not None:
         raise SlimlmError("--expand is exact (the same function): it needs no --uptrain-tokens")
+    model_dir = models.resolve(model_spec)
+    if "quantization_config" in models.read_config(model_dir):
+        raise SlimlmError(f"{model_dir} is quantized; GQA conversion needs a float checkpoint (convert first, "
+                          "then quantize)")  # fmt: skip
     state = PartialState(cpu=not torch.cuda.is_available())  # on CPU, several processes mean gloo
-    windows = None
+    out = Path(out).expanduser().resolve()
+    if state.is_main_process:  # before any work: an --out that would lose data is refused now
+        atomic.check_output(out, overwrite, [model_dir])
     if train_config is not None:
         data.check_source(train_data)
         data.check_source(eval_data)
-        windows = _training_windows(train_data, tokenizer, train_config)
+    teacher, tokenizer, _ = models.load(str(model_dir))  # checks the architecture and the weight files
+    gqa.check_kv_heads(teacher.config, kv_heads, expand)
+    windows = None
+    if train_config is not None:
+        windows = text_windows(train_data, tokenizer, train_config.seq_len)
         check(train_config, len(windows), state.num_processes)
-    out = Path(out).expanduser().resolve()
-    if state.is_main_process:
-        atomic.check_output(out, overwrite, [model_dir])
     student = copy.deepcopy(teacher)
     before = teacher.config.num_key_value_heads
     start = time.time()
@@ -86,7 +87,7 @@ def convert_gqa(
                              "sha256": shards.sha256(*shards.weight_files(model_dir))}}  # fmt: skip
     history = []
     if train_config is not None:
-        evaluation = eval_windows(tokenizer, eval_data, seq_len=train_config.seq_len)
+        evaluation = text_windows(eval_data, tokenizer, train_config.seq_len, EVAL_TOKENS)
 
         def evaluate(model) -> dict:
             return {"eval_ppl": math.exp(mean_nll(model, evaluation))}
@@ -96,7 +97,7 @@ def convert_gqa(
             f"tokens from '{train_data}' on {state.num_processes} process(es); checkpoints in {run_dir}")  # fmt: skip
         history = train(student, teacher, windows, train_config, run_dir, evaluate, progress)
         meta["training"] = {**asdict(train_config), "data": train_data, "log": history,
-                            "eval": f"{eval_data}, first 8192 tokens"}  # fmt: skip
+                            "eval": f"{eval_data}, first {EVAL_TOKENS} tokens"}  # fmt: skip
     meta["convert_seconds"] = round(time.time() - start, 2)
     if state.is_main_process:
         with atomic.atomic_dir(out, overwrite, sources=[model_dir]) as tmp:
@@ -110,9 +111,3 @@ def convert_gqa(
         log(f"[gqa] wrote {out}")
     state.wait_for_everyone()
     return out
-
-
-def _training_windows(source: str, tokenizer, config: TrainConfig) -> torch.Tensor:
-    """Token windows of seq_len cut from the joined passages (as calibration cuts them), all of them."""
-    stream = data.token_stream(data.passages(source), tokenizer)
-    return data.windows(stream, config.seq_len)

@@ -127,3 +127,12 @@ def test_the_command_names_what_cannot_work(capsys, tiny_llama, calib_txt, tmp_p
     err = capsys.readouterr().err
     assert code == 2 and fragment in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()
+
+
+def test_an_out_that_is_the_source_is_refused_before_any_work(capsys, tiny_llama):
+    from slimlm.cli import main
+
+    before = sorted(p.name for p in tiny_llama.iterdir())
+    assert main(["gqa", "--model", str(tiny_llama), "--kv-heads", "1", "--out", str(tiny_llama), "--overwrite"]) == 2
+    assert "is or contains the source model" in capsys.readouterr().err
+    assert sorted(p.name for p in tiny_llama.iterdir()) == before
