@@ -49,11 +49,33 @@ def linear_input_dims(config: dict) -> dict[str, int]:
     return dims
 
 
-# Config fields that change when a structured compression removes heads, channels or layers.
-RESIZED_FIELDS = {
-    "heads": ("num_attention_heads",),
-    "kv_heads": ("num_key_value_heads",),
-    "ffn": ("intermediate_size",),
-    "hidden": ("hidden_size",),
-    "layers": ("num_hidden_layers",),
+# What each axis of a weight runs along, for structured pruning: "hidden" (the residual stream's channels),
+# "heads" / "kv_heads" (head_dim rows or columns per head), "ffn" (MLP neurons), None (the vocabulary, kept).
+MODEL_AXES = {
+    f"{EMBED}.weight": (None, "hidden"),
+    f"{LM_HEAD}.weight": (None, "hidden"),
+    "model.norm.weight": ("hidden",),
+}
+LAYER_AXES = {  # names within a decoder layer
+    "input_layernorm.weight": ("hidden",),
+    "post_attention_layernorm.weight": ("hidden",),
+    "self_attn.q_proj.weight": ("heads", "hidden"),
+    "self_attn.q_proj.bias": ("heads",),
+    "self_attn.k_proj.weight": ("kv_heads", "hidden"),
+    "self_attn.k_proj.bias": ("kv_heads",),
+    "self_attn.v_proj.weight": ("kv_heads", "hidden"),
+    "self_attn.v_proj.bias": ("kv_heads",),
+    "self_attn.o_proj.weight": ("hidden", "heads"),
+    "self_attn.o_proj.bias": ("hidden",),
+    "mlp.gate_proj.weight": ("ffn", "hidden"),
+    "mlp.up_proj.weight": ("ffn", "hidden"),
+    "mlp.down_proj.weight": ("hidden", "ffn"),
+}
+# The config field that holds each pruned dimension's size ("layers": the decoder layers' count).
+SIZE_FIELD = {
+    "hidden": "hidden_size",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "ffn": "intermediate_size",
+    "layers": "num_hidden_layers",
 }

@@ -61,6 +61,25 @@ def _add_kv_args(p: argparse.ArgumentParser, required: bool) -> None:
                    "default: tensor for fp8, attn_head for int8")  # fmt: skip
 
 
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    """The distillation settings `gqa` and `prune` share, and their output."""
+    p.add_argument("--train-data", default="owt", help="training text: owt | wiki | c4 | PATH.txt | PATH.jsonl")
+    p.add_argument("--eval-data", default="wiki", help="text whose first 8192 tokens score the curve")
+    p.add_argument("--train", default="", help="parameter-name parts to train, e.g. k_proj,v_proj (default: all)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seq-len", type=positive_int, default=512)
+    p.add_argument("--global-batch", type=positive_int, default=8, help="windows per optimizer step")
+    p.add_argument("--micro-batch", type=positive_int, default=2, help="windows per forward pass")
+    p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature")
+    p.add_argument("--lm-weight", type=float, default=0.0, help="weight of the language-model loss (0..1)")
+    p.add_argument("--warmup", type=float, default=0.05, help="warmup, a fraction of the steps")
+    p.add_argument("--checkpoint-every", type=positive_int, default=25, help="steps between resumable checkpoints")
+    p.add_argument("--eval-every", type=positive_int, default=25, help="steps between evaluations")
+    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--out", required=True, type=Path, help="output checkpoint directory")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+
+
 def _add_kv_cache_dtype(p: argparse.ArgumentParser) -> None:
     from slimlm.formats.kv_cache import CACHE_DTYPES
 
@@ -121,21 +140,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib", default="owt", help="text for --grouping similarity")
     p.add_argument("--num-samples", type=positive_int, default=16, help="calibration windows for the grouping")
     p.add_argument("--uptrain-tokens", type=nonnegative_int, default=0, help="distillation budget (0: none)")
-    p.add_argument("--train-data", default="owt", help="training text: owt | wiki | c4 | PATH.txt | PATH.jsonl")
-    p.add_argument("--eval-data", default="wiki", help="text whose first 8192 tokens score the curve")
-    p.add_argument("--train", default="", help="parameter-name parts to train, e.g. k_proj,v_proj (default: all)")
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--seq-len", type=positive_int, default=512)
-    p.add_argument("--global-batch", type=positive_int, default=8, help="windows per optimizer step")
-    p.add_argument("--micro-batch", type=positive_int, default=2, help="windows per forward pass")
-    p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature")
-    p.add_argument("--lm-weight", type=float, default=0.0, help="weight of the language-model loss (0..1)")
-    p.add_argument("--warmup", type=float, default=0.05, help="warmup, a fraction of the steps")
-    p.add_argument("--checkpoint-every", type=positive_int, default=25, help="steps between resumable checkpoints")
-    p.add_argument("--eval-every", type=positive_int, default=25, help="steps between evaluations")
-    p.add_argument("--seed", type=seed_int, default=0)
-    p.add_argument("--out", required=True, type=Path, help="output checkpoint directory")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    _add_train_args(p)
+
+    p = sub.add_parser("prune", help="structured pruning (layers, heads, MLP neurons, hidden channels), then "
+                       "distillation from the original")  # fmt: skip
+    p.add_argument("--model", default=assets.DEFAULT_MODEL, help="asset name, local float HF directory or hub id")
+    p.add_argument("--target-params", type=float, help="fraction of the parameters to keep, e.g. 0.6: "
+                   "searches width and depth candidates and keeps the best before distillation")  # fmt: skip
+    p.add_argument("--candidate", help="with --target-params: take this candidate (depth, width-mlp, width, "
+                   "width-heads, width+depth) instead of the best one")  # fmt: skip
+    p.add_argument("--hidden", type=positive_int, help="hidden channels to keep")
+    p.add_argument("--heads", type=positive_int, help="attention heads to keep (the KV grouping must allow it)")
+    p.add_argument("--ffn", type=positive_int, help="MLP neurons to keep per layer")
+    p.add_argument("--layers", type=positive_int, help="decoder layers to keep")
+    p.add_argument("--calib", default="owt", help="text the importance is measured on")
+    p.add_argument("--num-samples", type=positive_int, default=32, help="512-token calibration windows")
+    p.add_argument("--distill-tokens", type=nonnegative_int, default=0, help="distillation budget (0: none)")
+    _add_train_args(p)
 
     p = sub.add_parser("eval", help="lm-eval tasks and perplexity of a model or checkpoint, through the runtime")
     p.add_argument("model", help="asset name, local directory or hub id")
@@ -481,24 +502,41 @@ def cmd_generate(a: argparse.Namespace) -> None:
         raise SlimlmError("; ".join(rejected))
 
 
-def cmd_gqa(a: argparse.Namespace) -> None:
+def _train_config(a: argparse.Namespace, tokens: int):
+    """The distillation settings, or None for a budget of 0 tokens."""
     from slimlm.train.distill import TrainConfig
-    from slimlm.train.job import convert_gqa
 
-    config = None
-    if a.uptrain_tokens:
-        if not 0 <= a.lm_weight <= 1 or a.temperature <= 0 or not 0 <= a.warmup < 1 or a.lr <= 0:
-            raise SlimlmError("--lm-weight must be in [0, 1], --temperature and --lr > 0, --warmup in [0, 1)")
-        config = TrainConfig(
-            train_tokens=a.uptrain_tokens, seq_len=a.seq_len, global_batch=a.global_batch, micro_batch=a.micro_batch,
-            lr=a.lr, warmup=a.warmup, temperature=a.temperature, lm_weight=a.lm_weight,
-            train=tuple(t for t in a.train.split(",") if t), checkpoint_every=a.checkpoint_every,
-            eval_every=a.eval_every, seed=a.seed,
-        )  # fmt: skip
-    out = convert_gqa(a.model, a.kv_heads, a.out, a.expand, a.grouping, config, a.calib, a.num_samples,
-                      a.train_data, a.eval_data, a.overwrite)  # fmt: skip
+    if not tokens:
+        return None
+    if not 0 <= a.lm_weight <= 1 or a.temperature <= 0 or not 0 <= a.warmup < 1 or a.lr <= 0:
+        raise SlimlmError("--lm-weight must be in [0, 1], --temperature and --lr > 0, --warmup in [0, 1)")
+    return TrainConfig(
+        train_tokens=tokens, seq_len=a.seq_len, global_batch=a.global_batch, micro_batch=a.micro_batch, lr=a.lr,
+        warmup=a.warmup, temperature=a.temperature, lm_weight=a.lm_weight,
+        train=tuple(t for t in a.train.split(",") if t), checkpoint_every=a.checkpoint_every,
+        eval_every=a.eval_every, seed=a.seed,
+    )  # fmt: skip
+
+
+def _say_checkpoint(out: Path) -> None:
     if os.environ.get("RANK", "0") == "0":  # under torchrun / accelerate launch, one process says it
         print(f"checkpoint: {out}")
+
+
+def cmd_gqa(a: argparse.Namespace) -> None:
+    from slimlm.train.job import convert_gqa
+
+    _say_checkpoint(convert_gqa(a.model, a.kv_heads, a.out, a.expand, a.grouping, _train_config(a, a.uptrain_tokens),
+                                a.calib, a.num_samples, a.train_data, a.eval_data, a.overwrite))  # fmt: skip
+
+
+def cmd_prune(a: argparse.Namespace) -> None:
+    from slimlm.train.job import prune_model
+
+    sizes = {"hidden": a.hidden, "heads": a.heads, "ffn": a.ffn, "layers": a.layers}
+    _say_checkpoint(prune_model(a.model, a.out, a.target_params, sizes, a.candidate,
+                                _train_config(a, a.distill_tokens), a.calib, a.num_samples, a.train_data,
+                                a.eval_data, a.overwrite))  # fmt: skip
 
 
 def cmd_serve(a: argparse.Namespace) -> None:
@@ -515,7 +553,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
 
 COMMANDS = {
     "assets": cmd_assets, "rtn": cmd_rtn, "gptq": cmd_gptq, "awq": cmd_awq, "kv": cmd_kv, "eval": cmd_eval,
-    "generate": cmd_generate, "serve": cmd_serve, "gqa": cmd_gqa,
+    "generate": cmd_generate, "serve": cmd_serve, "gqa": cmd_gqa, "prune": cmd_prune,
     "lm-eval": cmd_lm_eval,
 }  # fmt: skip
 

@@ -1,5 +1,6 @@
-"""`compress gqa`: convert the KV heads of a float checkpoint, uptrain it by distillation from the original,
-and write an ordinary Hugging Face checkpoint (smaller `num_key_value_heads`) with its training log."""
+"""`compress gqa` and `compress prune`: change the structure of a float checkpoint (merge KV heads; remove
+layers, heads, neurons, channels), distill it from the original, and write an ordinary Hugging Face
+checkpoint (smaller config fields) with its training log."""
 
 from __future__ import annotations
 
@@ -8,24 +9,99 @@ import math
 import shutil
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from slimlm import SlimlmError, data, models
 from slimlm.formats import atomic, shards, writer
-from slimlm.train import gqa
+from slimlm.train import gqa, prune
 from slimlm.train.distill import TrainConfig, check, mean_nll, train
 
 GROUPINGS = ("similarity", "mean")  # similarity: heads chosen by their outputs; mean: contiguous heads
 EVAL_TOKENS = 8192  # the curve's points: the first tokens of --eval-data, which training never reads
+SCORE_SAMPLES = 4  # calibration windows, beyond the importance ones, that score --target-params candidates
 
 
 def text_windows(source: str, tokenizer, seq_len: int, max_tokens: int | None = None) -> torch.Tensor:
     """Consecutive windows of `seq_len` cut from the source's passages joined in order (as calibration cuts
     them), from its first `max_tokens` tokens or all of it."""
     return data.windows(data.token_stream(data.passages(source), tokenizer, max_tokens=max_tokens), seq_len)
+
+
+def _logger(progress: bool):
+    return (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+
+
+@dataclass
+class _Job:
+    """What both commands have once the source is checked and loaded."""
+
+    model_spec: str
+    model_dir: Path
+    out: Path
+    teacher: torch.nn.Module
+    tokenizer: object
+    state: object  # accelerate's PartialState: which process this is
+    windows: torch.Tensor | None  # the training windows, when there is training
+
+
+def _start(command: str, model_spec: str, out: Path, train_config: TrainConfig | None, train_data: str,
+           eval_data: str, overwrite: bool) -> _Job:  # fmt: skip
+    """Every check that can fail before work starts, then the source model and the training text."""
+    from accelerate import PartialState
+
+    model_dir = models.resolve(model_spec)
+    if "quantization_config" in models.read_config(model_dir):
+        raise SlimlmError(f"{model_dir} is quantized; {command} needs a float checkpoint ({command} first, "
+                          "then quantize)")  # fmt: skip
+    state = PartialState(cpu=not torch.cuda.is_available())  # on CPU, several processes mean gloo
+    out = Path(out).expanduser().resolve()
+    if state.is_main_process:  # before any work: an --out that would lose data is refused now
+        atomic.check_output(out, overwrite, [model_dir])
+    if train_config is not None:
+        data.check_source(train_data)
+        data.check_source(eval_data)
+    teacher, tokenizer, _ = models.load(str(model_dir))  # checks the architecture and the weight files
+    windows = None
+    if train_config is not None:
+        windows = text_windows(train_data, tokenizer, train_config.seq_len)
+        check(train_config, len(windows), state.num_processes)
+    return _Job(model_spec, model_dir, out, teacher, tokenizer, state, windows)
+
+
+def _finish(job: _Job, student: torch.nn.Module, meta: dict, train_config: TrainConfig | None, train_data: str,
+            eval_data: str, overwrite: bool, progress: bool, tag: str) -> Path:  # fmt: skip
+    """Distill `student` from the source (with a train_config), then write it with its manifest and curve."""
+    log, state, out = _logger(progress), job.state, job.out
+    meta["source_model"] = {"spec": job.model_spec, "path": str(job.model_dir),
+                            "sha256": shards.sha256(*shards.weight_files(job.model_dir))}  # fmt: skip
+    run_dir = out.with_name(f".{out.name}.train")
+    if train_config is not None:
+        evaluation = text_windows(eval_data, job.tokenizer, train_config.seq_len, EVAL_TOKENS)
+
+        def evaluate(model) -> dict:
+            return {"eval_ppl": math.exp(mean_nll(model, evaluation))}
+
+        log(f"[{tag}] distillation: {train_config.steps} steps of {train_config.global_batch}×"
+            f"{train_config.seq_len} tokens from '{train_data}' on {state.num_processes} process(es); "
+            f"checkpoints in {run_dir}")  # fmt: skip
+        history = train(student, job.teacher, job.windows, train_config, run_dir, evaluate, progress)
+        meta["training"] = {**asdict(train_config), "data": train_data, "log": history,
+                            "eval": f"{eval_data}, first {EVAL_TOKENS} tokens"}  # fmt: skip
+    if state.is_main_process:
+        with atomic.atomic_dir(out, overwrite, sources=[job.model_dir]) as tmp:
+            writer.write(tmp, writer.state_tensors(student), student.config, job.tokenizer, meta,
+                         generation_config=getattr(student, "generation_config", None))  # fmt: skip
+            if train_config is not None:
+                for name in ("log.jsonl", "curve.png"):
+                    shutil.copy(run_dir / name, tmp / name)
+        if train_config is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)  # the run is complete: its checkpoint is not needed
+        log(f"[{tag}] wrote {out}")
+    state.wait_for_everyone()
+    return out
 
 
 def convert_gqa(
@@ -43,71 +119,151 @@ def convert_gqa(
     progress: bool = True,
 ) -> Path:
     """Convert (and, with train_config, uptrain) `model_spec` to `kv_heads` KV heads; returns the output dir."""
-    from accelerate import PartialState
-
-    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     if grouping not in GROUPINGS:
         raise SlimlmError(f"--grouping {grouping} is not one of {', '.join(GROUPINGS)}")
     if expand and train_config is not None:
         raise SlimlmError("--expand is exact (the same function): it needs no --uptrain-tokens")
-    model_dir = models.resolve(model_spec)
-    if "quantization_config" in models.read_config(model_dir):
-        raise SlimlmError(f"{model_dir} is quantized; GQA conversion needs a float checkpoint (convert first, "
-                          "then quantize)")  # fmt: skip
-    state = PartialState(cpu=not torch.cuda.is_available())  # on CPU, several processes mean gloo
-    out = Path(out).expanduser().resolve()
-    if state.is_main_process:  # before any work: an --out that would lose data is refused now
-        atomic.check_output(out, overwrite, [model_dir])
-    if train_config is not None:
-        data.check_source(train_data)
-        data.check_source(eval_data)
-    teacher, tokenizer, _ = models.load(str(model_dir))  # checks the architecture and the weight files
-    gqa.check_kv_heads(teacher.config, kv_heads, expand)
-    windows = None
-    if train_config is not None:
-        windows = text_windows(train_data, tokenizer, train_config.seq_len)
-        check(train_config, len(windows), state.num_processes)
-    student = copy.deepcopy(teacher)
-    before = teacher.config.num_key_value_heads
+    job = _start("GQA conversion", model_spec, out, train_config, train_data, eval_data, overwrite)
+    gqa.check_kv_heads(job.teacher.config, kv_heads, expand)
+    student = copy.deepcopy(job.teacher)
+    before = job.teacher.config.num_key_value_heads
     start = time.time()
     groups = None
     if expand:
         gqa.expand(student, kv_heads)
     else:
         if grouping == "mean":
-            groups = [gqa.contiguous_groups(before, kv_heads)] * teacher.config.num_hidden_layers
+            groups = [gqa.contiguous_groups(before, kv_heads)] * job.teacher.config.num_hidden_layers
         else:
-            samples = data.calibration_windows(calib, tokenizer, num_samples, 512)
+            samples = data.calibration_windows(calib, job.tokenizer, num_samples, 512)
             groups = gqa.similarity_groups(student, samples, kv_heads)
         gqa.merge(student, groups)
-    log(f"[gqa] {model_dir.name}: {before} -> {kv_heads} KV heads ({'expand' if expand else grouping})")
+    _logger(progress)(f"[gqa] {job.model_dir.name}: {before} -> {kv_heads} KV heads "
+                      f"({'expand' if expand else grouping})")  # fmt: skip
     meta = {"method": "gqa", "arguments": {"kv_heads": kv_heads, "from_kv_heads": before, "expand": expand,
             "grouping": None if expand else grouping, "groups": groups},
-            "source_model": {"spec": model_spec, "path": str(model_dir),
-                             "sha256": shards.sha256(*shards.weight_files(model_dir))}}  # fmt: skip
-    history = []
-    if train_config is not None:
-        evaluation = text_windows(eval_data, tokenizer, train_config.seq_len, EVAL_TOKENS)
+            "convert_seconds": round(time.time() - start, 2)}  # fmt: skip
+    return _finish(job, student, meta, train_config, train_data, eval_data, overwrite, progress, "gqa")
 
-        def evaluate(model) -> dict:
-            return {"eval_ppl": math.exp(mean_nll(model, evaluation))}
 
-        run_dir = out.with_name(f".{out.name}.train")
-        log(f"[gqa] uptraining: {train_config.steps} steps of {train_config.global_batch}×{train_config.seq_len} "
-            f"tokens from '{train_data}' on {state.num_processes} process(es); checkpoints in {run_dir}")  # fmt: skip
-        history = train(student, teacher, windows, train_config, run_dir, evaluate, progress)
-        meta["training"] = {**asdict(train_config), "data": train_data, "log": history,
-                            "eval": f"{eval_data}, first {EVAL_TOKENS} tokens"}  # fmt: skip
-    meta["convert_seconds"] = round(time.time() - start, 2)
-    if state.is_main_process:
-        with atomic.atomic_dir(out, overwrite, sources=[model_dir]) as tmp:
-            writer.write(tmp, writer.state_tensors(student), student.config, tokenizer, meta,
-                         generation_config=getattr(student, "generation_config", None))  # fmt: skip
-            if train_config is not None:
-                for name in ("log.jsonl", "curve.png"):
-                    shutil.copy(run_dir / name, tmp / name)
-        if train_config is not None:
-            shutil.rmtree(run_dir, ignore_errors=True)  # the run is complete: its checkpoint is not needed
-        log(f"[gqa] wrote {out}")
-    state.wait_for_everyone()
-    return out
+def prune_shape(config, target: float | None, sizes: dict[str, int | None]) -> prune.Shape | None:
+    """The explicit shape from --hidden/--heads/--ffn/--layers (None with --target-params), checked: one
+    line for a target that removes everything or nothing, or a head count the grouping cannot take."""
+    given = {dim: v for dim, v in sizes.items() if v is not None}
+    if (target is None) == (not given):
+        raise SlimlmError("give either --target-params or some of --hidden/--heads/--ffn/--layers")
+    current = prune.Shape.of(config)
+    if target is not None:
+        if not 0 < target < 1:
+            raise SlimlmError(f"--target-params {target} must be a fraction of today's parameters, in (0, 1)")
+        return None
+    for dim, value in given.items():
+        if not 0 < value <= getattr(current, dim):
+            raise SlimlmError(f"--{dim} {value} must be between 1 and the model's {getattr(current, dim)}")
+    shape = prune.Shape(**{**asdict(current), **given})
+    if "heads" in given:
+        shape = prune.Shape(**{**asdict(shape), "kv_heads": prune.kv_heads_for(config, shape.heads)})
+    if shape.hidden % shape.heads:
+        below = shape.hidden // shape.heads * shape.heads
+        raise SlimlmError(f"--hidden {shape.hidden} is not a multiple of the {shape.heads} attention heads "
+                          f"(transformers requires it); nearest: {below}, {below + shape.heads}")  # fmt: skip
+    if shape == current:
+        raise SlimlmError(f"the sizes given are the model's own ({asdict(current)}): nothing would be removed")
+    return shape
+
+
+def _removed(keep: prune.Keep, config, scores: prune.Importance) -> dict:
+    """What went, by original index, and the importance it carried: the manifest's 'what and why'."""
+    current = prune.Shape.of(config)
+    layers = keep.layers
+
+    def gone(kept: list[int], total: int) -> list[int]:
+        return sorted(set(range(total)) - set(kept))
+
+    def share(scores: torch.Tensor, kept: list[int]) -> float:
+        return round(1 - scores[kept].sum().item() / scores.sum().item(), 4)
+
+    return {
+        "layers": gone(layers, current.layers),
+        "hidden": gone(keep.hidden, current.hidden),
+        "heads": {i: gone(h, current.heads) for i, h in zip(layers, keep.heads, strict=True)},
+        "kv_heads": {i: gone(k, current.kv_heads) for i, k in zip(layers, keep.kv_heads, strict=True)},
+        "ffn": {i: gone(f, current.ffn) for i, f in zip(layers, keep.ffn, strict=True)},
+        "importance": {
+            "criteria": {"layers": "mean cosine distance between the layer's input and output",
+                         "heads": "RMS of the head's contribution to the attention output",
+                         "ffn": "RMS of the neuron's activation × its down_proj column norm",
+                         "hidden": "sum over the layers' RMSNorms of the channel's output RMS"},  # fmt: skip
+            "layers": [round(v, 5) for v in scores.layers.tolist()],
+            "heads": [[round(v, 5) for v in h.tolist()] for h in scores.heads],
+            "removed_share": {
+                "hidden": share(scores.hidden, keep.hidden),
+                "ffn": [share(scores.ffn[i], f) for i, f in zip(layers, keep.ffn, strict=True)],
+            },
+        },
+    }
+
+
+def prune_model(
+    model_spec: str,
+    out: Path,
+    target: float | None = None,
+    sizes: dict[str, int | None] | None = None,
+    candidate: str | None = None,
+    train_config: TrainConfig | None = None,
+    calib: str = "owt",
+    num_samples: int = 32,
+    train_data: str = "owt",
+    eval_data: str = "wiki",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Prune `model_spec` to `target` of its parameters (searching the candidate shapes) or to the explicit
+    `sizes` (hidden, heads, ffn, layers), distill it with train_config, write it; returns the output dir."""
+    log = _logger(progress)
+    sizes = sizes or {}
+    if candidate is not None and (target is None or candidate not in prune.FAMILIES):
+        raise SlimlmError(f"--candidate needs --target-params and one of {', '.join(prune.FAMILIES)}")
+    job = _start("pruning", model_spec, out, train_config, train_data, eval_data, overwrite)
+    teacher = job.teacher
+    shape = prune_shape(teacher.config, target, sizes)
+    current = prune.Shape.of(teacher.config)
+    fits = prune.fitting_group_sizes(teacher.config, current)
+    if shape is not None and (left := prune.fitting_group_sizes(teacher.config, shape)) != fits:
+        named = lambda sizes: ", ".join(map(str, sizes)) or "none of " + ", ".join(map(str, prune.GROUP_SIZES))  # noqa: E731
+        log(f"warning: pruned to {shape.hidden} hidden and {shape.ffn} MLP channels, quantization group sizes "
+            f"{named(left)} still fit (the model took {named(fits)}); later quantization needs a group size "
+            "that divides every width, or --group-size -1")  # fmt: skip
+    total = prune.count_parameters(teacher, current)
+    found = prune.candidates(teacher, target) if shape is None else {}
+    if shape is None and not found:
+        embeddings = teacher.config.vocab_size * current.hidden / total
+        raise SlimlmError(f"no candidate reaches {target:.0%} of the parameters (the embeddings alone are "
+                          f"{embeddings:.0%}); raise --target-params")  # fmt: skip
+    if candidate is not None and candidate not in found:
+        raise SlimlmError(f"--candidate {candidate} cannot reach {target:.0%}; candidates: {', '.join(found)}")
+    start = time.time()
+    samples = data.calibration_windows(calib, job.tokenizer, num_samples + SCORE_SAMPLES, 512)
+    log(f"[prune] importance of layers, heads, neurons and channels on {num_samples} windows of '{calib}'")
+    scores = prune.importance(teacher, samples[:num_samples], progress=progress)
+    searched = {}
+    for name, s in found.items():
+        nll = mean_nll(prune.prune(teacher, prune.select(scores, teacher.config, s)), samples[num_samples:])
+        searched[name] = {**asdict(s), "parameters": prune.count_parameters(teacher, s), "ppl": math.exp(nll)}
+        log(f"[prune] candidate {name:12s} {s}: {searched[name]['parameters'] / total:.1%} of the parameters, "
+            f"perplexity {searched[name]['ppl']:.2f} on {SCORE_SAMPLES} held-out '{calib}' windows")  # fmt: skip
+    if found:
+        candidate = candidate or min(searched, key=lambda n: searched[n]["ppl"])
+        shape = found[candidate]
+    keep = prune.select(scores, teacher.config, shape)
+    student = prune.prune(teacher, keep)
+    params = prune.count_parameters(teacher, shape)
+    log(f"[prune] {job.model_dir.name}: {current} -> {shape}" + (f" ('{candidate}')" if candidate else "")
+        + f", {params:,} of {total:,} parameters ({params / total:.1%})")  # fmt: skip
+    meta = {"method": "prune",
+            "arguments": {"target_params": target, "candidate": candidate, "from": asdict(current),
+                          "to": asdict(shape), "calib": calib, "num_samples": num_samples},
+            "parameters": {"before": total, "after": params}, "candidates": searched,
+            "removed": _removed(keep, teacher.config, scores),
+            "prune_seconds": round(time.time() - start, 2)}  # fmt: skip
+    return _finish(job, student, meta, train_config, train_data, eval_data, overwrite, progress, "prune")

@@ -1,0 +1,230 @@
+"""Structured pruning on a tiny model: keeping everything is the identity, planted dead units rank last and
+removing them keeps the function (hidden channels up to the RMSNorm's count), the search stays under its
+target with exact parameter counts, the command's checkpoint loads in transformers and serves greedy tokens
+equal to transformers', a killed distillation resumes on the same curve, bad targets are named."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from slimlm.cli import main
+from slimlm.train import prune
+from tests.conftest import make_tiny_llama
+
+HD = 16  # the tiny model's head_dim: hidden 64 over 4 heads
+
+
+@pytest.fixture(scope="module")
+def tiny4(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("prune") / "tiny4", layers=4)
+
+
+@pytest.fixture
+def model(tiny4):
+    return AutoModelForCausalLM.from_pretrained(tiny4, dtype=torch.float32).eval()
+
+
+def ids(model, seed: int = 0, shape=(4, 24)) -> torch.Tensor:
+    return torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, x) -> torch.Tensor:
+    with torch.no_grad():
+        return model(x).logits
+
+
+@torch.no_grad()
+def plant(model, heads=(), neuron=None, layer=None, channels=()):
+    """Dead units: heads whose o_proj columns are zero, a neuron whose down_proj column is zero (in every
+    layer), a layer that adds nothing to the residual stream, hidden channels nothing ever writes."""
+    for i, block in enumerate(model.model.layers):
+        for h in heads:
+            block.self_attn.o_proj.weight[:, h * HD : (h + 1) * HD] = 0
+        if neuron is not None:
+            block.mlp.down_proj.weight[:, neuron] = 0
+        if i == layer:
+            block.self_attn.o_proj.weight.zero_()
+            block.mlp.down_proj.weight.zero_()
+        for c in channels:
+            block.self_attn.o_proj.weight[c] = 0
+            block.mlp.down_proj.weight[c] = 0
+    for c in channels:
+        model.model.embed_tokens.weight[:, c] = 0
+
+
+def test_keeping_everything_is_the_identity(model):
+    x = ids(model)
+    scores = prune.importance(model, ids(model, 1), progress=False)
+    same = prune.prune(model, prune.select(scores, model.config, prune.Shape.of(model.config)))
+    assert torch.equal(logits(same, x), logits(model, x))
+    assert same.config.to_dict() == {**model.config.to_dict(), "head_dim": HD}
+    assert same.lm_head.weight is same.model.embed_tokens.weight  # tied embeddings stay tied
+
+
+def test_planted_dead_units_rank_last(model):
+    plant(model, heads=[2], neuron=5, layer=2, channels=[7])
+    scores = prune.importance(model, ids(model, 1), progress=False)
+    assert int(scores.layers.argmin()) == 2 and scores.layers[2] < 1e-6
+    assert all(int(s.argmin()) == 2 for i, s in enumerate(scores.heads) if i != 2)
+    assert all(int(s.argmin()) == 5 for i, s in enumerate(scores.ffn) if i != 2)
+    assert int(scores.hidden.argmin()) == 7 and scores.hidden[7] == 0
+    assert (scores.hidden > 0).sum() == 63 and all((s > 0).sum() == 3 for i, s in enumerate(scores.heads) if i != 2)
+
+
+def test_removing_dead_heads_neurons_and_layers_keeps_the_function(model):
+    """One dead head in each KV group (2 query heads per KV head), a dead neuron, a dead layer: the pruned
+    model computes the same logits, which only holds if every q row, o_proj column and MLP slice matches."""
+    plant(model, heads=[0, 3], neuron=5, layer=2)
+    x = ids(model)
+    scores = prune.importance(model, ids(model, 1), progress=False)
+    shape = prune.Shape(hidden=64, heads=2, kv_heads=2, ffn=95, layers=3)
+    keep = prune.select(scores, model.config, shape)
+    assert keep.layers == [0, 1, 3] and keep.heads == [[1, 2]] * 3 and all(5 not in f for f in keep.ffn)
+    small = prune.prune(model, keep)
+    assert small.model.layers[0].self_attn.q_proj.weight.shape == (32, 64)
+    assert torch.allclose(logits(small, x), logits(model, x), atol=1e-5)
+
+
+def test_removing_dead_channels_keeps_the_function_up_to_the_norms_count(model):
+    """Channels nothing writes are zero in the residual stream; removing them changes only the RMSNorm's
+    mean (over 60 channels instead of 64), which scaling every norm weight by sqrt(64/60) undoes."""
+    dead = [3, 17, 40, 63]
+    plant(model, channels=dead)
+    x = ids(model)
+    scores = prune.importance(model, ids(model, 1), progress=False)
+    keep = prune.select(scores, model.config, prune.Shape(hidden=60, heads=4, kv_heads=2, ffn=96, layers=4))
+    assert keep.hidden == [c for c in range(64) if c not in dead]
+    small = prune.prune(model, keep)
+    with torch.no_grad():
+        for name, p in small.named_parameters():
+            if "norm" in name:
+                p.mul_(math.sqrt(64 / 60))
+    assert torch.allclose(logits(small, x), logits(model, x), atol=1e-4)
+
+
+def test_whole_groups_go_with_their_kv_head(model):
+    plant(model, heads=[2, 3])  # KV head 1's group is dead
+    scores = prune.importance(model, ids(model, 1), progress=False)
+    assert prune.kv_heads_for(model.config, 2) == 2  # 2 heads: one per group, both KV heads stay
+    keep = prune.select(scores, model.config, prune.Shape(hidden=64, heads=2, kv_heads=1, ffn=96, layers=4))
+    assert keep.kv_heads == [[0]] * 4 and keep.heads == [[0, 1]] * 4
+    x = ids(model)
+    assert torch.allclose(logits(prune.prune(model, keep), x), logits(model, x), atol=1e-5)
+
+
+def test_the_search_stays_under_its_target_with_exact_counts(model):
+    full = prune.count_parameters(model, prune.Shape.of(model.config))
+    assert full == sum(p.numel() for p in model.parameters())
+    scores = prune.importance(model, ids(model, 1), progress=False)
+    found = prune.candidates(model, 0.6)
+    assert {"depth", "width-heads"} <= set(found) and len(set(found.values())) == len(found)
+    for shape in found.values():
+        small = prune.prune(model, prune.select(scores, model.config, shape))
+        assert prune.count_parameters(model, shape) == sum(p.numel() for p in small.parameters()) <= 0.6 * full
+        assert shape.ffn % 32 == 0 and shape.hidden % shape.heads == 0
+    assert found["depth"].layers == 2  # 3 layers would be 0.61 of the parameters
+
+
+def prune_command(model, text, out, *extra) -> list[str]:
+    return ["prune", "--model", str(model), "--calib", str(text), "--num-samples", "4", "--out", str(out), *extra]
+
+
+def test_a_pruned_checkpoint_loads_in_transformers_and_serves_the_same_greedy_tokens(tiny4, calib_txt, tmp_path,
+                                                                                     capsys):  # fmt: skip
+    from slimlm.runtime.llm import LLM
+    from slimlm.runtime.sampling import SamplingParams
+
+    out = tmp_path / "pruned"
+    assert main(prune_command(tiny4, calib_txt, out, "--hidden", "48", "--heads", "2", "--ffn", "64",
+                              "--layers", "3")) == 0  # fmt: skip
+    assert "quantization group sizes none of 32, 64, 128 still fit (the model took 32)" in capsys.readouterr().err
+    config = json.loads((out / "config.json").read_text())
+    assert {k: config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                                   "num_hidden_layers", "head_dim")} == {
+        "hidden_size": 48, "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 64,
+        "num_hidden_layers": 3, "head_dim": HD}  # fmt: skip
+    meta = json.loads((out / "slimlm.json").read_text())
+    assert len(meta["removed"]["layers"]) == 1 and len(meta["removed"]["hidden"]) == 16
+    assert all(len(v) == 2 for v in meta["removed"]["heads"].values())
+    assert meta["parameters"]["after"] < 0.5 * meta["parameters"]["before"]
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert sum(p.numel() for p in hf.parameters()) == meta["parameters"]["after"]
+    prompts = [ids(hf, seed, (1, n))[0].tolist() for seed, n in enumerate((5, 17, 40))]
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p) :].tolist()
+                    for p in prompts]  # fmt: skip
+    got = LLM(str(out)).generate(prompts, SamplingParams(max_tokens=10, temperature=0))
+    assert [o.outputs[0].token_ids for o in got] == expected
+
+
+def test_target_params_distills_the_candidate_that_scored_best(tiny4, calib_txt, tmp_path):
+    out = tmp_path / "target"
+    assert main(prune_command(tiny4, calib_txt, out, "--target-params", "0.7", "--distill-tokens", "256",
+                              "--seq-len", "32", "--global-batch", "4", "--train-data", str(calib_txt),
+                              "--eval-data", str(calib_txt), "--eval-every", "1")) == 0  # fmt: skip
+    meta = json.loads((out / "slimlm.json").read_text())
+    ppl = {name: c["ppl"] for name, c in meta["candidates"].items()}
+    assert len(ppl) >= 2 and meta["arguments"]["candidate"] == min(ppl, key=ppl.get)
+    assert meta["parameters"]["after"] <= 0.7 * meta["parameters"]["before"]
+    curve = [e["eval_ppl"] for e in meta["training"]["log"] if "eval_ppl" in e]
+    assert len(curve) == 3 and curve[-1] < curve[0]  # distillation brought the pruned model back toward the source
+
+
+def distill_command(model, text, out) -> list[str]:
+    return prune_command(model, text, out, "--ffn", "32", "--layers", "3", "--train-data", str(text),
+                         "--eval-data", str(text), "--distill-tokens", str(16 * 4 * 32), "--seq-len", "32",
+                         "--global-batch", "4", "--checkpoint-every", "4", "--eval-every", "8")  # fmt: skip
+
+
+def losses(out) -> list[float]:
+    return [e["loss"] for e in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in e]
+
+
+def test_a_killed_distillation_resumes_on_the_same_curve(tiny4, calib_txt, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    straight = tmp_path / "straight"
+    subprocess.run([sys.executable, "-m", "slimlm.cli", *distill_command(tiny4, calib_txt, straight)], check=True,
+                   capture_output=True, env=env)  # fmt: skip
+    out, run_log = tmp_path / "killed", tmp_path / ".killed.train" / "log.jsonl"
+    command = [sys.executable, "-m", "slimlm.cli", *distill_command(tiny4, calib_txt, out)]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 120
+    while not (run_log.exists() and len(run_log.read_text().splitlines()) >= 7):  # past the checkpoint at step 4
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists() and (tmp_path / ".killed.train" / "checkpoint" / "state.json").exists()
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(losses(out)) == 16 and losses(out) == pytest.approx(losses(straight), rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--target-params", "1.0"], "must be a fraction of today's parameters, in (0, 1)"),
+    (["--target-params", "0.01"], "no candidate reaches 1% of the parameters"),
+    (["--target-params", "0.6", "--ffn", "32"], "give either --target-params or some of"),
+    ([], "give either --target-params or some of"),
+    (["--heads", "3"], "--heads 3 breaks the grouping of 4 query heads over 2 KV heads (2 per KV head); counts "
+                       "that work: 2, 4"),
+    (["--hidden", "30"], "--hidden 30 is not a multiple of the 4 attention heads"),
+    (["--ffn", "96", "--layers", "4"], "nothing would be removed"),
+    (["--ffn", "200"], "--ffn 200 must be between 1 and the model's 96"),
+    (["--target-params", "0.6", "--candidate", "sideways"], "--candidate needs --target-params and one of depth"),
+    (["--ffn", "32", "--distill-tokens", "1000000"], "need 1952 windows of 512"),
+])  # fmt: skip
+def test_bad_targets_are_one_line_errors(tiny4, calib_txt, tmp_path, capsys, args, fragment):
+    out = tmp_path / "bad"
+    assert main(prune_command(tiny4, calib_txt, out, *args, "--train-data", str(calib_txt))) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1 and not out.exists()
