@@ -4,14 +4,16 @@ and the exactness of sampled tokens on the real model.
 speed      greedy, input-grounded prompts (repeat / fix / rewrite a given text or code: the chat template of
            SmolLM2-Instruct), at batch 1 (one prompt at a time) and batch 8, for: no speculation; prompt
            lookup with k = 2, 4, 8; a draft model: the cheapest this toolkit makes today, an RTN W4 g64 copy of
-           the target (made in the run). Reports output tok/s and the speedup, acceptance (accepted /
-           drafted), mean tokens per target pass, target passes saved, and that the tokens are identical.
+           the target (made in the run); with --drafts, other draft models (a pruned and distilled copy from
+           benchmarks/prune.py). --systems picks the baselines' proposers. Reports output tok/s and the
+           speedup, acceptance (accepted / drafted), mean tokens per target pass, target passes saved, and that
+           the tokens are identical.
 exactness  20,000 draws (batched) of a fixed prompt at temperature 1 and with top-p 0.9, for prompt lookup
            and the draft: the first token against the target's softmax, and the second token (which went
            through verification) against the target's softmax after the most frequent first token, each by
            a chi-square test (p > 0.001).
 
-    .venv/bin/python benchmarks/speculative.py [--parts speed,exactness] [--json out/spec.json]
+    .venv/bin/python benchmarks/speculative.py [--parts speed,exactness] [--drafts NAME=DIR] [--json out/spec.json]
 """
 
 from __future__ import annotations
@@ -76,8 +78,14 @@ def speed(args) -> list[dict]:
     from slimlm.runtime.llm import LLM
     from slimlm.runtime.sampling import SamplingParams
 
-    systems = [("none", None, 4)] + [(f"prompt lookup k={k}", "ngram", k) for k in (2, 4, 8)]
-    systems.append(("draft RTN W4 k=4", draft_model(args.cache), 4))
+    systems = [("none", None, 4)]  # the baseline, always
+    if "ngram" in args.systems:
+        systems += [(f"prompt lookup k={k}", "ngram", k) for k in (2, 4, 8)]
+    if "rtn" in args.systems:
+        systems.append(("draft RTN W4 k=4", draft_model(args.cache), 4))
+    for entry in filter(None, args.drafts.split(",")):
+        name, path = entry.split("=", 1)
+        systems.append((f"draft {name} k=4", path, 4))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     rows, reference = [], {}
     for name, spec, k in systems:
@@ -168,6 +176,8 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=20_000)
     parser.add_argument("--proposers", default="ngram,draft", help="exactness: ngram and/or draft")
     parser.add_argument("--top-ps", default="1.0,0.9", help="exactness: the top-p settings to test")
+    parser.add_argument("--systems", default="ngram,rtn", help="speed: proposers besides plain decoding")
+    parser.add_argument("--drafts", default="", help="speed: more draft models, NAME=DIR,... (e.g. a pruned one)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     print(f"{MODEL}, fp32, {torch.get_num_threads()} threads", flush=True)
