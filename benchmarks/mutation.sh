@@ -36,6 +36,7 @@ declare -A TESTS=(
   [slimlm/serve/protocol.py]="tests/serve/test_app.py"
   [slimlm/serve/metrics.py]="tests/serve/test_metrics.py tests/serve/test_app.py"
   [slimlm/serve/async_engine.py]="tests/serve/test_app.py tests/serve/test_load.py"
+  [slimlm/train/prune.py]="tests/train/test_prune.py"
 )
 MODULES=("$@")
 [ ${#MODULES[@]} -gt 0 ] || MODULES=("${!TESTS[@]}")
