@@ -9,10 +9,12 @@
   speed    through the runtime, the unpruned model against each distilled one, interleaved, best of
            --repeats: decode tok/s at batch 1 and 32 (64 new tokens after a short prompt) and prefill tok/s
            (one 512-token prompt); wiki perplexity through the runtime (--ppl-tokens)
+  tasks    the task pack (--tasks-limit documents per task) on the unpruned model and each pruned one,
+           before and after distillation
 
 The pruned model as a speculative-decoding draft: benchmarks/speculative.py --parts speed --drafts NAME=DIR.
 
-    .venv/bin/python benchmarks/prune.py [--parts search,distill,speed] [--json out/prune.json]
+    .venv/bin/python benchmarks/prune.py [--parts search,distill,speed,tasks] [--json out/prune.json]
 """
 
 from __future__ import annotations
@@ -53,6 +55,11 @@ def _setup(args):
     return MEMO["setup"]
 
 
+def _earlier(args) -> dict:
+    """Results of an earlier run's parts (--previous), for a run of the later parts alone."""
+    return json.loads(args.previous.read_text())
+
+
 def search(args) -> list[dict]:
     from slimlm.train import prune
     from slimlm.train.distill import TrainConfig, mean_nll, train
@@ -91,7 +98,7 @@ def distill(args) -> list[dict]:
     from slimlm.train.job import prune_model
 
     *_, base = _setup(args)
-    found = MEMO.get("search") or json.loads(args.json.read_text())["search"]
+    found = MEMO.get("search") or _earlier(args)["search"]
     rows = []
     for target, tokens in zip(args.targets, args.distill_tokens, strict=True):
         here = [r for r in found if r["target"] == target]
@@ -135,7 +142,7 @@ def speed(args) -> list[dict]:
     from slimlm.eval.perplexity import engine_for, perplexity
     from slimlm.runtime.llm import LLM
 
-    found = MEMO.get("distill") or json.loads(args.json.read_text())["distill"]
+    found = MEMO.get("distill") or _earlier(args)["distill"]
     systems = {"unpruned": MODEL} | {f"pruned {r['target']:.0%} ({r['candidate']})": r["dir"] for r in found}
     llms = {name: LLM(path, max_num_batched_tokens=2048) for name, path in systems.items()}
     tokenizer = next(iter(llms.values())).tokenizer
@@ -162,20 +169,50 @@ def speed(args) -> list[dict]:
     return rows
 
 
+def tasks(args) -> list[dict]:
+    """The task pack (acc_norm where a task has it, else acc; --tasks-limit documents each) on the unpruned
+    model, each pruned one before distillation and after it."""
+    from slimlm.eval.harness import evaluate
+    from slimlm.train.job import prune_model
+
+    found = MEMO.get("distill") or _earlier(args)["distill"]
+    systems = {"unpruned": MODEL}
+    for r in found:
+        raw = args.cache / f"pruned-{round(r['target'] * 100)}-undistilled"
+        if not (raw / "slimlm.json").exists():
+            prune_model(MODEL, raw, r["target"], candidate=r["candidate"], overwrite=True, progress=False)
+        systems[f"{r['target']:.0%} pruned"] = str(raw)
+        systems[f"{r['target']:.0%} distilled"] = r["dir"]
+    rows = []
+    for name, path in systems.items():
+        results = evaluate(path, ["slimlm_tasks"], limit=args.tasks_limit)["results"]
+        scores = {}
+        for task, metrics in results.items():
+            key = "acc_norm,none" if "acc_norm,none" in metrics else "acc,none"
+            if key in metrics and task != "slimlm_tasks":
+                scores[task.removeprefix("slimlm_")] = metrics[key]
+        average = sum(scores.values()) / len(scores)
+        rows.append({"system": name, "dir": path, "average": average, **scores})
+        print(f"{name:18} average {average:.3f}  " + "  ".join(f"{t} {v:.2f}" for t, v in scores.items()), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="search,distill,speed")
+    parser.add_argument("--parts", default="search,distill,speed,tasks")
     parser.add_argument("--targets", type=lambda s: [float(t) for t in s.split(",")], default=[0.6, 0.4])
     parser.add_argument("--search-tokens", type=int, default=16384, help="short distillation of every candidate")
     parser.add_argument("--distill-tokens", type=lambda s: [int(t) for t in s.split(",")], default=[131072, 65536],
                         help="distillation budget per target")  # fmt: skip
     parser.add_argument("--ppl-tokens", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tasks-limit", type=int, default=40, help="documents per task-pack task")
     parser.add_argument("--cache", type=Path, default=Path("out/prune"), help="pruned checkpoints and curves")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--previous", type=Path, help="JSON of an earlier run whose search/distill to use")
     args = parser.parse_args()
     print(f"{MODEL}, fp32 weights, {torch.get_num_threads()} threads", flush=True)
-    run_parts(args, {"search": search, "distill": distill, "speed": speed})
+    run_parts(args, {"search": search, "distill": distill, "speed": speed, "tasks": tasks})
 
 
 if __name__ == "__main__":

@@ -228,3 +228,14 @@ def test_bad_targets_are_one_line_errors(tiny4, calib_txt, tmp_path, capsys, arg
     assert main(prune_command(tiny4, calib_txt, out, *args, "--train-data", str(calib_txt))) == 2
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1 and not out.exists()
+
+
+def test_a_pruned_checkpoint_quantizes_like_any_other(tiny4, calib_txt, tmp_path):
+    from tests.conftest import transformers_logits_error
+
+    pruned, quantized = tmp_path / "pruned", tmp_path / "w4"
+    assert main(prune_command(tiny4, calib_txt, pruned, "--ffn", "64", "--heads", "2")) == 0
+    assert main(["gptq", "--model", str(pruned), "--calib", str(calib_txt), "--num-samples", "4",
+                 "--group-size", "32", "--out", str(quantized)]) == 0  # fmt: skip
+    assert json.loads((quantized / "config.json").read_text())["intermediate_size"] == 64
+    assert transformers_logits_error(quantized) < 1e-4  # transformers reads it as slimlm does
