@@ -158,6 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distill-tokens", type=nonnegative_int, default=0, help="distillation budget (0: none)")
     _add_train_args(p)
 
+    p = sub.add_parser("plan", help="capacity and bandwidth model: weight and KV bytes, what fits, the "
+                       "bandwidth-bound decode step and throughput, arithmetic intensity vs the roofline")  # fmt: skip
+    p.add_argument("model", help="asset name, local directory, hub id, or a preset: llama-3.1-8b, "
+                   "llama-3.1-70b, mistral-7b, qwen2.5-7b")  # fmt: skip
+    p.add_argument("--weights", default="bf16", help="bf16 | fp16 | fp32 | wBITS[gGROUP][-asym], e.g. w4g128")
+    p.add_argument("--kv-dtype", default="bf16", choices=["fp32", "bf16", "fp16", "fp8", "int8"])
+    p.add_argument("--context", type=positive_int, default=2048, help="tokens per sequence")
+    p.add_argument("--batch", default="1,8,32,64", help="comma-separated batch sizes")
+    p.add_argument("--kv-heads", help="comma-separated KV-head counts to compare (default: the model's)")
+    p.add_argument("--device", default="h100", help="h100 | h200 | a100 | cpu (this machine, probed now)")
+    p.add_argument("--memory", type=parse_size, help="memory budget (default: the device's)")
+    p.add_argument("--json", type=Path, help="also write the plan as JSON")
+
     p = sub.add_parser("eval", help="lm-eval tasks and perplexity of a model or checkpoint, through the runtime")
     p.add_argument("model", help="asset name, local directory or hub id")
     p.add_argument("--tasks", help="comma-separated lm-eval tasks; bundled: slimlm_tasks (all), "
@@ -317,6 +330,40 @@ def _write_json(path: Path, text: str) -> None:
             tmp.unlink(missing_ok=True)
     except OSError as e:
         raise SlimlmError(f"cannot write --output {path}: {e.strerror or e}") from None
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise SlimlmError(f"{flag} {text!r}: give positive integers separated by commas, e.g. 1,8,32")
+    return values
+
+
+def cmd_plan(a: argparse.Namespace) -> None:
+    from slimlm import models
+    from slimlm.eval import plan
+
+    if a.model in plan.MODEL_PRESETS:
+        dims = plan.MODEL_PRESETS[a.model]
+    else:
+        config = models.read_config(models.resolve(a.model))
+        models.check_architecture(config, a.model)
+        dims = plan.Dims.from_config(config)
+    if a.device != "cpu" and a.device not in plan.PRESETS:
+        raise SlimlmError(f"--device {a.device}: use one of {', '.join(plan.PRESETS)}, or cpu")
+    device = plan.probe_cpu() if a.device == "cpu" else plan.PRESETS[a.device]
+    kv_heads = _int_list(a.kv_heads, "--kv-heads") if a.kv_heads else [dims.kv_heads]
+    if bad := [k for k in kv_heads if dims.heads % k]:
+        raise SlimlmError(f"--kv-heads {bad[0]} does not divide the {dims.heads} query heads")
+    weights = plan.WeightFormat.parse(a.weights)
+    result = plan.plan(dims, weights, a.kv_dtype, a.context, _int_list(a.batch, "--batch"), kv_heads, device,
+                       a.memory)  # fmt: skip
+    print(plan.format_plan(result))
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=1))
 
 
 def cmd_eval(a: argparse.Namespace) -> None:
@@ -553,7 +600,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
 
 COMMANDS = {
     "assets": cmd_assets, "rtn": cmd_rtn, "gptq": cmd_gptq, "awq": cmd_awq, "kv": cmd_kv, "eval": cmd_eval,
-    "generate": cmd_generate, "serve": cmd_serve, "gqa": cmd_gqa, "prune": cmd_prune,
+    "generate": cmd_generate, "serve": cmd_serve, "gqa": cmd_gqa, "prune": cmd_prune, "plan": cmd_plan,
     "lm-eval": cmd_lm_eval,
 }  # fmt: skip
 

@@ -1,0 +1,245 @@
+"""`compress plan`: the capacity and bandwidth model. What a model's weights and KV cache weigh, what fits
+in a memory budget, and how fast a decode step can be when moving those bytes is all it does.
+
+Symbols: V vocabulary, D hidden size, N query heads and K KV heads of dimension H, F MLP width, L layers,
+b bytes per KV element, S a sequence's context, B sequences per step, β memory bandwidth.
+- parameters: the exact count (embeddings, q/k/v/o with their biases, the gated MLP, the norms, an untied
+  head), next to the simplified P = 2VD + 3DFL + (2DNH + 2DKH)L;
+- weight bytes W_b: the decoder's linears at the weight format (bits/8 per weight, a 16-bit scale per
+  group of each output row, and a zero point of `bits` bits when asymmetric), everything else in the float
+  dtype;
+- KV bytes M = 2·b·(ΣS)·L·K·H; per sequence C_b = 2·b·S·L·K·H;
+- a decode step that only moves bytes: τ = (W_b + B·C_b)/β, throughput B/τ (W_b here: what a step reads,
+  all weights but an untied embedding table, of which it reads B rows);
+- arithmetic intensity (FLOPs per byte moved): the linear layers do 2 FLOPs per weight per token, so B·T
+  tokens over weights of w bytes give 2·B·T/w (≈ B·T at 16 bits); decode attention reads each KV element
+  once per query head of its group: 2·(N/K)/b per byte, the S/(S+1) ≈ 1 of multi-head attention at b = 2;
+- the roofline crossover peak/β: below it a step is bound by bandwidth, above it by arithmetic (the
+  linears' 2·B·(weights) FLOPs at the device's peak; attention's arithmetic is left out).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+from slimlm import SlimlmError
+
+FLOAT_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+KV_BYTES = {**FLOAT_BYTES, "fp8": 1, "int8": 1}
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s (on a CPU: measured fp32 matmul)
+    bandwidth: float  # bytes/s
+    memory: float  # bytes
+
+
+PRESETS = {  # vendors' dense (no sparsity) bf16 peaks and HBM bandwidths
+    "h100": Device("H100 SXM", 989e12, 3.35e12, 80e9),
+    "h200": Device("H200", 989e12, 4.8e12, 141e9),
+    "a100": Device("A100 SXM 80GB", 312e12, 2.039e12, 80e9),
+}
+
+
+@dataclass(frozen=True)
+class Dims:
+    vocab: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    layers: int
+    tied: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+
+    @classmethod
+    def from_config(cls, config: dict) -> Dims:
+        heads = config["num_attention_heads"]
+        qwen2 = config.get("model_type") == "qwen2"  # q/k/v carry biases, o does not
+        return cls(vocab=config["vocab_size"], hidden=config["hidden_size"], heads=heads,
+                   kv_heads=config.get("num_key_value_heads") or heads,
+                   head_dim=config.get("head_dim") or config["hidden_size"] // heads, ffn=config["intermediate_size"],
+                   layers=config["num_hidden_layers"], tied=bool(config.get("tie_word_embeddings", False)),
+                   qkv_bias=qwen2 or bool(config.get("attention_bias")),
+                   o_bias=not qwen2 and bool(config.get("attention_bias")))  # fmt: skip
+
+
+MODEL_PRESETS = {  # public configs, for planning models that are not on this machine
+    "llama-3.1-8b": Dims(128256, 4096, 32, 8, 128, 14336, 32),
+    "llama-3.1-70b": Dims(128256, 8192, 64, 8, 128, 28672, 80),
+    "mistral-7b": Dims(32768, 4096, 32, 8, 128, 14336, 32),
+    "qwen2.5-7b": Dims(152064, 3584, 28, 4, 128, 18944, 28, qkv_bias=True),
+}
+
+
+def linear_shapes(d: Dims) -> list[tuple[int, int]]:
+    """(in, out) of one decoder layer's linears: q, k, v, o, gate, up, down."""
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    return [(d.hidden, q), (d.hidden, kv), (d.hidden, kv), (q, d.hidden), (d.hidden, d.ffn), (d.hidden, d.ffn),
+            (d.ffn, d.hidden)]  # fmt: skip
+
+
+def parameters(d: Dims) -> dict[str, int]:
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    attention = d.layers * (2 * d.hidden * q + 2 * d.hidden * kv + d.qkv_bias * (q + 2 * kv) + d.o_bias * d.hidden)
+    v, dh, hd, n, k, f, L = d.vocab, d.hidden, d.head_dim, d.heads, d.kv_heads, d.ffn, d.layers  # noqa: N806
+    out = {"embeddings": v * dh, "lm_head": 0 if d.tied else v * dh, "attention": attention,
+           "mlp": L * 3 * dh * f, "norms": (2 * L + 1) * dh}  # fmt: skip
+    out["total"] = sum(out.values())
+    out["simplified"] = 2 * v * dh + 3 * dh * f * L + (2 * dh * n * hd + 2 * dh * k * hd) * L
+    return out
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """Float (bits None) at `dtype`, or the linears quantized to `bits` in groups (-1: one per row)."""
+
+    dtype: str = "bfloat16"
+    bits: int | None = None
+    group_size: int = 128
+    sym: bool = True
+
+    @classmethod
+    def parse(cls, text: str) -> WeightFormat:
+        """'bf16', 'fp32', 'w4', 'w4g64', 'w8g-1', 'w4g128-asym' (quantized linears; the rest bf16)."""
+        if text in FLOAT_BYTES:
+            return cls(dtype=text)
+        match = re.fullmatch(r"w(\d+)(?:g(-1|\d+))?(-asym)?", text)
+        if not match or int(match[1]) not in (2, 3, 4, 8):
+            raise SlimlmError(f"--weights {text!r}: use a float dtype ({', '.join(FLOAT_BYTES)}) or wBITS[gGROUP]"
+                              "[-asym] with bits 2/3/4/8, e.g. w4g128, w8g-1")  # fmt: skip
+        return cls(bits=int(match[1]), group_size=int(match[2] or 128), sym=not match[3])
+
+
+def _linear_bytes(d: Dims, w: WeightFormat) -> float:
+    """The decoder's linears at the weight format, scales and zero points included."""
+    total = 0.0
+    for n_in, n_out in linear_shapes(d):
+        if w.bits is None:
+            total += n_in * n_out * FLOAT_BYTES[w.dtype]
+        else:
+            groups = 1 if w.group_size == -1 else -(-n_in // w.group_size)
+            total += n_in * n_out * w.bits / 8 + n_out * groups * (2 + (0 if w.sym else w.bits / 8))
+    return d.layers * total
+
+
+def _linear_params(d: Dims) -> int:
+    return d.layers * sum(i * o for i, o in linear_shapes(d))
+
+
+def weight_bytes(d: Dims, w: WeightFormat) -> int:
+    """What the weights take in memory: the linears at the format, the rest (embeddings, head, norms,
+    biases) in the float dtype."""
+    return round(_linear_bytes(d, w) + (parameters(d)["total"] - _linear_params(d)) * FLOAT_BYTES[w.dtype])
+
+
+def read_bytes(d: Dims, w: WeightFormat) -> int:
+    """What one decode step reads: all weights but an untied embedding table (only B of its rows)."""
+    return weight_bytes(d, w) - (0 if d.tied else d.vocab * d.hidden * FLOAT_BYTES[w.dtype])
+
+
+def kv_bytes_per_token(d: Dims, kv_dtype: str) -> int:
+    return 2 * KV_BYTES[kv_dtype] * d.layers * d.kv_heads * d.head_dim
+
+
+def decode_step(d: Dims, w: WeightFormat, kv_dtype: str, batch: int, context: int, device: Device) -> dict:
+    """The bandwidth-only decode step at `batch` sequences of `context` tokens each."""
+    kv = batch * kv_bytes_per_token(d, kv_dtype) * context
+    moved = read_bytes(d, w) + kv
+    tau = moved / device.bandwidth
+    matmul = _linear_params(d) + d.vocab * d.hidden  # 2 FLOPs per weight per token, the head included
+    compute = 2 * batch * matmul / device.peak_flops  # the linears' arithmetic at the device's peak
+    return {"batch": batch, "context": context, "kv_bytes": kv, "bytes_moved": moved, "step_ms": 1e3 * tau,
+            "tokens_per_s": batch / tau, "linear_intensity": 2 * batch * _linear_params(d) / _linear_bytes(d, w),
+            "attention_intensity": 2 * (d.heads / d.kv_heads) / KV_BYTES[kv_dtype], "compute_ms": 1e3 * compute,
+            "bound": "compute" if compute > tau else "bandwidth",
+            "roofline_tokens_per_s": batch / max(tau, compute)}  # fmt: skip
+
+
+def max_batch(d: Dims, w_bytes: int, kv_dtype: str, context: int, memory: float) -> int:
+    """Sequences of `context` tokens whose KV fits in `memory` beside the weights (0 if the weights don't)."""
+    return max(0, int((memory - w_bytes) // (kv_bytes_per_token(d, kv_dtype) * context)))
+
+
+def probe_cpu(seconds: float = 0.5) -> Device:
+    """This machine: copy bandwidth of a 256 MiB tensor (read + write) and fp32 matmul FLOP/s, measured now."""
+    import os
+
+    import torch
+
+    src = torch.ones(64 << 20)  # 256 MiB of fp32
+    dst = torch.empty_like(src)
+    best = float("inf")
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    bandwidth = 2 * src.numel() * 4 / best
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    fastest = float("inf")
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        a @ b
+        fastest = min(fastest, time.perf_counter() - t)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Device(f"this machine ({torch.get_num_threads()} threads)", 2 * 1024**3 / fastest, bandwidth, memory)
+
+
+def plan(d: Dims, weights: WeightFormat, kv_dtype: str, context: int, batches: list[int], kv_heads: list[int],
+         device: Device, memory: float | None = None) -> dict:  # fmt: skip
+    """Everything `compress plan` prints, as data: the counts, then one row per (KV heads, batch)."""
+    memory = device.memory if memory is None else memory
+    rows = []
+    for k in kv_heads:
+        variant = Dims(**{**d.__dict__, "kv_heads": k})
+        fits = max_batch(variant, weight_bytes(variant, weights), kv_dtype, context, memory)
+        for batch in batches:
+            rows.append({"kv_heads": k, **decode_step(variant, weights, kv_dtype, batch, context, device),
+                         "fits": batch <= fits, "max_batch": fits})  # fmt: skip
+    return {"dims": d.__dict__, "parameters": parameters(d), "weights": weights.__dict__,
+            "weight_bytes": weight_bytes(d, weights), "kv_dtype": kv_dtype,
+            "kv_bytes_per_token": kv_bytes_per_token(d, kv_dtype), "device": device.__dict__,
+            "memory": memory, "crossover": device.peak_flops / device.bandwidth, "rows": rows}  # fmt: skip
+
+
+def format_plan(result: dict) -> str:
+    p, dev = result["parameters"], result["device"]
+    gb = 1e9
+    lines = [
+        f"parameters: {p['total']:,} exact (embeddings {p['embeddings']:,}, lm_head {p['lm_head']:,}, attention "
+        f"{p['attention']:,}, MLP {p['mlp']:,}, norms {p['norms']:,}); 2VD + 3DFL + (2DNH + 2DKH)L = "
+        f"{p['simplified']:,}",
+        f"weights: {result['weight_bytes'] / gb:.3f} GB ({_describe(result['weights'])}); KV: "
+        f"{result['kv_bytes_per_token']:,} bytes per token ({result['kv_dtype']})",
+        f"device: {dev['name']}: {dev['peak_flops'] / 1e12:.1f} TFLOP/s, {dev['bandwidth'] / gb:.1f} GB/s; "
+        f"roofline crossover {result['crossover']:.0f} FLOP/byte; memory budget {result['memory'] / gb:.1f} GB",
+        "",
+        f"{'KV heads':>8} {'batch':>6} {'context':>8} {'KV GB':>8} {'moved GB':>9} {'step ms':>9} {'tok/s':>10} "
+        f"{'linear FLOP/B':>13} {'attn FLOP/B':>11} {'compute ms':>10} {'bound':>9} {'roofline tok/s':>14} "
+        f"{'fits':>5}",
+    ]  # fmt: skip
+    for r in result["rows"]:
+        lines.append(f"{r['kv_heads']:>8} {r['batch']:>6} {r['context']:>8} {r['kv_bytes'] / gb:>8.3f} "
+                     f"{r['bytes_moved'] / gb:>9.3f} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.1f} "
+                     f"{r['linear_intensity']:>13.1f} {r['attention_intensity']:>11.1f} {r['compute_ms']:>10.2f} "
+                     f"{r['bound']:>9} {r['roofline_tokens_per_s']:>14.1f} {'yes' if r['fits'] else 'no':>5}")
+    lines.append("(a step is bandwidth-bound while its intensity is under the crossover; 'fits': the batch's KV "
+                 "fits beside the weights, at most " + ", ".join(
+                     f"{k}: {m}" for k, m in dict((r["kv_heads"], r["max_batch"]) for r in result["rows"]).items())
+                 + " sequences by KV heads)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _describe(w: dict) -> str:
+    if w["bits"] is None:
+        return w["dtype"]
+    group = "per channel" if w["group_size"] == -1 else f"groups of {w['group_size']}"
+    return f"W{w['bits']} {group} {'sym' if w['sym'] else 'asym'}, the rest {w['dtype']}"

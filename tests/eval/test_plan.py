@@ -1,0 +1,93 @@
+"""The capacity and bandwidth model against hand-computed values: parameter counts (exact against
+transformers' own models, with and without biases and tied heads), weight bytes with scales and zero
+points, KV bytes, the bandwidth-only step, intensities, what fits, and the command's errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from slimlm.cli import main
+from slimlm.eval import plan
+
+# one layer, hand-sized: q/o 256×256, k/v 256×128, gate/up 256×512, down 512×256 = 589,824 linear weights
+SMALL = plan.Dims(vocab=1000, hidden=256, heads=2, kv_heads=1, head_dim=128, ffn=512, layers=1, tied=True)
+DEVICE = plan.Device("test", peak_flops=1e12, bandwidth=1e9, memory=2e7)
+
+
+@pytest.mark.parametrize("model_type,tied", [("llama", True), ("llama", False), ("qwen2", False)])
+def test_the_exact_count_is_transformers_count(model_type, tied):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=300, hidden_size=96, intermediate_size=160,
+                                  num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+                                  tie_word_embeddings=tied,
+                                  attention_bias=model_type == "llama" and not tied)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)  # tiny: real weights (meta ones would not tie)
+    dims = plan.Dims.from_config(config.to_dict())
+    assert plan.parameters(dims)["total"] == sum(p.numel() for p in model.parameters())
+
+
+def test_llama_8b_and_the_simplified_formula():
+    p = plan.parameters(plan.MODEL_PRESETS["llama-3.1-8b"])
+    assert p["total"] == 8_030_261_248  # the published count
+    # 2VD + 3DFL + (2DNH + 2DKH)L, by hand: 2·128256·4096 + 3·4096·14336·32 + (2·4096·32·128 + 2·4096·8·128)·32
+    assert p["simplified"] == 1_050_673_152 + 5_637_144_576 + 1_342_177_280
+    assert p["total"] - p["simplified"] == 266_240  # the norms: (2·32 + 1)·4096
+
+
+def test_weight_bytes_count_codes_scales_and_zero_points():
+    linear = 589_824
+    assert plan.weight_bytes(SMALL, plan.WeightFormat("bfloat16")) == 2 * plan.parameters(SMALL)["total"]
+    others = plan.parameters(SMALL)["total"] - linear  # the tied embeddings and 3 norms, kept in bf16
+    assert others == 256_000 + 3 * 256
+    # groups of 128 along the input: q 256 rows·2 groups, k/v 128·2, o 256·2, gate/up 512·2, down 256·4
+    groups = 256 * 2 + 2 * 128 * 2 + 256 * 2 + 2 * 512 * 2 + 256 * 4
+    assert plan.weight_bytes(SMALL, plan.WeightFormat.parse("w4g128")) == linear // 2 + 2 * groups + 2 * others
+    assert plan.weight_bytes(SMALL, plan.WeightFormat.parse("w4g128-asym")) == (linear // 2 + 2.5 * groups
+                                                                                + 2 * others)  # fmt: skip
+    rows = 256 + 128 + 128 + 256 + 512 + 512 + 256  # per channel: one scale per output row
+    assert plan.weight_bytes(SMALL, plan.WeightFormat.parse("w8g-1")) == linear + 2 * rows + 2 * others
+
+
+def test_kv_bytes_and_the_bandwidth_only_step():
+    assert plan.kv_bytes_per_token(SMALL, "bf16") == 2 * 2 * 1 * 1 * 128
+    assert plan.kv_bytes_per_token(plan.MODEL_PRESETS["llama-3.1-8b"], "fp8") == 2 * 32 * 8 * 128
+    w = plan.WeightFormat("bfloat16")
+    step = plan.decode_step(SMALL, w, "bf16", batch=4, context=100, device=DEVICE)
+    weights = plan.weight_bytes(SMALL, w)  # tied: the step reads the whole table as the head
+    assert step["kv_bytes"] == 4 * 100 * 512 and step["bytes_moved"] == weights + 204_800
+    assert step["step_ms"] == pytest.approx(1e3 * (weights + 204_800) / 1e9)
+    assert step["tokens_per_s"] == pytest.approx(4 / ((weights + 204_800) / 1e9))
+    assert step["linear_intensity"] == pytest.approx(4.0)  # 2 FLOPs per 2-byte weight per token: B
+    assert step["attention_intensity"] == pytest.approx(2.0)  # 2 query heads per KV head, 2 bytes
+    assert step["compute_ms"] == pytest.approx(1e3 * 2 * 4 * (589_824 + 256_000) / 1e12)
+    assert step["bound"] == "bandwidth" and step["roofline_tokens_per_s"] == step["tokens_per_s"]
+    untied = plan.Dims(**{**SMALL.__dict__, "tied": False})
+    assert plan.read_bytes(untied, w) == plan.weight_bytes(untied, w) - 2 * 256_000  # B rows, not the table
+
+
+def test_what_fits_and_the_crossover():
+    w = plan.WeightFormat("bfloat16")
+    weights = plan.weight_bytes(SMALL, w)
+    assert plan.max_batch(SMALL, weights, "bf16", 100, memory=weights + 3 * 51_200 + 1) == 3
+    assert plan.max_batch(SMALL, weights, "bf16", 100, memory=weights - 1) == 0
+    result = plan.plan(SMALL, w, "bf16", 100, [1, 400], [1, 2], DEVICE)
+    assert result["crossover"] == 1000.0
+    fits = [(r["kv_heads"], r["batch"], r["fits"]) for r in result["rows"]]
+    assert fits == [(1, 1, True), (1, 400, False), (2, 1, True), (2, 400, False)]
+    assert result["rows"][2]["kv_bytes"] == 2 * result["rows"][0]["kv_bytes"]
+
+
+def test_the_command_prints_the_table_for_a_local_model_and_names_bad_input(tiny_llama, capsys):
+    assert main(["plan", str(tiny_llama), "--weights", "w4g32", "--batch", "1,8", "--kv-heads", "2,1"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters: " in out and "W4 groups of 32 sym" in out and len(out.splitlines()) == 10
+    for args, fragment in [(["--weights", "w5"], "--weights 'w5'"), (["--kv-heads", "3"], "does not divide the 4"),
+                           (["--device", "tpu"], "--device tpu"), (["--batch", "0"], "--batch '0'")]:  # fmt: skip
+        assert main(["plan", str(tiny_llama), *args]) == 2
+        assert fragment in capsys.readouterr().err
+
+
+def test_the_cpu_probe_measures_something_plausible():
+    device = plan.probe_cpu(seconds=0.05)
+    assert 1e8 < device.bandwidth < 1e12 and 1e8 < device.peak_flops < 1e14 and device.memory > 1e9
