@@ -158,6 +158,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distill-tokens", type=nonnegative_int, default=0, help="distillation budget (0: none)")
     _add_train_args(p)
 
+    p = sub.add_parser("bench", help="speed and memory against the baseline in the same run: prefill, decode "
+                       "vs the bandwidth floor, a Poisson workload's throughput, TTFT, ITL, goodput")  # fmt: skip
+    p.add_argument("model", help="checkpoint directory, asset name or hub id")
+    p.add_argument("--baseline", help="model measured beside it (default: the source in its slimlm.json; "
+                   "'none': no baseline)")  # fmt: skip
+    p.add_argument("--batch", default="1,8,32,64", help="decode batch sizes")
+    p.add_argument("--context", type=positive_int, default=512, help="KV tokens per sequence in the decode steps")
+    p.add_argument("--prefill-len", type=positive_int, default=512)
+    p.add_argument("--requests", type=positive_int, default=24, help="Poisson workload: requests")
+    p.add_argument("--rate", type=float, default=2.0, help="Poisson workload: arrivals per second")
+    p.add_argument("--prompt-len", default="64,256", help="Poisson workload: prompt lengths, uniform in LO,HI")
+    p.add_argument("--output-len", default="16,64", help="Poisson workload: output lengths, uniform in LO,HI")
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput: time to first token at most, seconds")
+    p.add_argument("--slo-itl", type=float, default=0.2, help="goodput: mean inter-token latency at most, seconds")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-memory", type=parse_size, default="512M", help="KV block pool size (e.g. 512M, 2G)")
+    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--json", type=Path, help="write the results as JSON")
+
     p = sub.add_parser("plan", help="capacity and bandwidth model: weight and KV bytes, what fits, the "
                        "bandwidth-bound decode step and throughput, arithmetic intensity vs the roofline")  # fmt: skip
     p.add_argument("model", help="asset name, local directory, hub id, or a preset: llama-3.1-8b, "
@@ -340,6 +359,32 @@ def _int_list(text: str, flag: str) -> list[int]:
     if not values or min(values) < 1:
         raise SlimlmError(f"{flag} {text!r}: give positive integers separated by commas, e.g. 1,8,32")
     return values
+
+
+def cmd_bench(a: argparse.Namespace) -> None:
+    from slimlm import models
+    from slimlm.eval import bench
+
+    spans = {}
+    for flag, text in (("--prompt-len", a.prompt_len), ("--output-len", a.output_len)):
+        lo_hi = _int_list(text, flag)
+        if len(lo_hi) != 2 or lo_hi[0] > lo_hi[1]:
+            raise SlimlmError(f"{flag} {text!r}: give LO,HI with LO <= HI, e.g. 64,256")
+        spans[flag] = tuple(lo_hi)
+    if a.rate <= 0 or a.slo_ttft <= 0 or a.slo_itl <= 0:
+        raise SlimlmError("--rate, --slo-ttft and --slo-itl must be positive")
+    config = bench.BenchConfig(batches=_int_list(a.batch, "--batch"), context=a.context, prefill_len=a.prefill_len,
+                               kv_cache_memory=a.kv_cache_memory, dtype=a.dtype, requests=a.requests, rate=a.rate,
+                               prompt_len=spans["--prompt-len"], output_len=spans["--output-len"],
+                               slo_ttft_s=a.slo_ttft, slo_itl_s=a.slo_itl, seed=a.seed)  # fmt: skip
+    model_dir = models.resolve(a.model)
+    baseline = None if a.baseline == "none" else a.baseline
+    if a.baseline is None and (model_dir / "slimlm.json").exists():
+        baseline = bench.baseline_of(model_dir)
+    result = bench.bench(a.model, baseline, config)
+    print(bench.table(result))
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=1))
 
 
 def cmd_plan(a: argparse.Namespace) -> None:
@@ -601,7 +646,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
 COMMANDS = {
     "assets": cmd_assets, "rtn": cmd_rtn, "gptq": cmd_gptq, "awq": cmd_awq, "kv": cmd_kv, "eval": cmd_eval,
     "generate": cmd_generate, "serve": cmd_serve, "gqa": cmd_gqa, "prune": cmd_prune, "plan": cmd_plan,
-    "lm-eval": cmd_lm_eval,
+    "bench": cmd_bench, "lm-eval": cmd_lm_eval,
 }  # fmt: skip
 
 

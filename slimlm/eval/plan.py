@@ -167,30 +167,40 @@ def max_batch(d: Dims, w_bytes: int, kv_dtype: str, context: int, memory: float)
     return max(0, int((memory - w_bytes) // (kv_bytes_per_token(d, kv_dtype) * context)))
 
 
+def _best_seconds(fn, seconds: float) -> float:
+    best, end = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def copy_bandwidth(device: str = "cpu", seconds: float = 0.5) -> float:
+    """Bytes/s of a 256 MiB tensor copy (bytes read + written), the best over `seconds`."""
+    import torch
+
+    src = torch.ones(64 << 20, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+
+    def copy():
+        dst.copy_(src)
+        sync()
+
+    return 2 * src.nbytes / _best_seconds(copy, seconds)
+
+
 def probe_cpu(seconds: float = 0.5) -> Device:
-    """This machine: copy bandwidth of a 256 MiB tensor (read + write) and fp32 matmul FLOP/s, measured now."""
+    """This machine, measured now: copy bandwidth and fp32 matmul FLOP/s (1024³), physical memory."""
     import os
 
     import torch
 
-    src = torch.ones(64 << 20)  # 256 MiB of fp32
-    dst = torch.empty_like(src)
-    best = float("inf")
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    bandwidth = 2 * src.numel() * 4 / best
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    fastest = float("inf")
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t = time.perf_counter()
-        a @ b
-        fastest = min(fastest, time.perf_counter() - t)
+    flops = 2 * 1024**3 / _best_seconds(lambda: a @ b, seconds)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Device(f"this machine ({torch.get_num_threads()} threads)", 2 * 1024**3 / fastest, bandwidth, memory)
+    return Device(f"this machine ({torch.get_num_threads()} threads)", flops, copy_bandwidth("cpu", seconds), memory)
 
 
 def plan(d: Dims, weights: WeightFormat, kv_dtype: str, context: int, batches: list[int], kv_heads: list[int],

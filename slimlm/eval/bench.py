@@ -1,0 +1,257 @@
+"""`compress bench`: the speed and memory a checkpoint buys, measured against its baseline in the same run.
+
+Offline, on the engine's model runner (no scheduler in the way):
+- prefill: tokens/s of one `prefill_len`-token prompt in one forward pass;
+- decode: the step at each batch size with every sequence holding `context` tokens of KV (the cache holds
+  random values: a step's cost does not depend on them), as tokens/s and against the bandwidth floor, the
+  bytes a step must read (the weights as stored, every sequence's KV) ÷ the copy bandwidth measured in
+  this run;
+- memory: weight bytes, KV bytes per token, the largest batch the KV pool holds at `context`, and the peak
+  resident memory while the model was loaded and measured (Linux resets the peak per model).
+Online, through the engine: a seeded Poisson workload (prompts cut from the bundled owt text, lengths
+uniform in `prompt_len`, outputs uniform in `output_len`, greedy with EOS ignored): output tokens/s, TTFT
+and inter-token latency p50/p90/p99, and goodput, the requests per second that met the SLO (TTFT ≤
+`slo_ttft_s` and mean inter-token latency ≤ `slo_itl_s`).
+The baseline (by default the float source named in the checkpoint's slimlm.json) is measured in the same
+process, each part interleaved with the checkpoint's, and every figure gets a ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from slimlm import SlimlmError
+from slimlm.eval import plan
+
+
+@dataclass
+class BenchConfig:
+    batches: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
+    context: int = 512
+    prefill_len: int = 512
+    steps: int = 5  # decode steps timed per batch size (the median is kept)
+    kv_cache_memory: int = 512 << 20
+    dtype: str = "float32"
+    requests: int = 24
+    rate: float = 2.0  # Poisson arrivals per second
+    prompt_len: tuple[int, int] = (64, 256)
+    output_len: tuple[int, int] = (16, 64)
+    slo_ttft_s: float = 2.0
+    slo_itl_s: float = 0.2
+    seed: int = 0
+
+
+def baseline_of(model_dir: Path) -> str:
+    """The float source a checkpoint names in its slimlm.json, or a one-line error saying to pass one."""
+    manifest = Path(model_dir) / "slimlm.json"
+    source = json.loads(manifest.read_text()).get("source_model", {}) if manifest.exists() else {}
+    spec = source.get("spec") or source.get("path")
+    if not spec:
+        raise SlimlmError(f"{model_dir} names no source model in a slimlm.json; pass --baseline DIR")
+    return spec
+
+
+def _engine(model: str, config: BenchConfig, max_len: int):
+    from slimlm.runtime.engine import Engine, EngineConfig
+
+    return Engine(model, EngineConfig(dtype=config.dtype, kv_cache_memory=config.kv_cache_memory,
+                                      max_model_len=max_len, max_num_seqs=max(64, max(config.batches)),
+                                      max_num_batched_tokens=max(512, config.prefill_len)))  # fmt: skip
+
+
+def _step_inputs(batch: int, context: int, block_size: int, new_tokens: int = 1):
+    """Every sequence at `context` cached tokens, in its own consecutive blocks, adding `new_tokens`."""
+    from slimlm.runtime.model import StepInputs
+
+    per_seq = -(-(context + new_tokens) // block_size)
+    blocks = torch.arange(batch * per_seq, dtype=torch.int32).view(batch, per_seq)
+    positions = torch.arange(context, context + new_tokens).repeat(batch)
+    slots = blocks.long().repeat_interleave(new_tokens, 0).gather(1, (positions // block_size)[:, None])[:, 0]
+    return StepInputs(positions=positions, slots=slots * block_size + positions % block_size, block_tables=blocks,
+                      seq_lens=torch.full((batch,), context + new_tokens, dtype=torch.int32),
+                      query_start=torch.arange(0, batch * new_tokens + 1, new_tokens, dtype=torch.int32),
+                      query_lens=[new_tokens] * batch)  # fmt: skip
+
+
+def _peak_reset() -> int:
+    """Reset the peak resident memory (Linux) and return the current resident bytes."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return _status("VmRSS")
+    except OSError:
+        return 0
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@torch.inference_mode()
+def offline(model: str, config: BenchConfig, bandwidth: float) -> dict:
+    """Prefill, decode steps at each batch size against the bandwidth floor, and memory, for one model."""
+    before = _peak_reset()
+    engine = _engine(model, config, config.context + config.prefill_len)
+    runner = engine.runner
+    bs = engine.config.block_size
+    largest = max(config.batches)
+    if runner.num_blocks < largest * -(-(config.context + 1) // bs):
+        raise SlimlmError(f"the KV pool ({config.kv_cache_memory >> 20} MiB) cannot hold batch {largest} at "
+                          f"context {config.context}; raise --kv-cache-memory or lower --batch")  # fmt: skip
+    cache = runner.kv_cache
+    if cache.dtype.itemsize == 1:  # random finite bytes: fp8 codes below its NaN pattern, int8 anything
+        cache.view(torch.uint8).random_(0, 120)
+    else:
+        cache.normal_()
+    vocab = runner.model.config.vocab_size
+    cuda = str(runner.device).startswith("cuda")
+
+    def forward(batch: int, context: int, new: int) -> float:
+        ids = torch.randint(0, vocab, (batch * new,), device=runner.device)
+        step = _step_inputs(batch, context, bs, new)
+        step = type(step)(**{k: v.to(runner.device) if torch.is_tensor(v) else v for k, v in asdict(step).items()})
+        start = time.perf_counter()
+        hidden = runner.model(ids, step, cache)
+        runner.model.logits(hidden[step.query_start[1:].long() - 1])
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    forward(1, 0, config.prefill_len)  # warm-up: first calls at a shape pay one-time costs
+    prefill_s = min(forward(1, 0, config.prefill_len) for _ in range(2))
+    weights, per_token = runner.weight_bytes(), runner.kv_bytes_per_token
+    decode = []
+    for batch in config.batches:
+        forward(batch, config.context, 1)
+        step_s = statistics.median(forward(batch, config.context, 1) for _ in range(config.steps))
+        floor = (weights + batch * config.context * per_token) / bandwidth
+        decode.append({"batch": batch, "step_ms": 1e3 * step_s, "tok_s": batch / step_s, "floor_ms": 1e3 * floor,
+                       "floor_ratio": step_s / floor})  # fmt: skip
+    result = {"prefill_tok_s": config.prefill_len / prefill_s, "decode": decode, "weight_bytes": weights,
+              "kv_bytes_per_token": per_token, "max_batch": runner.num_blocks * bs // config.context,
+              "peak_rss_bytes": max(0, _status("VmHWM") - before) or None}  # fmt: skip
+    return result
+
+
+def workload(config: BenchConfig, tokenizer) -> list[dict]:
+    """The seeded Poisson arrivals: prompts cut at random places from the owt text joined in order."""
+    from slimlm.data import passages, token_stream
+
+    rng = random.Random(config.seed)
+    texts = passages("owt")
+    rng.shuffle(texts)
+    stream = token_stream(texts, tokenizer, max_tokens=60_000)
+    t, out = 0.0, []
+    for i in range(config.requests):
+        t += rng.expovariate(config.rate)
+        n = rng.randint(*config.prompt_len)
+        start = rng.randrange(0, len(stream) - n)
+        out.append({"id": f"r{i}", "arrival": t, "prompt": stream[start : start + n],
+                    "output_len": rng.randint(*config.output_len)})  # fmt: skip
+    return out
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+    return {"p50": q[49], "p90": q[89], "p99": q[98]}
+
+
+def online(model: str, config: BenchConfig, requests: list[dict]) -> dict:
+    """The workload through the engine, arrivals on the wall clock: throughput, latencies, goodput."""
+    from slimlm.runtime.sampling import SamplingParams
+
+    longest = max(len(r["prompt"]) + r["output_len"] for r in requests)
+    engine = _engine(model, config, longest)
+    engine.add_request(requests[0]["prompt"][:16], SamplingParams(max_tokens=2, temperature=0), "warm-up")
+    while engine.has_unfinished():
+        engine.step(detokenize=False)
+    pending, done = list(requests), {}
+    start = time.perf_counter()
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while pending and pending[0]["arrival"] <= now:
+            r = pending.pop(0)
+            engine.add_request(r["prompt"], SamplingParams(max_tokens=r["output_len"], temperature=0,
+                                                           ignore_eos=True), r["id"])  # fmt: skip
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[0]["arrival"] - (time.perf_counter() - start)))
+            continue
+        for out in engine.step(detokenize=False):
+            if out.finished:
+                done[out.request_id] = out
+    wall = time.perf_counter() - start
+    ttft, itl, good = [], [], 0
+    for r in requests:
+        c = done[r["id"]].outputs[0]
+        first = c.token_times[0] - (start + r["arrival"])
+        gaps = [b - a for a, b in zip(c.token_times, c.token_times[1:], strict=False)]
+        ttft.append(first)
+        itl += gaps
+        good += first <= config.slo_ttft_s and (not gaps or statistics.mean(gaps) <= config.slo_itl_s)
+    tokens = sum(len(done[r["id"]].outputs[0].token_ids) for r in requests)
+    return {"output_tok_s": tokens / wall, "ttft_s": _percentiles(ttft), "itl_s": _percentiles(itl),
+            "goodput_req_s": good / wall, "slo_met": good / len(requests), "wall_s": wall}  # fmt: skip
+
+
+def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool = True) -> dict:
+    """Both models, part by part (offline, then online), the baseline first in each part."""
+    from slimlm import models
+
+    log = (lambda msg: print(msg, flush=True)) if progress else (lambda msg: None)
+    systems = {"baseline": baseline, "model": model} if baseline else {"model": model}
+    bandwidth = plan.copy_bandwidth("cuda" if torch.cuda.is_available() else "cpu")
+    log(f"[bench] copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    result = {"config": asdict(config), "bandwidth_bytes_s": bandwidth, "threads": torch.get_num_threads(),
+              "systems": {name: {"path": path} for name, path in systems.items()}}  # fmt: skip
+    for name, path in systems.items():
+        log(f"[bench] offline: {name} ({path})")
+        result["systems"][name]["offline"] = offline(path, config, bandwidth)
+    tokenizer = models.load_tokenizer(models.resolve(model))
+    requests = workload(config, tokenizer)
+    for name, path in systems.items():
+        log(f"[bench] online: {name}, {config.requests} requests at {config.rate}/s")
+        result["systems"][name]["online"] = online(path, config, requests)
+    return result
+
+
+def _rows(system: dict) -> dict[str, float | None]:
+    """The flat figures of one system, in table order."""
+    off, on = system["offline"], system["online"]
+    rows = {"prefill tok/s": off["prefill_tok_s"]}
+    for d in off["decode"]:
+        rows[f"decode b{d['batch']} tok/s"] = d["tok_s"]
+        rows[f"decode b{d['batch']} / floor"] = d["floor_ratio"]
+    rows.update({"weight MB": off["weight_bytes"] / 1e6, "KV bytes/token": off["kv_bytes_per_token"],
+                 "max batch at context": off["max_batch"],
+                 "peak RSS MB": off["peak_rss_bytes"] / 1e6 if off["peak_rss_bytes"] else None,
+                 "online output tok/s": on["output_tok_s"], "TTFT p50 s": on["ttft_s"]["p50"],
+                 "TTFT p99 s": on["ttft_s"]["p99"], "ITL p50 s": on["itl_s"]["p50"], "ITL p99 s": on["itl_s"]["p99"],
+                 "goodput req/s": on["goodput_req_s"]})  # fmt: skip
+    return rows
+
+
+def table(result: dict) -> str:
+    systems = result["systems"]
+    rows = {name: _rows(s) for name, s in systems.items()}
+    names = list(systems)
+    header = f"{'':26}" + "".join(f"{n:>14}" for n in names) + ("       ratio" if "baseline" in systems else "")
+    lines = [header]
+    for key in rows[names[0]]:
+        values = [rows[n][key] for n in names]
+        cells = "".join(f"{v:>14.4g}" if v is not None else f"{'-':>14}" for v in values)
+        ratio = ""
+        if "baseline" in systems and values[0] and values[-1] is not None:
+            ratio = f"{values[-1] / values[0]:>11.2f}x"
+        lines.append(f"{key:26}{cells}{ratio}")
+    return "\n".join(lines)

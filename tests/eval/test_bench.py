@@ -1,0 +1,105 @@
+"""`compress bench` on the tiny model: the synthetic decode layout is a real one (its logits equal
+transformers'), the offline and online figures are consistent, the baseline comes from slimlm.json and
+gets a ratio column, goodput follows the SLO, bad input is named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from slimlm import SlimlmError
+from slimlm.cli import main
+from slimlm.eval import bench
+
+SMALL = bench.BenchConfig(batches=[1, 3], context=40, prefill_len=32, steps=2, kv_cache_memory=4 << 20,
+                          requests=5, rate=50.0, prompt_len=(8, 16), output_len=(3, 6))  # fmt: skip
+
+
+@torch.inference_mode()
+def test_the_synthetic_step_layout_computes_what_transformers_does(tiny_llama):
+    """Prefill 40 tokens into each of 3 sequences' blocks, then one decode step at context 40: each
+    sequence's logits equal transformers' on its 41 tokens, so the timed steps do real attention work."""
+    from transformers import AutoModelForCausalLM
+
+    from slimlm.runtime.engine import Engine, EngineConfig
+
+    runner = Engine(str(tiny_llama), EngineConfig(kv_cache_memory=4 << 20, max_model_len=64)).runner
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (3, 41), generator=torch.Generator().manual_seed(0))
+    bs = runner.block_size
+    runner.model(ids[:, :40].flatten(), bench._step_inputs(3, 0, bs, 40), runner.kv_cache)
+    hidden = runner.model(ids[:, 40], bench._step_inputs(3, 40, bs, 1), runner.kv_cache)
+    expected = hf(ids).logits[:, -1]
+    assert torch.allclose(runner.model.logits(hidden), expected, atol=1e-4)
+
+
+def test_offline_figures_are_consistent(tiny_llama):
+    result = bench.offline(str(tiny_llama), SMALL, bandwidth=10e9)
+    assert [d["batch"] for d in result["decode"]] == [1, 3] and result["prefill_tok_s"] > 0
+    for d in result["decode"]:
+        assert d["tok_s"] == pytest.approx(d["batch"] * 1e3 / d["step_ms"])
+        floor = (result["weight_bytes"] + d["batch"] * 40 * result["kv_bytes_per_token"]) / 10e9
+        assert d["floor_ms"] == pytest.approx(1e3 * floor)
+        assert d["floor_ratio"] == pytest.approx(d["step_ms"] / d["floor_ms"])
+    assert result["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # layers · K/V · KV heads · head_dim · fp32
+    assert result["max_batch"] == (4 << 20) // (result["kv_bytes_per_token"] * 16) * 16 // 40
+
+
+def test_the_workload_is_seeded_and_the_online_run_serves_it_all(tiny_llama):
+    from slimlm import models
+
+    tokenizer = models.load_tokenizer(tiny_llama)
+    requests = bench.workload(SMALL, tokenizer)
+    assert requests == bench.workload(SMALL, tokenizer) and len(requests) == 5
+    assert all(8 <= len(r["prompt"]) <= 16 and 3 <= r["output_len"] <= 6 for r in requests)
+    assert all(a["arrival"] < b["arrival"] for a, b in zip(requests, requests[1:], strict=False))
+    result = bench.online(str(tiny_llama), SMALL, requests)
+    total = sum(r["output_len"] for r in requests)
+    assert result["output_tok_s"] == pytest.approx(total / result["wall_s"])
+    assert result["ttft_s"]["p50"] <= result["ttft_s"]["p99"] and result["slo_met"] == 1.0
+    strict = bench.online(str(tiny_llama), bench.BenchConfig(**{**SMALL.__dict__, "slo_ttft_s": 1e-9}), requests)
+    assert strict["goodput_req_s"] == 0 and strict["slo_met"] == 0
+
+
+def test_percentiles():
+    values = [float(v) for v in range(1, 101)]
+    assert bench._percentiles(values) == {"p50": pytest.approx(50.5), "p90": pytest.approx(90.1),
+                                          "p99": pytest.approx(99.01)}  # fmt: skip
+    assert bench._percentiles([2.0]) == {"p50": 2.0, "p90": 2.0, "p99": 2.0}
+
+
+def test_the_command_measures_the_source_beside_a_checkpoint(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "w4"
+    assert main(["rtn", "--model", str(tiny_llama), "--group-size", "32", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert bench.baseline_of(out) == str(tiny_llama)
+    args = ["bench", str(out), "--batch", "1,2", "--context", "32", "--prefill-len", "16", "--requests", "3",
+            "--rate", "50", "--prompt-len", "8,12", "--output-len", "2,4", "--kv-cache-memory", "4M",
+            "--json", str(tmp_path / "bench.json")]  # fmt: skip
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "ratio" in table and "decode b2 / floor" in table and "goodput req/s" in table
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert set(result["systems"]) == {"baseline", "model"} and result["systems"]["baseline"]["path"] == str(tiny_llama)
+    w4, base = (result["systems"][n]["offline"]["weight_bytes"] for n in ("model", "baseline"))
+    assert w4 < base  # the packed linears read fewer bytes
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--prompt-len", "9,3"], "--prompt-len '9,3': give LO,HI with LO <= HI"),
+    (["--batch", "1,x"], "--batch '1,x'"),
+    (["--rate", "0"], "must be positive"),
+    (["--batch", "4096", "--kv-cache-memory", "1M"], "cannot hold batch 4096"),
+])  # fmt: skip
+def test_bad_input_is_one_line(tiny_llama, capsys, args, fragment):
+    assert main(["bench", str(tiny_llama), "--baseline", "none", *args]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1
+
+
+def test_a_checkpoint_without_a_source_needs_a_baseline(tmp_path):
+    (tmp_path / "slimlm.json").write_text("{}")
+    with pytest.raises(SlimlmError, match="pass --baseline"):
+        bench.baseline_of(tmp_path)
