@@ -177,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--json", type=Path, help="write the results as JSON")
 
+    p = sub.add_parser("report", help="one HTML page from run directories: quality vs speed vs memory, Pareto "
+                       "plots, per-method table, bandwidth model vs measured")  # fmt: skip
+    p.add_argument("runs", nargs="+", type=Path, help="run directories (eval.json, bench.json, run.json)")
+    p.add_argument("--out", type=Path, default=Path("report.html"))
+    p.add_argument("--baseline", help="the run quality is compared with (default: the first)")
+    p.add_argument("--title", default="slimlm tradeoff report")
+
     p = sub.add_parser("plan", help="capacity and bandwidth model: weight and KV bytes, what fits, the "
                        "bandwidth-bound decode step and throughput, arithmetic intensity vs the roofline")  # fmt: skip
     p.add_argument("model", help="asset name, local directory, hub id, or a preset: llama-3.1-8b, "
@@ -385,6 +392,14 @@ def cmd_bench(a: argparse.Namespace) -> None:
     print(bench.table(result))
     if a.json:
         a.json.write_text(json.dumps(result, indent=1))
+
+
+def cmd_report(a: argparse.Namespace) -> None:
+    from slimlm.eval import report
+
+    result = report.render(a.runs, a.out, a.baseline, a.title)
+    print(report.main_table(result["runs"]))
+    print(f"report: {a.out.resolve()}")
 
 
 def cmd_plan(a: argparse.Namespace) -> None:
@@ -646,7 +661,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
 COMMANDS = {
     "assets": cmd_assets, "rtn": cmd_rtn, "gptq": cmd_gptq, "awq": cmd_awq, "kv": cmd_kv, "eval": cmd_eval,
     "generate": cmd_generate, "serve": cmd_serve, "gqa": cmd_gqa, "prune": cmd_prune, "plan": cmd_plan,
-    "bench": cmd_bench, "lm-eval": cmd_lm_eval,
+    "bench": cmd_bench, "report": cmd_report, "lm-eval": cmd_lm_eval,
 }  # fmt: skip
 
 
