@@ -50,7 +50,8 @@ def load_run(run_dir: Path) -> dict:
     if evaluation is not None:
         ppl = evaluation.get("slimlm", {}).get("perplexity") if "results" in evaluation else evaluation
         run["wiki_ppl"] = ppl["perplexity"] if ppl else None
-        run["size_bytes"] = ppl.get("size_bytes") if ppl else None
+        run["ppl_source"] = Path(str(ppl.get("source", "wiki"))).name if ppl else None
+        run["size_mb"] = ppl["size_bytes"] / 1e6 if ppl and ppl.get("size_bytes") else None
         for task, metrics in evaluation.get("results", {}).items():
             key = "acc_norm,none" if "acc_norm,none" in metrics else "acc,none"
             if key in metrics and metrics.get(key.replace(",", "_stderr,")) not in (None, "N/A"):
@@ -82,7 +83,7 @@ def _bench_figures(bench: dict) -> dict:
     out = {"weight_bytes": off["weight_bytes"], "kv_bytes_per_token": off["kv_bytes_per_token"],
            "decode_b1_tok_s": b1["tok_s"], "output_tok_s": on["output_tok_s"], "ttft_p50_s": on["ttft_s"]["p50"],
            "itl_p50_s": on["itl_s"]["p50"], "goodput_req_s": on["goodput_req_s"],
-           "bytes_per_token": off["weight_bytes"] + bench["config"]["context"] * off["kv_bytes_per_token"],
+           "mb_per_token": (off["weight_bytes"] + bench["config"]["context"] * off["kv_bytes_per_token"]) / 1e6,
            "floors": [{"batch": d["batch"], "predicted_ms": d["floor_ms"], "measured_ms": d["step_ms"],
                        "ratio": d["floor_ratio"]} for d in off["decode"]],
            "bandwidth_gb_s": bench["bandwidth_bytes_s"] / 1e9, "threads": bench.get("threads")}  # fmt: skip
@@ -166,12 +167,13 @@ def render(run_dirs: list[Path], out: Path, baseline: str | None = None, title: 
             r["ppl_change"] = r["wiki_ppl"] / base["wiki_ppl"] - 1
         if r.get("task_average") and base.get("task_average"):
             r["recovery"] = r["task_average"] / base["task_average"]
-    quality_key, quality_label = ("wiki_ppl", "wiki perplexity (lower is better)")
+    source = base.get("ppl_source") or "wiki"
+    quality_key, quality_label = ("wiki_ppl", f"{source} perplexity (lower is better)")
     plots = [p for p in (
         _plot(runs, "output_tok_s", "output tokens/s under the Poisson load", True, quality_key, quality_label),
-        _plot(runs, "bytes_per_token", "bytes moved per decoded token (batch 1: weights + KV)", False, quality_key,
+        _plot(runs, "mb_per_token", "MB moved per decoded token (batch 1: weights + KV)", False, quality_key,
               quality_label),
-        _plot(runs, "size_bytes", "checkpoint size (bytes)", False, quality_key, quality_label),
+        _plot(runs, "size_mb", "checkpoint size (MB)", False, quality_key, quality_label),
     ) if p]  # fmt: skip
     tasks = sorted({t for r in runs for t in r["tasks"]})
     env = Environment(loader=FileSystemLoader(TEMPLATE.parent), autoescape=select_autoescape(["html", "j2"]))
