@@ -177,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--json", type=Path, help="write the results as JSON")
 
+    p = sub.add_parser("recipe", help="run a YAML recipe: compression stages, then eval, bench and the report "
+                       "(stages already done are skipped)")  # fmt: skip
+    p.add_argument("recipe", type=Path, help="e.g. recipes/default.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a field, e.g. --set eval.limit=10 (repeatable)")  # fmt: skip
+    p.add_argument("--check", action="store_true", help="validate the recipe and stop")
+
     p = sub.add_parser("report", help="one HTML page from run directories: quality vs speed vs memory, Pareto "
                        "plots, per-method table, bandwidth model vs measured")  # fmt: skip
     p.add_argument("runs", nargs="+", type=Path, help="run directories (eval.json, bench.json, run.json)")
@@ -392,6 +399,24 @@ def cmd_bench(a: argparse.Namespace) -> None:
     print(bench.table(result))
     if a.json:
         a.json.write_text(json.dumps(result, indent=1))
+
+
+def cmd_recipe(a: argparse.Namespace) -> None:
+    from slimlm import recipe as recipes
+
+    recipe = recipes.load(a.recipe, a.overrides)
+    if a.check:
+        steps = sum(len(s) for s in recipe.stages.values())
+        print(f"{a.recipe}: {len(recipe.stages)} stages, {steps} steps: valid")
+        return
+    run_dirs = recipes.run(recipe)
+    if recipe.report is not None:
+        from slimlm.eval import report
+
+        result = report.render(run_dirs, recipe.report, title=f"slimlm: {recipe.path.name} on {recipe.model}",
+                               notes=recipe.notes)  # fmt: skip
+        print(report.main_table(result["runs"]))
+        print(f"report: {recipe.report.resolve()}")
 
 
 def cmd_report(a: argparse.Namespace) -> None:
@@ -661,7 +686,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
 COMMANDS = {
     "assets": cmd_assets, "rtn": cmd_rtn, "gptq": cmd_gptq, "awq": cmd_awq, "kv": cmd_kv, "eval": cmd_eval,
     "generate": cmd_generate, "serve": cmd_serve, "gqa": cmd_gqa, "prune": cmd_prune, "plan": cmd_plan,
-    "bench": cmd_bench, "report": cmd_report, "lm-eval": cmd_lm_eval,
+    "bench": cmd_bench, "report": cmd_report, "recipe": cmd_recipe, "lm-eval": cmd_lm_eval,
 }  # fmt: skip
 
 

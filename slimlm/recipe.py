@@ -1,0 +1,266 @@
+"""`compress recipe R.yaml`: chain compression stages, then eval, bench and the report; resumable.
+
+    model: smollm2-135m                 # the float source every stage starts from
+    runs: out/runs/default              # one directory per stage: model/, eval.json, bench.json, run.json
+    eval: {ppl: wiki, tasks: slimlm_hellaswag, limit: 20}   # `compress eval` options, for every stage
+    bench: {batch: [1, 8], requests: 12}                    # `compress bench` options, for every stage
+    report: out/runs/default/report.html                    # optional: `compress report` over the stages
+    notes: a short eval and bench                           # optional: shown at the top of the report
+    stages:
+      float: []                         # no steps: the source itself (the report's baseline is the first stage)
+      gptq-w4:
+        - gptq: {bits: 4, group_size: 64}   # `compress gptq` options; the recipe sets --model and --out
+      prune-gptq:
+        - prune: {target_params: 0.6, distill_tokens: 65536}
+        - gptq: {bits: 4, group_size: 64}   # each step reads the previous step's output
+
+Options are the commands' own flags, with underscores (true gives the flag, false leaves it out, a list is
+comma-joined). Every step is checked by its command's parser before anything runs; an error names the
+file, the line and the field. Each part of a stage (each step, the eval, the bench) records a hash of its
+inputs in run.json: a part whose output exists with the same hash is skipped, so an interrupted recipe
+resumes where it stopped and an edited one redoes only what the edit changed; a chain of steps two stages
+share (prune, then prune + GPTQ) runs once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import io
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from slimlm import SlimlmError
+
+STEP_COMMANDS = ("rtn", "gptq", "awq", "kv", "gqa", "prune")
+FIELDS = ("model", "runs", "eval", "bench", "report", "notes", "stages")
+SET_BY_RECIPE = ("model", "out", "output", "json", "baseline", "overwrite")
+
+
+@dataclass
+class Step:
+    command: str
+    options: dict
+    where: str  # "FILE:LINE", for errors
+
+
+@dataclass
+class Recipe:
+    path: Path
+    model: str
+    runs: Path
+    eval: dict
+    bench: dict
+    report: Path | None
+    stages: dict[str, list[Step]]
+    notes: str = ""  # shown at the top of the report (e.g. how short its eval and bench are)
+
+
+def _lines(node, path: str = "", out: dict | None = None) -> dict[str, int]:
+    """The line (1-based) of every field of a composed YAML document, by dotted path."""
+    out = {} if out is None else out
+    out[path] = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            out[f"{path}.{key.value}".lstrip(".")] = key.start_mark.line + 1
+            _lines(value, f"{path}.{key.value}".lstrip("."), out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _lines(item, f"{path}.{i}".lstrip("."), out)
+    return out
+
+
+def _override(data: dict, assignment: str) -> None:
+    """`--set a.b=value`: the value as YAML, at a path whose parent exists."""
+    key, sep, text = assignment.partition("=")
+    if not sep or not key:
+        raise SlimlmError(f"--set {assignment!r}: use --set FIELD=VALUE, e.g. --set eval.limit=10")
+    *parents, last = key.split(".")
+    target = data
+    for part in parents:
+        target = target[int(part)] if isinstance(target, list) and part.isdigit() else (target or {}).get(part)
+        if not isinstance(target, dict | list):
+            raise SlimlmError(f"--set {key}: the recipe has no field {part!r} there")
+    value = yaml.safe_load(text) if text else None
+    if isinstance(target, list):
+        target[int(last)] = value
+    else:
+        target[last] = value
+
+
+def load(path: Path, overrides: list[str] = ()) -> Recipe:
+    """Read and check a recipe (every step's options through its command's parser) without running it."""
+    path = Path(path)
+    if not path.is_file():
+        raise SlimlmError(f"recipe {path} does not exist")
+    text = path.read_text()
+    try:
+        lines = _lines(yaml.compose(text)) if text.strip() else {}
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise SlimlmError(f"{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
+    if not isinstance(data, dict):
+        raise SlimlmError(f"{path}: a recipe is a mapping with the fields {', '.join(FIELDS)}")
+    for assignment in overrides:
+        _override(data, assignment)
+
+    def where(field: str) -> str:
+        touched = [o for o in overrides if o.partition("=")[0].startswith(field)] if field else []
+        place = f"{path}:{lines[field]}" if field in lines else str(path)
+        return place + (f" (with --set {', '.join(touched)})" if touched else "")
+
+    def fail(field: str, message: str):
+        raise SlimlmError(f"{where(field)}: {field}: {message}")
+
+    for key in data:
+        if key not in FIELDS:
+            fail(key, f"unknown field (a recipe has {', '.join(FIELDS)})")
+    for key in ("model", "runs"):
+        if not isinstance(data.get(key), str) or not data[key]:
+            fail(key, "required: a string") if key in data else fail("", f"the field {key!r} is required")
+    for key in ("eval", "bench"):
+        if not isinstance(data.get(key) or {}, dict):
+            fail(key, f"a mapping of `compress {key}` options")
+    stages = data.get("stages")
+    if not isinstance(stages, dict) or not stages:
+        fail("stages" if "stages" in data else "", "'stages' is required: a mapping of stage names to steps")
+    parsed: dict[str, list[Step]] = {}
+    for name, steps in stages.items():
+        field = f"stages.{name}"
+        if not isinstance(steps, list | type(None)):
+            fail(field, "a list of steps, e.g. [{gptq: {bits: 4}}] ([] for the source itself)")
+        parsed[name] = []
+        for i, step in enumerate(steps or []):
+            if not isinstance(step, dict) or len(step) != 1:
+                fail(f"{field}.{i}", "a step is one command with its options, e.g. {gptq: {bits: 4}}")
+            (command, options), = step.items()
+            if command not in STEP_COMMANDS:
+                fail(f"{field}.{i}", f"unknown step {command!r} (steps: {', '.join(STEP_COMMANDS)})")
+            options = options or {}
+            if not isinstance(options, dict):
+                fail(f"{field}.{i}.{command}", "options are a mapping, e.g. {bits: 4, group_size: 64}")
+            parsed[name].append(Step(command, options, where(f"{field}.{i}.{command}")))
+    report = Path(data["report"]) if data.get("report") else None
+    recipe = Recipe(path, data["model"], Path(data["runs"]), data.get("eval") or {}, data.get("bench") or {},
+                    report, parsed, str(data.get("notes") or ""))  # fmt: skip
+    for name, steps in parsed.items():  # every command line, checked now, before any work
+        for i, step in enumerate(steps):
+            _parse(step.command, step.options, "model", Path("out"), f"{step.where}: stages.{name}.{i}.{step.command}")
+    _parse("eval", recipe.eval, recipe.model, None, f"{where('eval')}: eval")
+    _parse("bench", recipe.bench, recipe.model, None, f"{where('bench')}: bench")
+    return recipe
+
+
+def _parse(command: str, options: dict, model: str, out: Path | None, context: str) -> argparse.Namespace:
+    """The options as `compress COMMAND` would parse them, or a one-line error in the recipe's terms."""
+    from slimlm.cli import build_parser
+
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices[command]  # noqa: SLF001 the subcommand's own parser
+    actions = {a.dest: a for a in sub._actions}  # noqa: SLF001
+    for key in options:
+        if key in SET_BY_RECIPE:
+            raise SlimlmError(f"{context}: {key} is set by the recipe; leave it out")
+    argv = [command]
+    positional = actions.get("model") is not None and not actions["model"].option_strings
+    argv += [model] if positional else ["--model", model]
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        action = next((a for a in sub._actions if flag in a.option_strings), None)  # noqa: SLF001
+        if value is True:
+            argv.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            many = action is not None and action.nargs in ("*", "+")
+            argv += [flag, *map(str, value)] if many else [flag, ",".join(map(str, value))]
+        else:
+            argv += [flag, str(value)]
+    if out is not None:
+        argv += ["--out", str(out), "--overwrite"]
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            return parser.parse_args(argv)
+    except SystemExit:
+        message = errors.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]
+        raise SlimlmError(f"{context}: {message}") from None
+
+
+def _hash(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _fingerprint(model: str) -> str:
+    """What identifies a stage's input: the spec, and for a local directory its weight files' sizes and times."""
+    path = Path(model)
+    if not path.is_dir():
+        return model
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".json"))
+    return _hash(str(path.resolve()), [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files])
+
+
+def run(recipe: Recipe, progress: bool = True) -> list[Path]:
+    """Run every stage not already done; returns the run directories, in the recipe's order."""
+
+    def log(message: str) -> None:
+        if progress:
+            print(f"[recipe] {message}", file=sys.stderr, flush=True)
+
+    produced: dict[str, str] = {}  # step-chain hash -> its output: a chain two stages share runs once
+    return [_run_stage(recipe, name, steps, log, produced) for name, steps in recipe.stages.items()]
+
+
+def _run_stage(recipe: Recipe, name: str, steps: list[Step], log, produced: dict[str, str]) -> Path:
+    from slimlm.cli import COMMANDS
+
+    run_dir = recipe.runs / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    state_path = run_dir / "run.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    done = state.setdefault("hashes", {})
+    model, key = recipe.model, _hash(recipe.model, _fingerprint(recipe.model))
+
+    def record(part: str, value: str, current: str) -> None:
+        if done.get(part) == value and state.get("model") == current and state.get("name") == name:
+            return  # unchanged: a resumed run leaves run.json as it was
+        done[part] = value
+        state.update({"name": name, "model": current})
+        state_path.write_text(json.dumps(state, indent=1))
+
+    for i, step in enumerate(steps):
+        out = run_dir / ("model" if i == len(steps) - 1 else f"step{i}-{step.command}")
+        key = _hash(key, step.command, step.options)
+        if key in produced and i < len(steps) - 1:
+            log(f"{name}: step {i + 1}/{len(steps)} {step.command}: the same as {produced[key]}, reused")
+            out = Path(produced[key])
+        elif done.get(f"step{i}") == key and (out / "slimlm.json").exists():
+            log(f"{name}: step {i + 1}/{len(steps)} {step.command}: done before, skipped")
+        else:
+            log(f"{name}: step {i + 1}/{len(steps)} {step.command} {step.options or ''}")
+            COMMANDS[step.command](_parse(step.command, step.options, model, out, step.where))
+            record(f"step{i}", key, str(out))
+        produced.setdefault(key, str(out))
+        model = str(out)
+    record("model", key, model)
+    for part, options, target in (("eval", recipe.eval, "eval.json"), ("bench", recipe.bench, "bench.json")):
+        part_key = _hash(key, part, options)
+        if done.get(part) == part_key and (run_dir / target).exists():
+            log(f"{name}: {part}: done before, skipped")
+            continue
+        log(f"{name}: {part}")
+        args = _parse(part, options, model, None, f"{recipe.path}: {part}")
+        if part == "eval":
+            args.output = run_dir / target
+        else:
+            args.json, args.baseline = run_dir / target, (recipe.model if steps else "none")
+        COMMANDS[part](args)
+        record(part, part_key, model)
+    return run_dir

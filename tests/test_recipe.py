@@ -1,0 +1,97 @@
+"""Recipes: a tiny one runs end to end into a report, a second run skips everything, an edit redoes only
+what it changed, a chain two stages share runs once; malformed recipes name the file, line and field; every
+shipped recipe is valid."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from slimlm import SlimlmError
+from slimlm import recipe as recipes
+from slimlm.cli import main
+
+SHIPPED = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
+
+
+def write_recipe(tmp_path: Path, tiny_llama: Path, calib_txt: Path) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(f"""\
+model: {tiny_llama}
+runs: {tmp_path / "runs"}
+report: {tmp_path / "report.html"}
+eval: {{ppl: {calib_txt}, max_tokens: 2048, seq_len: 128}}
+bench: {{batch: [1, 2], context: 32, prefill_len: 16, requests: 3, rate: 50, prompt_len: [8, 12],
+        output_len: [2, 4], kv_cache_memory: 4M}}
+stages:
+  float: []
+  rtn: [{{rtn: {{group_size: 32}}}}]
+  rtn-kv:
+    - rtn: {{group_size: 32}}
+    - kv: {{kv_dtype: int8, calib: {calib_txt}, num_samples: 4, seq_len: 64}}
+""")
+    return path
+
+
+def test_a_recipe_runs_resumes_and_redoes_only_what_changed(tiny_llama, calib_txt, tmp_path, capsys):
+    path = write_recipe(tmp_path, tiny_llama, calib_txt)
+    assert main(["recipe", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert f"report: {tmp_path / 'report.html'}" in captured.out and "rtn-kv" in captured.out
+    assert "rtn-kv: step 1/2 rtn: the same as" in captured.err  # the shared chain ran once
+    runs = tmp_path / "runs"
+    kv = json.loads((runs / "rtn-kv" / "model" / "config.json").read_text())["quantization_config"]
+    assert kv["kv_cache_scheme"]["num_bits"] == 8
+    assert json.loads((runs / "float" / "run.json").read_text())["model"] == str(tiny_llama)
+    stamps = {p: p.stat().st_mtime_ns for p in runs.rglob("*.json")}
+
+    assert main(["recipe", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("done before, skipped") == 3 * 2 + 2 and "the same as" in err  # eval+bench ×3, rtn, kv
+    assert {p: p.stat().st_mtime_ns for p in runs.rglob("*.json")} == stamps
+
+    assert main(["recipe", str(path), "--set", "stages.rtn.0.rtn.bits=8"]) == 0
+    err = capsys.readouterr().err
+    assert "rtn: step 1/1 rtn {'group_size': 32, 'bits': 8}" in err and "float: eval: done before" in err
+    assert json.loads((runs / "rtn" / "model" / "config.json").read_text())["quantization_config"][
+        "config_groups"]["group_0"]["weights"]["num_bits"] == 8  # fmt: skip
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("model: m\nruns: r\nstagez: {}\n", "x.yaml:3: stagez: unknown field"),
+    ("model: m\nruns: r\nstages:\n  a:\n    - quantize: {bits: 4}\n", "x.yaml:5: stages.a.0: unknown step 'quantize'"),
+    ("model: m\nruns: r\nstages:\n  a:\n    - rtn: {bitz: 4}\n",
+     "x.yaml:5: stages.a.0.rtn: unrecognized arguments: --bitz 4"),
+    ("model: m\nruns: r\nstages:\n  a:\n    - rtn: {out: elsewhere}\n", "out is set by the recipe; leave it out"),
+    ("model: m\nruns: r\nstages:\n  a: [{rtn: {bits: [4}]\n", "x.yaml:4: not valid YAML"),
+    ("model: m\nruns: r\n", "'stages' is required"),
+    ("runs: r\nstages: {a: []}\n", "the field 'model' is required"),
+    ("model: m\nruns: r\neval: {tasks: 3, limitt: 2}\nstages: {a: []}\n",
+     "x.yaml:3: eval: unrecognized arguments: --limitt 2"),
+])  # fmt: skip
+def test_malformed_recipes_name_the_file_line_and_field(tmp_path, text, fragment):
+    path = tmp_path / "x.yaml"
+    path.write_text(text)
+    with pytest.raises(SlimlmError) as error:
+        recipes.load(path)
+    assert fragment in str(error.value)
+
+
+def test_overrides_are_checked_too(tmp_path, capsys):
+    path = tmp_path / "x.yaml"
+    path.write_text("model: m\nruns: r\nstages:\n  a: [{rtn: {bits: 4}}]\n")
+    assert main(["recipe", str(path), "--check", "--set", "stages.a.0.rtn.bits=8"]) == 0
+    assert "1 stages, 1 steps: valid" in capsys.readouterr().out
+    assert main(["recipe", str(path), "--check", "--set", "stages.b.0.rtn.bits=8"]) == 2
+    assert "--set stages.b.0.rtn.bits: the recipe has no field 'b' there" in capsys.readouterr().err
+    assert main(["recipe", str(path), "--check", "--set", "stages.a.0.rtn.bits=five"]) == 2
+    assert ("x.yaml:4 (with --set stages.a.0.rtn.bits=five): stages.a.0.rtn: argument --bits: invalid int value: "
+            "'five'") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_every_shipped_recipe_is_valid(path):
+    recipe = recipes.load(path)
+    assert recipe.report is not None and list(recipe.stages)[0] == "float" and not recipe.stages["float"]
