@@ -293,15 +293,10 @@ def http_vs_offline(offline: dict, http: dict) -> None:
 
 
 def copy_bandwidth() -> float:
-    """GB/s of a 256 MiB tensor copy (bytes read + written), best of 10."""
-    src = torch.randn(64 << 20)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(10):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.nbytes / best / 1e9
+    """GB/s of a 256 MiB tensor copy (bytes read + written): `compress plan`'s probe."""
+    from slimlm.eval.plan import copy_bandwidth as probe
+
+    return probe() / 1e9
 
 
 def weight_bytes(dtype: str) -> int:
