@@ -37,6 +37,10 @@ declare -A TESTS=(
   [slimlm/serve/metrics.py]="tests/serve/test_metrics.py tests/serve/test_app.py"
   [slimlm/serve/async_engine.py]="tests/serve/test_app.py tests/serve/test_load.py"
   [slimlm/train/prune.py]="tests/train/test_prune.py"
+  [slimlm/eval/plan.py]="tests/eval/test_plan.py"
+  [slimlm/eval/bench.py]="tests/eval/test_bench.py"
+  [slimlm/eval/report.py]="tests/eval/test_report.py"
+  [slimlm/recipe.py]="tests/test_recipe.py"
 )
 MODULES=("$@")
 [ ${#MODULES[@]} -gt 0 ] || MODULES=("${!TESTS[@]}")
