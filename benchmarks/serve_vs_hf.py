@@ -138,35 +138,10 @@ def run_slimlm_http(requests: list[dict], dtype: str) -> dict:
 
 
 def http_client(url: str, requests: list[dict]) -> dict:
-    """Open-loop: each request is sent at its arrival time whatever the others are doing; streamed, with
-    logprobs=0 so every chunk says how many tokens it carries (a chunk's text can hold back a partial
-    character); a token's time is when its chunk arrived."""
-    import asyncio
+    """`compress bench`'s open-loop streaming client."""
+    from slimlm.eval.bench import http_client as client
 
-    import httpx
-
-    async def one(http, r: dict, start: float) -> list[float]:
-        await asyncio.sleep(max(0.0, r["arrival"] - (time.perf_counter() - start)))
-        body = {"prompt": r["prompt"], "max_tokens": r["output_len"], "temperature": 0, "ignore_eos": True,
-                "stream": True, "logprobs": 0}  # fmt: skip
-        times = []
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            response.raise_for_status()
-            async for line in response.aiter_lines():
-                if line.startswith("data: {"):
-                    now = time.perf_counter() - start
-                    times += [now] * len(json.loads(line[6:])["choices"][0]["logprobs"]["tokens"])
-        return times
-
-    async def run() -> dict:
-        limits = httpx.Limits(max_connections=len(requests) + 1, max_keepalive_connections=len(requests) + 1)
-        async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
-            await one(http, {"arrival": 0, "prompt": requests[0]["prompt"][:32], "output_len": 4}, 0.0)  # warm-up
-            start = time.perf_counter()
-            times = await asyncio.gather(*(one(http, r, start) for r in requests))
-        return {r["id"]: t for r, t in zip(requests, times, strict=True)}
-
-    return {"token_times": asyncio.run(run())}
+    return {"token_times": client(url, requests)[0]}
 
 
 def run_hf_static(requests: list[dict], dtype: str, batch: int) -> dict:

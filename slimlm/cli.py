@@ -174,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-itl", type=float, default=0.2, help="goodput: mean inter-token latency at most, seconds")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-memory", type=parse_size, default="512M", help="KV block pool size (e.g. 512M, 2G)")
+    p.add_argument("--http", action="store_true", help="also send the workload to compress serve over HTTP")
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--json", type=Path, help="write the results as JSON")
 
@@ -390,7 +391,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
     config = bench.BenchConfig(batches=_int_list(a.batch, "--batch"), context=a.context, prefill_len=a.prefill_len,
                                kv_cache_memory=a.kv_cache_memory, dtype=a.dtype, requests=a.requests, rate=a.rate,
                                prompt_len=spans["--prompt-len"], output_len=spans["--output-len"],
-                               slo_ttft_s=a.slo_ttft, slo_itl_s=a.slo_itl, seed=a.seed)  # fmt: skip
+                               slo_ttft_s=a.slo_ttft, slo_itl_s=a.slo_itl, seed=a.seed, http=a.http)  # fmt: skip
     model_dir = models.resolve(a.model)
     baseline = None if a.baseline == "none" else a.baseline
     if a.baseline is None and (model_dir / "slimlm.json").exists():

@@ -8,10 +8,10 @@ Offline, on the engine's model runner (no scheduler in the way):
   this run;
 - memory: weight bytes, KV bytes per token, the largest batch the KV pool holds at `context`, and the peak
   resident memory while the model was loaded and measured (Linux resets the peak per model).
-Online, through the engine: a seeded Poisson workload (prompts cut from the bundled owt text, lengths
-uniform in `prompt_len`, outputs uniform in `output_len`, greedy with EOS ignored): output tokens/s, TTFT
-and inter-token latency p50/p90/p99, and goodput, the requests per second that met the SLO (TTFT ≤
-`slo_ttft_s` and mean inter-token latency ≤ `slo_itl_s`).
+Online, through the engine (with `http`, also to `compress serve` over HTTP): a seeded Poisson workload
+(prompts cut from the bundled owt text, lengths uniform in `prompt_len`, outputs uniform in `output_len`,
+greedy with EOS ignored): output tokens/s, TTFT and inter-token latency p50/p90/p99, and goodput, the
+requests per second that met the SLO (TTFT ≤ `slo_ttft_s` and mean inter-token latency ≤ `slo_itl_s`).
 The baseline (by default the float source named in the checkpoint's slimlm.json) is measured in the same
 process, each part interleaved with the checkpoint's, and every figure gets a ratio.
 """
@@ -46,6 +46,7 @@ class BenchConfig:
     slo_ttft_s: float = 2.0
     slo_itl_s: float = 0.2
     seed: int = 0
+    http: bool = False  # also send the workload to `compress serve` over HTTP
 
 
 def baseline_of(model_dir: Path) -> str:
@@ -176,7 +177,7 @@ def online(model: str, config: BenchConfig, requests: list[dict]) -> dict:
     engine.add_request(requests[0]["prompt"][:16], SamplingParams(max_tokens=2, temperature=0), "warm-up")
     while engine.has_unfinished():
         engine.step(detokenize=False)
-    pending, done = list(requests), {}
+    pending, times = list(requests), {}
     start = time.perf_counter()
     while pending or engine.has_unfinished():
         now = time.perf_counter() - start
@@ -189,19 +190,81 @@ def online(model: str, config: BenchConfig, requests: list[dict]) -> dict:
             continue
         for out in engine.step(detokenize=False):
             if out.finished:
-                done[out.request_id] = out
-    wall = time.perf_counter() - start
+                times[out.request_id] = [t - start for t in out.outputs[0].token_times]
+    return latency_figures(requests, times, time.perf_counter() - start, config)
+
+
+def latency_figures(requests: list[dict], times: dict[str, list[float]], wall: float, config: BenchConfig) -> dict:
+    """Throughput, TTFT and inter-token latency percentiles and goodput from each request's token times
+    (seconds from the workload's start)."""
     ttft, itl, good = [], [], 0
     for r in requests:
-        c = done[r["id"]].outputs[0]
-        first = c.token_times[0] - (start + r["arrival"])
-        gaps = [b - a for a, b in zip(c.token_times, c.token_times[1:], strict=False)]
+        t = times[r["id"]]
+        first = t[0] - r["arrival"]
+        gaps = [b - a for a, b in zip(t, t[1:], strict=False)]
         ttft.append(first)
         itl += gaps
         good += first <= config.slo_ttft_s and (not gaps or statistics.mean(gaps) <= config.slo_itl_s)
-    tokens = sum(len(done[r["id"]].outputs[0].token_ids) for r in requests)
+    tokens = sum(len(times[r["id"]]) for r in requests)
     return {"output_tok_s": tokens / wall, "ttft_s": _percentiles(ttft), "itl_s": _percentiles(itl),
             "goodput_req_s": good / wall, "slo_met": good / len(requests), "wall_s": wall}  # fmt: skip
+
+
+def online_http(model: str, config: BenchConfig, requests: list[dict]) -> dict:
+    """The same workload sent to `compress serve` (its own process) by an open-loop streaming client."""
+    import signal
+    import subprocess
+    import sys
+
+    longest = max(len(r["prompt"]) + r["output_len"] for r in requests)
+    cmd = [sys.executable, "-m", "slimlm.cli", "serve", model, "--port", "0", "--dtype", config.dtype,
+           "--max-num-seqs", "64", "--max-model-len", str(longest),
+           "--kv-cache-memory", str(config.kv_cache_memory)]  # fmt: skip
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "serving on" not in line:
+            line = server.stdout.readline()
+            if not line:
+                raise SlimlmError(f"compress serve did not start: {server.stderr.read()[-300:].strip()}")
+        times, wall = http_client(line.split()[-1].removesuffix("/v1"), requests)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+    return latency_figures(requests, times, wall, config)
+
+
+def http_client(url: str, requests: list[dict]) -> tuple[dict[str, list[float]], float]:
+    """Open-loop: each request is sent at its arrival time whatever the others are doing; streamed, with
+    logprobs=0 so every chunk says how many tokens it carries (a chunk's text can hold back a partial
+    character); a token's time is when its chunk arrived. Returns the token times and the wall time."""
+    import asyncio
+
+    import httpx
+
+    async def one(http, r: dict, start: float) -> list[float]:
+        await asyncio.sleep(max(0.0, r["arrival"] - (time.perf_counter() - start)))
+        body = {"prompt": r["prompt"], "max_tokens": r["output_len"], "temperature": 0, "ignore_eos": True,
+                "stream": True, "logprobs": 0}  # fmt: skip
+        times = []
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    now = time.perf_counter() - start
+                    times += [now] * len(json.loads(line[6:])["choices"][0]["logprobs"]["tokens"])
+        return times
+
+    async def run() -> tuple[dict, float]:
+        limits = httpx.Limits(max_connections=len(requests) + 1, max_keepalive_connections=len(requests) + 1)
+        async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
+            await one(http, {"arrival": 0, "prompt": requests[0]["prompt"][:32], "output_len": 4}, 0.0)  # warm-up
+            start = time.perf_counter()
+            times = await asyncio.gather(*(one(http, r, start) for r in requests))
+            wall = time.perf_counter() - start
+        return {r["id"]: t for r, t in zip(requests, times, strict=True)}, wall
+
+    return asyncio.run(run())
 
 
 def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool = True) -> dict:
@@ -222,6 +285,9 @@ def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool 
     for name, path in systems.items():
         log(f"[bench] online: {name}, {config.requests} requests at {config.rate}/s")
         result["systems"][name]["online"] = online(path, config, requests)
+    for name, path in systems.items() if config.http else ():
+        log(f"[bench] online over HTTP: {name} behind compress serve")
+        result["systems"][name]["http"] = online_http(path, config, requests)
     return result
 
 
@@ -238,6 +304,10 @@ def _rows(system: dict) -> dict[str, float | None]:
                  "online output tok/s": on["output_tok_s"], "TTFT p50 s": on["ttft_s"]["p50"],
                  "TTFT p99 s": on["ttft_s"]["p99"], "ITL p50 s": on["itl_s"]["p50"], "ITL p99 s": on["itl_s"]["p99"],
                  "goodput req/s": on["goodput_req_s"]})  # fmt: skip
+    if "http" in system:
+        http = system["http"]
+        rows.update({"HTTP output tok/s": http["output_tok_s"], "HTTP TTFT p50 s": http["ttft_s"]["p50"],
+                     "HTTP ITL p50 s": http["itl_s"]["p50"], "HTTP goodput req/s": http["goodput_req_s"]})  # fmt: skip
     return rows
 
 

@@ -103,3 +103,12 @@ def test_a_checkpoint_without_a_source_needs_a_baseline(tmp_path):
     (tmp_path / "slimlm.json").write_text("{}")
     with pytest.raises(SlimlmError, match="pass --baseline"):
         bench.baseline_of(tmp_path)
+
+
+def test_the_workload_over_http_gets_every_token(tiny_llama):
+    from slimlm import models
+
+    requests = bench.workload(SMALL, models.load_tokenizer(tiny_llama))[:3]
+    result = bench.online_http(str(tiny_llama), SMALL, requests)
+    assert result["output_tok_s"] == pytest.approx(sum(r["output_len"] for r in requests) / result["wall_s"])
+    assert 0 < result["ttft_s"]["p50"] <= result["ttft_s"]["p99"] and result["slo_met"] == 1.0
