@@ -260,6 +260,12 @@ def prune_model(
     params = prune.count_parameters(teacher, shape)
     log(f"[prune] {job.model_dir.name}: {current} -> {shape}" + (f" ('{candidate}')" if candidate else "")
         + f", {params:,} of {total:,} parameters ({params / total:.1%})")  # fmt: skip
+    if train_config is None:
+        held_out = samples[num_samples:]
+        before, after = math.exp(mean_nll(teacher, held_out)), math.exp(mean_nll(student, held_out))
+        log(f"warning: no --distill-tokens, so the pruned model is not distilled: perplexity {after:.1f} against "
+            f"the source's {before:.1f} on {SCORE_SAMPLES} held-out '{calib}' windows; distillation recovers most "
+            "of it (README, Measured)")  # fmt: skip
     meta = {"method": "prune",
             "arguments": {"target_params": target, "candidate": candidate, "from": asdict(current),
                           "to": asdict(shape), "calib": calib, "num_samples": num_samples},
