@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -156,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib", default="owt", help="text the importance is measured on")
     p.add_argument("--num-samples", type=positive_int, default=32, help="512-token calibration windows")
     p.add_argument("--distill-tokens", type=nonnegative_int, default=0, help="distillation budget (0: none)")
+    p.add_argument("--search-tokens", type=nonnegative_int, default=0, help="with --target-params: distill "
+                   "every candidate this long and keep the best then (0: the best right after pruning)")  # fmt: skip
     _add_train_args(p)
 
     p = sub.add_parser("bench", help="speed and memory against the baseline in the same run: prefill, decode "
@@ -667,8 +670,11 @@ def cmd_prune(a: argparse.Namespace) -> None:
     from slimlm.train.job import prune_model
 
     sizes = {"hidden": a.hidden, "heads": a.heads, "ffn": a.ffn, "layers": a.layers}
+    search = _train_config(a, a.search_tokens)  # the candidates' short runs: the same settings, no checkpoints
+    if search is not None:
+        search = dataclasses.replace(search, checkpoint_every=10**9, eval_every=10**9)
     _say_checkpoint(prune_model(a.model, a.out, a.target_params, sizes, a.candidate,
-                                _train_config(a, a.distill_tokens), a.calib, a.num_samples, a.train_data,
+                                _train_config(a, a.distill_tokens), a.calib, a.num_samples, search, a.train_data,
                                 a.eval_data, a.overwrite))  # fmt: skip
 
 

@@ -213,13 +213,16 @@ def prune_model(
     train_config: TrainConfig | None = None,
     calib: str = "owt",
     num_samples: int = 32,
+    search: TrainConfig | None = None,
     train_data: str = "owt",
     eval_data: str = "wiki",
     overwrite: bool = False,
     progress: bool = True,
 ) -> Path:
-    """Prune `model_spec` to `target` of its parameters (searching the candidate shapes) or to the explicit
-    `sizes` (hidden, heads, ffn, layers), distill it with train_config, write it; returns the output dir."""
+    """Prune `model_spec` to `target` of its parameters (searching the candidate shapes: the best by
+    perplexity right after pruning, or with `search`, after that short distillation of each) or to the
+    explicit `sizes` (hidden, heads, ffn, layers), distill it with train_config, write it; returns the
+    output dir."""
     log = _logger(progress)
     sizes = sizes or {}
     if candidate is not None and (target is None or candidate not in prune.FAMILIES):
@@ -242,18 +245,32 @@ def prune_model(
                           f"{embeddings:.0%}); raise --target-params")  # fmt: skip
     if candidate is not None and candidate not in found:
         raise SlimlmError(f"--candidate {candidate} cannot reach {target:.0%}; candidates: {', '.join(found)}")
+    searching = search is not None and len(found) > 1 and candidate is None
+    if searching:
+        windows = text_windows(train_data, job.tokenizer, search.seq_len)
+        check(search, len(windows), job.state.num_processes)
     start = time.time()
     samples = data.calibration_windows(calib, job.tokenizer, num_samples + SCORE_SAMPLES, 512)
     log(f"[prune] importance of layers, heads, neurons and channels on {num_samples} windows of '{calib}'")
     scores = prune.importance(teacher, samples[:num_samples], progress=progress)
     searched = {}
     for name, s in found.items():
-        nll = mean_nll(prune.prune(teacher, prune.select(scores, teacher.config, s)), samples[num_samples:])
-        searched[name] = {**asdict(s), "parameters": prune.count_parameters(teacher, s), "ppl": math.exp(nll)}
+        student = prune.prune(teacher, prune.select(scores, teacher.config, s))
+        searched[name] = {**asdict(s), "parameters": prune.count_parameters(teacher, s),
+                          "ppl": math.exp(mean_nll(student, samples[num_samples:]))}  # fmt: skip
+        if searching:  # Minitron's short retraining of each candidate
+            run_dir = job.out.with_name(f".{job.out.name}.search-{name}")
+            shutil.rmtree(run_dir, ignore_errors=True)
+            train(student, teacher, windows, search, run_dir, progress=False)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            searched[name]["ppl_after_search"] = math.exp(mean_nll(student, samples[num_samples:]))
+        after = f", {searched[name]['ppl_after_search']:.2f} after {search.train_tokens} tokens" if (
+            "ppl_after_search" in searched[name]) else ""  # fmt: skip
         log(f"[prune] candidate {name:12s} {s}: {searched[name]['parameters'] / total:.1%} of the parameters, "
-            f"perplexity {searched[name]['ppl']:.2f} on {SCORE_SAMPLES} held-out '{calib}' windows")  # fmt: skip
+            f"perplexity {searched[name]['ppl']:.2f}{after} on {SCORE_SAMPLES} held-out '{calib}' windows")  # fmt: skip
     if found:
-        candidate = candidate or min(searched, key=lambda n: searched[n]["ppl"])
+        key = "ppl_after_search" if searching else "ppl"
+        candidate = candidate or min(searched, key=lambda n: searched[n][key])
         shape = found[candidate]
     keep = prune.select(scores, teacher.config, shape)
     student = prune.prune(teacher, keep)
@@ -268,7 +285,8 @@ def prune_model(
             "of it (README, Measured)")  # fmt: skip
     meta = {"method": "prune",
             "arguments": {"target_params": target, "candidate": candidate, "from": asdict(current),
-                          "to": asdict(shape), "calib": calib, "num_samples": num_samples},
+                          "to": asdict(shape), "calib": calib, "num_samples": num_samples,
+                          "search_tokens": search.train_tokens if search else 0},
             "parameters": {"before": total, "after": params}, "candidates": searched,
             "removed": _removed(keep, teacher.config, scores),
             "prune_seconds": round(time.time() - start, 2)}  # fmt: skip
