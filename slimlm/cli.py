@@ -206,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", help="comma-separated KV-head counts to compare (default: the model's)")
     p.add_argument("--device", default="h100", help="h100 | h200 | a100 | cpu (this machine, probed now)")
     p.add_argument("--memory", type=parse_size, help="memory budget (default: the device's)")
+    p.add_argument("--bench", type=Path, help="a compress bench JSON of MODEL: the model's decode steps, "
+                   "predicted at its measured bandwidth, against the measured ones")  # fmt: skip
     p.add_argument("--json", type=Path, help="also write the plan as JSON")
 
     p = sub.add_parser("eval", help="lm-eval tasks and perplexity of a model or checkpoint, through the runtime")
@@ -447,6 +449,18 @@ def cmd_plan(a: argparse.Namespace) -> None:
     kv_heads = _int_list(a.kv_heads, "--kv-heads") if a.kv_heads else [dims.kv_heads]
     if bad := [k for k in kv_heads if dims.heads % k]:
         raise SlimlmError(f"--kv-heads {bad[0]} does not divide the {dims.heads} query heads")
+    if a.bench:
+        config = models.read_config(models.resolve(a.model))
+        try:
+            bench = json.loads(a.bench.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise SlimlmError(f"--bench {a.bench}: not a compress bench JSON ({e})") from None
+        rows = plan.against_bench(bench, config)
+        print(f"{'batch':>6} {'context':>8} {'predicted ms':>13} {'measured ms':>12} {'measured/predicted':>19}")
+        for r in rows:
+            print(f"{r['batch']:>6} {r['context']:>8} {r['predicted_ms']:>13.2f} {r['measured_ms']:>12.2f} "
+                  f"{r['ratio']:>19.2f}")  # fmt: skip
+        return
     weights = plan.WeightFormat.parse(a.weights)
     result = plan.plan(dims, weights, a.kv_dtype, a.context, _int_list(a.batch, "--batch"), kv_heads, device,
                        a.memory)  # fmt: skip

@@ -220,6 +220,35 @@ def plan(d: Dims, weights: WeightFormat, kv_dtype: str, context: int, batches: l
             "memory": memory, "crossover": device.peak_flops / device.bandwidth, "rows": rows}  # fmt: skip
 
 
+def weight_format_of(config: dict, dtype: str) -> WeightFormat:
+    """The weight format a checkpoint's config.json describes (compressed-tensors or GPTQ), else float."""
+    q = config.get("quantization_config")
+    if not q:
+        return WeightFormat(dtype=dtype)
+    if q.get("quant_method") == "compressed-tensors":
+        w = next(iter(q["config_groups"].values()))["weights"]
+        group = w["group_size"] if w.get("strategy") == "group" else -1
+        return WeightFormat(dtype, w["num_bits"], group, w["symmetric"])
+    return WeightFormat(dtype, q.get("bits", 4), q.get("group_size", 128), q.get("sym", True))
+
+
+def against_bench(bench: dict, config: dict) -> list[dict]:
+    """The bandwidth model's step for each decode step a `compress bench` run measured (its own bandwidth,
+    its checkpoint's format), side by side with the measured time."""
+    system = bench["systems"]["model"]
+    dtype = bench["config"]["dtype"]
+    dims, weights = Dims.from_config(config), weight_format_of(config, dtype)
+    kv = {1: "int8", 2: "bf16", 4: "fp32"}[system["offline"]["kv_bytes_per_token"]
+                                           // (2 * dims.layers * dims.kv_heads * dims.head_dim)]  # fmt: skip
+    device = Device("measured", float("inf"), bench["bandwidth_bytes_s"], float("inf"))
+    rows = []
+    for d in system["offline"]["decode"]:
+        predicted = decode_step(dims, weights, kv, d["batch"], bench["config"]["context"], device)["step_ms"]
+        rows.append({"batch": d["batch"], "context": bench["config"]["context"], "predicted_ms": predicted,
+                     "measured_ms": d["step_ms"], "ratio": d["step_ms"] / predicted})  # fmt: skip
+    return rows
+
+
 def format_plan(result: dict) -> str:
     p, dev = result["parameters"], result["device"]
     gb = 1e9

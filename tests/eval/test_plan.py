@@ -91,3 +91,33 @@ def test_the_command_prints_the_table_for_a_local_model_and_names_bad_input(tiny
 def test_the_cpu_probe_measures_something_plausible():
     device = plan.probe_cpu(seconds=0.05)
     assert 1e8 < device.bandwidth < 1e12 and 1e8 < device.peak_flops < 1e14 and device.memory > 1e9
+
+
+def test_predicted_against_a_bench_run(tiny_llama, tmp_path, capsys):
+    from slimlm import models
+    from slimlm.eval import bench
+
+    config = bench.BenchConfig(batches=[1, 2], context=32, prefill_len=16, steps=2, kv_cache_memory=4 << 20,
+                               requests=2, rate=50.0, prompt_len=(8, 12), output_len=(2, 3))  # fmt: skip
+    result = bench.bench(str(tiny_llama), None, config, progress=False)
+    path = tmp_path / "bench.json"
+    path.write_text(__import__("json").dumps(result))
+    rows = plan.against_bench(result, models.read_config(tiny_llama))
+    dims = plan.Dims.from_config(models.read_config(tiny_llama))
+    expected = (plan.read_bytes(dims, plan.WeightFormat("float32")) + 2 * 32 * plan.kv_bytes_per_token(dims, "fp32"))
+    assert rows[1]["predicted_ms"] == pytest.approx(1e3 * expected / result["bandwidth_bytes_s"])
+    assert rows[1]["ratio"] == pytest.approx(result["systems"]["model"]["offline"]["decode"][1]["step_ms"]
+                                             / rows[1]["predicted_ms"])  # fmt: skip
+    assert main(["plan", str(tiny_llama), "--bench", str(path)]) == 0
+    assert "measured/predicted" in capsys.readouterr().out
+    assert main(["plan", str(tiny_llama), "--bench", str(tmp_path / "missing.json")]) == 2
+
+
+def test_the_format_a_checkpoint_config_describes():
+    ct = {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "weights": {"num_bits": 4, "group_size": 64, "strategy": "group", "symmetric": False}}}}}  # fmt: skip
+    assert plan.weight_format_of(ct, "bfloat16") == plan.WeightFormat("bfloat16", 4, 64, False)
+    channel = {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
+        "weights": {"num_bits": 8, "group_size": None, "strategy": "channel", "symmetric": True}}}}}  # fmt: skip
+    assert plan.weight_format_of(channel, "float32") == plan.WeightFormat("float32", 8, -1, True)
+    assert plan.weight_format_of({}, "float32") == plan.WeightFormat("float32")

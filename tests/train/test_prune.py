@@ -245,8 +245,9 @@ def test_a_pruned_checkpoint_quantizes_like_any_other(tiny4, calib_txt, tmp_path
 
 def test_search_tokens_picks_the_candidate_best_after_a_short_distillation(tiny4, calib_txt, tmp_path):
     out = tmp_path / "searched"
-    assert main(prune_command(tiny4, calib_txt, out, "--target-params", "0.7", "--search-tokens", "256",
-                              "--seq-len", "32", "--global-batch", "4", "--train-data", str(calib_txt))) == 0  # fmt: skip
+    args = ["--target-params", "0.7", "--search-tokens", "256", "--seq-len", "32", "--global-batch", "4",
+            "--train-data", str(calib_txt)]  # fmt: skip
+    assert main(prune_command(tiny4, calib_txt, out, *args)) == 0
     meta = json.loads((out / "slimlm.json").read_text())
     after = {name: c["ppl_after_search"] for name, c in meta["candidates"].items()}
     assert len(after) >= 2 and meta["arguments"]["candidate"] == min(after, key=after.get)
