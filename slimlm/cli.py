@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput: time to first token at most, seconds")
     p.add_argument("--slo-itl", type=float, default=0.2, help="goodput: mean inter-token latency at most, seconds")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-memory", type=parse_size, default="512M", help="KV block pool size (e.g. 512M, 2G)")
+    p.add_argument("--kv-cache-memory", type=parse_size, help="KV block pool size (default: what the largest batch "
+                   "needs at --context, at least 512M)")  # fmt: skip
     p.add_argument("--http", action="store_true", help="also send the workload to compress serve over HTTP")
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--json", type=Path, help="write the results as JSON")

@@ -37,7 +37,7 @@ class BenchConfig:
     context: int = 512
     prefill_len: int = 512
     steps: int = 5  # decode steps timed per batch size (the median is kept)
-    kv_cache_memory: int = 512 << 20
+    kv_cache_memory: int | None = None  # None: what the largest decode batch at `context` needs
     dtype: str = "float32"
     requests: int = 24
     rate: float = 2.0  # Poisson arrivals per second
@@ -59,10 +59,22 @@ def baseline_of(model_dir: Path) -> str:
     return spec
 
 
+def pool_bytes(model: str, config: BenchConfig) -> int:
+    """The KV pool: as given, or enough for the largest decode batch at `context` (4 bytes per element, the
+    most any cache dtype takes) and at least 512 MiB for the online workload."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    from slimlm import models
+
+    dims = plan.Dims.from_config(models.read_config(models.resolve(model)))
+    blocks = max(config.batches) * -(-(config.context + 1) // 16) + 1  # the engine's 16-token blocks
+    return max(512 << 20, blocks * 16 * plan.kv_bytes_per_token(dims, "fp32"))
+
+
 def _engine(model: str, config: BenchConfig, max_len: int):
     from slimlm.runtime.engine import Engine, EngineConfig
 
-    return Engine(model, EngineConfig(dtype=config.dtype, kv_cache_memory=config.kv_cache_memory,
+    return Engine(model, EngineConfig(dtype=config.dtype, kv_cache_memory=pool_bytes(model, config),
                                       max_model_len=max_len, max_num_seqs=max(64, max(config.batches)),
                                       max_num_batched_tokens=max(512, config.prefill_len)))  # fmt: skip
 
@@ -106,7 +118,7 @@ def offline(model: str, config: BenchConfig, bandwidth: float) -> dict:
     bs = engine.config.block_size
     largest = max(config.batches)
     if runner.num_blocks < largest * -(-(config.context + 1) // bs):
-        raise SlimlmError(f"the KV pool ({config.kv_cache_memory >> 20} MiB) cannot hold batch {largest} at "
+        raise SlimlmError(f"the KV pool ({pool_bytes(model, config) >> 20} MiB) cannot hold batch {largest} at "
                           f"context {config.context}; raise --kv-cache-memory or lower --batch")  # fmt: skip
     cache = runner.kv_cache
     if cache.dtype.itemsize == 1:  # random finite bytes: fp8 codes below its NaN pattern, int8 anything
@@ -219,7 +231,7 @@ def online_http(model: str, config: BenchConfig, requests: list[dict]) -> dict:
     longest = max(len(r["prompt"]) + r["output_len"] for r in requests)
     cmd = [sys.executable, "-m", "slimlm.cli", "serve", model, "--port", "0", "--dtype", config.dtype,
            "--max-num-seqs", "64", "--max-model-len", str(longest),
-           "--kv-cache-memory", str(config.kv_cache_memory)]  # fmt: skip
+           "--kv-cache-memory", str(pool_bytes(model, config))]  # fmt: skip
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = ""

@@ -112,3 +112,11 @@ def test_the_workload_over_http_gets_every_token(tiny_llama):
     result = bench.online_http(str(tiny_llama), SMALL, requests)
     assert result["output_tok_s"] == pytest.approx(sum(r["output_len"] for r in requests) / result["wall_s"])
     assert 0 < result["ttft_s"]["p50"] <= result["ttft_s"]["p99"] and result["slo_met"] == 1.0
+
+
+def test_the_default_pool_holds_the_largest_batch(tiny_llama):
+    per_token = 2 * 2 * 2 * 16 * 4  # the tiny model's fp32 KV per token
+    assert bench.pool_bytes(str(tiny_llama), bench.BenchConfig(batches=[1, 8], context=40)) == 512 << 20
+    big = bench.BenchConfig(batches=[100_000], context=40)
+    assert bench.pool_bytes(str(tiny_llama), big) == (100_000 * 3 + 1) * 16 * per_token
+    assert bench.pool_bytes(str(tiny_llama), bench.BenchConfig(kv_cache_memory=1 << 20)) == 1 << 20
