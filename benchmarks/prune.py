@@ -144,7 +144,8 @@ def speed(args) -> list[dict]:
 
     found = MEMO.get("distill") or _earlier(args)["distill"]
     systems = {"unpruned": MODEL} | {f"pruned {r['target']:.0%} ({r['candidate']})": r["dir"] for r in found}
-    llms = {name: LLM(path, max_num_batched_tokens=2048) for name, path in systems.items()}
+    # no prefix caching: the same prompts run again in every repeat, and a cached prompt is not a prefill
+    llms = {name: LLM(path, max_num_batched_tokens=2048, prefix_caching=False) for name, path in systems.items()}
     tokenizer = next(iter(llms.values())).tokenizer
     texts = [p for p in passages("owt") if len(p) > 200]
     prompts = [tokenizer.encode(t)[:32] for t in texts[:32]]
