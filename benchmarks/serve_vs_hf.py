@@ -120,21 +120,10 @@ def decode_steps(engine, requests: list[dict], context: int = 256, steps: int = 
 
 def run_slimlm_http(requests: list[dict], dtype: str) -> dict:
     """`compress serve` as its own process (engine settings as above), this process as the client."""
-    import signal
+    from slimlm.eval.bench import served
 
-    cmd = [sys.executable, "-m", "slimlm.cli", "serve", MODEL, "--port", "0", "--dtype", dtype,
-           "--max-num-seqs", "64", "--max-num-batched-tokens", "512"]  # fmt: skip
-    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = ""
-        while "serving on" not in line:
-            line = server.stdout.readline()
-            if not line:
-                raise RuntimeError(f"compress serve did not start: {server.stderr.read()[-500:]}")
-        return http_client(line.split()[-1].removesuffix("/v1"), requests)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
+    with served(MODEL, "--dtype", dtype, "--max-num-seqs", "64", "--max-num-batched-tokens", "512") as url:
+        return http_client(url, requests)
 
 
 def http_client(url: str, requests: list[dict]) -> dict:

@@ -18,10 +18,12 @@ process, each part interleaved with the checkpoint's, and every figure gets a ra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -222,16 +224,14 @@ def latency_figures(requests: list[dict], times: dict[str, list[float]], wall: f
             "goodput_req_s": good / wall, "slo_met": good / len(requests), "wall_s": wall}  # fmt: skip
 
 
-def online_http(model: str, config: BenchConfig, requests: list[dict]) -> dict:
-    """The same workload sent to `compress serve` (its own process) by an open-loop streaming client."""
+@contextlib.contextmanager
+def served(model: str, *options: str) -> Iterator[str]:
+    """`compress serve MODEL OPTIONS` in its own process on a free port: yields its base URL."""
     import signal
     import subprocess
     import sys
 
-    longest = max(len(r["prompt"]) + r["output_len"] for r in requests)
-    cmd = [sys.executable, "-m", "slimlm.cli", "serve", model, "--port", "0", "--dtype", config.dtype,
-           "--max-num-seqs", "64", "--max-model-len", str(longest),
-           "--kv-cache-memory", str(pool_bytes(model, config))]  # fmt: skip
+    cmd = [sys.executable, "-m", "slimlm.cli", "serve", model, "--port", "0", *options]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = ""
@@ -239,10 +239,18 @@ def online_http(model: str, config: BenchConfig, requests: list[dict]) -> dict:
             line = server.stdout.readline()
             if not line:
                 raise SlimlmError(f"compress serve did not start: {server.stderr.read()[-300:].strip()}")
-        times, wall = http_client(line.split()[-1].removesuffix("/v1"), requests)
+        yield line.split()[-1].removesuffix("/v1")
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(60)
+
+
+def online_http(model: str, config: BenchConfig, requests: list[dict]) -> dict:
+    """The same workload sent to `compress serve` (its own process) by an open-loop streaming client."""
+    longest = max(len(r["prompt"]) + r["output_len"] for r in requests)
+    with served(model, "--dtype", config.dtype, "--max-num-seqs", "64", "--max-model-len", str(longest),
+                "--kv-cache-memory", str(pool_bytes(model, config))) as url:  # fmt: skip
+        times, wall = http_client(url, requests)
     return latency_figures(requests, times, wall, config)
 
 
