@@ -101,19 +101,24 @@ def uninterrupted(tiny_llama, calib_txt, tmp_path_factory):
     return out
 
 
+def kill_after(command: list[str], env: dict, run_log, lines: int) -> None:
+    """Start the run and SIGKILL it once its log has `lines` lines."""
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 120
+    while not (run_log.exists() and len(run_log.read_text().splitlines()) >= lines):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
 def test_a_killed_run_resumes_from_its_checkpoint_and_continues_the_same_curve(tiny_llama, calib_txt, tmp_path,
                                                                               uninterrupted):  # fmt: skip
     out = tmp_path / "killed"
     run_log = tmp_path / ".killed.train" / "log.jsonl"
     command = [sys.executable, "-m", "slimlm.cli", *gqa_command(tiny_llama, calib_txt, out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    deadline = time.monotonic() + 120
-    while not (run_log.exists() and len(run_log.read_text().splitlines()) >= 11):  # past the checkpoint at step 8
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_after(command, env, run_log, 11)  # past the checkpoint at step 8
     assert not out.exists() and (tmp_path / ".killed.train" / "checkpoint" / "state.json").exists()
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -8,10 +8,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from slimlm.cli import main
 from slimlm.train import prune
 from tests.conftest import make_tiny_llama
+from tests.train.test_distill import kill_after, losses
 
 HD = 16  # the tiny model's head_dim: hidden 64 over 4 heads
 
@@ -188,10 +187,6 @@ def distill_command(model, text, out) -> list[str]:
                          "--global-batch", "4", "--checkpoint-every", "4", "--eval-every", "8")  # fmt: skip
 
 
-def losses(out) -> list[float]:
-    return [e["loss"] for e in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in e]
-
-
 def test_a_killed_distillation_resumes_on_the_same_curve(tiny4, calib_txt, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     straight = tmp_path / "straight"
@@ -199,13 +194,7 @@ def test_a_killed_distillation_resumes_on_the_same_curve(tiny4, calib_txt, tmp_p
                    capture_output=True, env=env)  # fmt: skip
     out, run_log = tmp_path / "killed", tmp_path / ".killed.train" / "log.jsonl"
     command = [sys.executable, "-m", "slimlm.cli", *distill_command(tiny4, calib_txt, out)]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    deadline = time.monotonic() + 120
-    while not (run_log.exists() and len(run_log.read_text().splitlines()) >= 7):  # past the checkpoint at step 4
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_after(command, env, run_log, 7)  # past the checkpoint at step 4
     assert not out.exists() and (tmp_path / ".killed.train" / "checkpoint" / "state.json").exists()
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
