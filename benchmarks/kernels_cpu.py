@@ -63,10 +63,12 @@ def run(shapes: dict[str, list[tuple[int, int]]], rows: list[int]) -> list[dict]
                    "bf16_ms": median_ms(each(dense_mm, xs_bf16, dense_bf16))}  # fmt: skip
             for bits in (4, 8):
                 ws = packed[bits]
-                # fp32 activations always take the fused loop; bf16 ones switch path above FUSED_MAX_ROWS_BF16
+                # the better of fp32 and bf16 activations, each on the path quant_matmul takes for it
                 t32 = median_ms(each(cpu_gemm.quant_matmul, xs, ws))
                 t16 = median_ms(each(cpu_gemm.quant_matmul, xs_bf16, ws))
-                best, best_x = (t32, "fused fp32") if t32 <= t16 else (t16, "bf16 " + path(m))
+                best, best_x = (
+                    (t32, "fp32 " + path(m, torch.float32)) if t32 <= t16 else (t16, "bf16 " + path(m, torch.bfloat16))
+                )
                 row[f"int{bits}_ms"], row[f"int{bits}_path"] = best, best_x
                 exact = reference.quant_matmul(xs[0].double(), ws[0])
                 row[f"int{bits}_err"] = relative_error(cpu_gemm.quant_matmul(xs[0], ws[0]), exact)
@@ -76,8 +78,8 @@ def run(shapes: dict[str, list[tuple[int, int]]], rows: list[int]) -> list[dict]
     return results
 
 
-def path(m: int) -> str:
-    return "fused" if m <= cpu_gemm.FUSED_MAX_ROWS_BF16 else "dequant-slices+matmul"
+def path(m: int, dtype: torch.dtype) -> str:
+    return "dequant-slices+matmul" if cpu_gemm.dequantizes_slices(m, dtype) else "fused"
 
 
 HEADER = (f"{'shape':<14}{'M':>4}{'fp32 ms':>9}{'bf16 ms':>9}{'int8 ms':>9}{'÷fp32':>7}{'÷bf16':>7}"

@@ -1,7 +1,7 @@
 """The one place that picks an implementation for each kernel.
 
     cuda tensors  -> Triton (triton_gemm, triton_attention)
-    cpu tensors   -> the AVX-512 C kernels (cpu_gemm, and cpu_attention's C decode for fp32/bf16 caches;
+    cpu tensors   -> the C kernels, AVX-512 or AVX2 (cpu_gemm, and cpu_attention's C decode for fp32/bf16 caches;
                      its batched PyTorch path otherwise); PyTorch everywhere if they cannot be built here
     SLIMLM_KERNELS=reference  -> the plain PyTorch definitions (reference.py) everywhere
 
@@ -29,7 +29,8 @@ __all__ = ["Backend", "PackedWeight", "backend", "pack", "paged_attention", "qua
 def cpu_kernels_available() -> bool:
     if cpu_library.available():
         return True
-    warnings.warn("the AVX-512 CPU kernels could not be built here; using the PyTorch paths", stacklevel=3)
+    warnings.warn("the CPU kernels (AVX-512, or AVX2 with FMA) could not be built here; using the PyTorch paths",
+                  stacklevel=3)  # fmt: skip
     return False
 
 

@@ -6,17 +6,21 @@
 // scale and zero point with one fused multiply-subtract and accumulates into MB×4 registers that span the
 // 64 output features of one block. No horizontal sums: lanes run along N, the loop runs along K.
 //
-// Built on first use by slimlm/kernels/cpu_library.py (gcc -O3 -march=native -fopenmp); without AVX-512 the build
-// fails and the dispatcher uses the PyTorch path. OpenMP resolves to the libgomp torch already loaded.
+// Built on first use by slimlm/kernels/cpu_library.py (gcc -O3 -march=native -fopenmp) together with its
+// AVX2 twin (cpu_gemm_avx2.c); each file compiles to nothing on the other ISA. With neither, the build fails
+// and the dispatcher uses the PyTorch path. OpenMP resolves to the libgomp torch already loaded.
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#error "slimlm's CPU kernels need AVX-512, or AVX2 with FMA and F16C (the PyTorch path runs without them)"
+#endif
+
+#ifdef __AVX512F__
 #include <stdint.h>
 #include <immintrin.h>
 
-#ifndef __AVX512F__
-#error "slimlm's CPU kernels need AVX-512 (cpu_library.py then falls back to the PyTorch path without it)"
-#endif
-
 #define BN 64  // output features per block (packed.BLOCK_N)
 #define MB 4   // rows of x per register tile
+
+int slimlm_vector_bits(void) { return 512; }
 
 static inline __attribute__((always_inline)) void
 weights_at(int bits, const uint8_t *c, const __m512 s[4], const __m512 zs[4], __m512 w[4]) {
@@ -66,9 +70,9 @@ tile(int bits, int rows, const float *x, int64_t K, int64_t group, const uint8_t
 
 // Weight blocks [b0, b1) dequantized to bf16, written k-major into out [K, (b1 − b0)·BN]: the large-M path
 // hands this to torch's bf16 matmul, which beats any FMA loop once x has more than a few rows.
-void slimlm_dequantize_bf16(int bits, int64_t K, const uint8_t *codes, const uint16_t *scales,
-                            const uint8_t *zeros, int64_t b0, int64_t b1, int64_t group, uint16_t *out,
-                            int nthreads) {
+void slimlm_dequantize(int bits, int64_t K, const uint8_t *codes, const uint16_t *scales,
+                       const uint8_t *zeros, int64_t b0, int64_t b1, int64_t group, uint16_t *out,
+                       int nthreads) {
     const int64_t G = K / group, row_bytes = BN * bits / 8, width = (b1 - b0) * BN;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
     for (int64_t nb = b0; nb < b1; nb++) {
@@ -128,3 +132,4 @@ void slimlm_quant_matmul(int bits, const float *x, int64_t M, int64_t K, const u
         }
     }
 }
+#endif

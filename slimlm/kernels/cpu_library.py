@@ -1,5 +1,6 @@
-"""The CPU kernels (cpu_gemm.c, cpu_attention.c) as one shared library: built with gcc on first use, cached
-by source hash, called through ctypes.
+"""The CPU kernels (cpu_gemm.c, cpu_attention.c, and their AVX2 twins *_avx2.c) as one shared library: built
+with gcc -march=native on first use, cached by source hash, called through ctypes. Each source compiles to
+nothing on the other ISA, so the library holds the AVX-512 kernels or the AVX2 ones.
 
 A plain shared library rather than a torch extension: it needs no torch headers, so it builds in about a
 second from a clean clone, and the OpenMP runtime it links is the one torch has already loaded (same soname).
@@ -18,13 +19,15 @@ from pathlib import Path
 
 from slimlm import SlimlmError, cache_dir
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_attention.c")]
+SOURCES = [Path(__file__).with_name(f"{kernel}{isa}.c") for kernel in ("cpu_gemm", "cpu_attention")
+           for isa in ("", "_avx2")]  # fmt: skip
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+DEQUANTIZE = [c_int, i64, ptr, ptr, ptr, i64, i64, i64, ptr, c_int]
 SIGNATURES = {  # name: (argument types, return type)
+    "slimlm_vector_bits": ([], c_int),
     "slimlm_quant_matmul": ([c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, c_int], None),
-    "slimlm_dequantize_bf16": ([c_int, i64, ptr, ptr, ptr, i64, i64, i64, ptr, c_int], None),
     "slimlm_paged_decode": (
         [ptr, ptr, ptr, c_int, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, c_int],
         c_int,
@@ -56,12 +59,19 @@ def load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     for name, (args, result) in SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
+    lib.slimlm_dequantize.argtypes = DEQUANTIZE
     return lib
+
+
+def vector_bits() -> int:
+    """512 where the AVX-512 kernels were built, 256 for the AVX2 ones. slimlm_dequantize writes bf16 on the
+    first (which multiply bf16 fast) and fp32 on the second (where torch's bf16 matmul is ~1 GFLOP/s)."""
+    return load().slimlm_vector_bits()
 
 
 @functools.cache
 def available() -> bool:
-    """Whether the library builds and loads here (it needs gcc and AVX-512)."""
+    """Whether the library builds and loads here (it needs gcc, and AVX-512 or AVX2 with FMA)."""
     try:
         load()
     except (SlimlmError, OSError):

@@ -2,7 +2,7 @@
 
 Checkpoints stay compressed-tensors or GPTQ (row-major codes, one row per output feature). The kernels want
 something else: for every input index k, a short contiguous run of output features, so that one load feeds
-many lanes (AVX-512 on CPU, a Triton tile on GPU) and the whole matrix streams once. So output features are
+many lanes (AVX-512 or AVX2 on CPU, a Triton tile on GPU) and the whole matrix streams once. So output features are
 cut into blocks of `BLOCK_N` and each block is stored k-major:
 
     codes   uint8 [N/BLOCK_N, K, BLOCK_N·bits/8]   4-bit: byte j of a row holds feature j (low nibble)

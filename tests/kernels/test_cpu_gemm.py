@@ -4,7 +4,7 @@ import torch
 from slimlm.kernels import cpu_gemm, cpu_library, reference
 from tests.kernels.problems import quantized_weight, relative_error
 
-pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="needs gcc and AVX-512")
+pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="needs gcc and AVX-512 or AVX2")
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,122 @@
+// The paged decode attention of cpu_attention.c for CPUs with AVX2 and FMA but no AVX-512: same arguments,
+// same exported symbol, the same one task per (sequence, KV head), 8 lanes instead of 16. AVX2 has no
+// scalef or mask registers, so 2^n is built in the exponent bits and the ragged tail of a score row is
+// handled with maskload/maskstore.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <immintrin.h>
+
+#define MAX_GROUP 16
+#define MAX_DIM 256
+
+// 8 cache values as fp32: bf16 is the top half of an fp32, so widening is a shift
+static inline __m256 load8(const void *p, int bf16) {
+    if (!bf16) return _mm256_loadu_ps(p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float dot(const float *a, const void *b, int64_t d, int bf16) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();  // two chains: FMA latency, not throughput
+    for (int64_t i = 0; i < d; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8((const char *)b + i * (bf16 ? 2 : 4), bf16), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8((const char *)b + (i + 8) * (bf16 ? 2 : 4), bf16), acc1);
+    }
+    return sum8(_mm256_add_ps(acc0, acc1));
+}
+
+// e^x for x <= 0, to float precision: 2^(x·log2 e) split into an integer power n, put into the exponent
+// bits, and a fraction f in [-0.5, 0.5] whose 2^f is Cephes' exp2f polynomial. x is clamped at -87 so that
+// 2^n stays a normal float (e^-87 ≈ 1.6e-38 against a largest term of 1: nothing in this sum).
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+
+// q, out [S, Hq, D] fp32; caches [blocks, block_size, Hkv, D] fp32 or (bf16 = 1) bf16; tables [S, width].
+// D a multiple of 16, <= MAX_DIM; Hq / Hkv <= MAX_GROUP. Returns 0, or -1 when a task got no score buffer.
+int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache, int bf16, const int32_t *tables,
+                        int64_t width, const int32_t *seq_lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
+                        int64_t block_size, float scale, float *out, int nthreads) {
+    const int64_t G = Hq / Hkv, elem = bf16 ? 2 : 4;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int failed = 0;
+#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(nthreads)
+    for (int64_t s = 0; s < S; s++) {
+        for (int64_t h = 0; h < Hkv; h++) {
+            const int64_t L = seq_lens[s];
+            float *scores = malloc(sizeof(float) * G * L);
+            if (!scores) {
+                failed = 1;
+                continue;
+            }
+            const float *qh = q + (s * Hq + h * G) * D;
+            float top[MAX_GROUP], total[MAX_GROUP];
+            for (int64_t g = 0; g < G; g++) top[g] = -INFINITY;
+            for (int64_t t0 = 0; t0 < L; t0 += block_size) {  // block by block: no division per token
+                const char *k = (const char *)k_cache +
+                                ((int64_t)tables[s * width + t0 / block_size] * block_size * Hkv + h) * D * elem;
+                for (int64_t t = t0; t < t0 + block_size && t < L; t++, k += Hkv * D * elem) {
+                    for (int64_t g = 0; g < G; g++) {
+                        const float x = dot(qh + g * D, k, D, bf16) * scale;
+                        scores[g * L + t] = x;
+                        if (x > top[g]) top[g] = x;
+                    }
+                }
+            }
+            for (int64_t g = 0; g < G; g++) {
+                float *row = scores + g * L;
+                const __m256 shift = _mm256_set1_ps(top[g]);
+                __m256 sum = _mm256_setzero_ps();
+                for (int64_t t = 0; t < L; t += 8) {
+                    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(L - t)), lane);
+                    const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_maskload_ps(row + t, m), shift)),
+                                                   _mm256_castsi256_ps(m));
+                    _mm256_maskstore_ps(row + t, m, p);
+                    sum = _mm256_add_ps(sum, p);
+                }
+                total[g] = sum8(sum);
+            }
+            __m256 acc[MAX_GROUP][MAX_DIM / 8];
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t i = 0; i < D / 8; i++) acc[g][i] = _mm256_setzero_ps();
+            for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+                const char *v = (const char *)v_cache +
+                                ((int64_t)tables[s * width + t0 / block_size] * block_size * Hkv + h) * D * elem;
+                for (int64_t t = t0; t < t0 + block_size && t < L; t++, v += Hkv * D * elem) {
+                    for (int64_t g = 0; g < G; g++) {
+                        const __m256 p = _mm256_set1_ps(scores[g * L + t]);
+                        for (int64_t i = 0; i < D / 8; i++)
+                            acc[g][i] = _mm256_fmadd_ps(p, load8(v + 8 * i * elem, bf16), acc[g][i]);
+                    }
+                }
+            }
+            for (int64_t g = 0; g < G; g++) {
+                const __m256 inv = _mm256_set1_ps(1.f / total[g]);
+                float *o = out + (s * Hq + h * G + g) * D;
+                for (int64_t i = 0; i < D / 8; i++) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(acc[g][i], inv));
+            }
+            free(scores);
+        }
+    }
+    return failed ? -1 : 0;
+}
+#endif

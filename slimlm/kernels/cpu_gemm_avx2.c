@@ -1,0 +1,142 @@
+// The quantized GEMM of cpu_gemm.c for CPUs with AVX2 and FMA but no AVX-512 (most AMD EPYC before Zen 4,
+// many cloud x86 machines): same weight layout, same exported symbol, 8 lanes instead of 16.
+//
+// What differs and why: 16 vector registers instead of 32, so a register tile is one row of x across the 64
+// output features of a block (8 accumulators) rather than four rows; and there is no fast bf16 matmul to
+// hand large batches to (torch's bf16 matmul runs ~1 GFLOP/s on such CPUs), so the large-M path
+// dequantizes slices to fp32 for torch's fp32 matmul (slimlm_dequantize).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#include <stdint.h>
+#include <immintrin.h>
+
+#define BN 64  // output features per block (packed.BLOCK_N)
+#define MB 2   // rows of x per register tile: 2 × 8 accumulators, the most that stays in 16 registers
+
+int slimlm_vector_bits(void) { return 256; }
+
+// The 64 codes of one k-row of a block, as four runs of 16 in feature order.
+static inline __attribute__((always_inline)) void codes_at(int bits, const uint8_t *c, __m128i parts[4]) {
+    if (bits == 4) {
+        // byte j: feature j in the low nibble, feature j + 32 in the high one
+        const __m256i b = _mm256_loadu_si256((const __m256i *)c);
+        const __m256i mask = _mm256_set1_epi8(0x0F);
+        const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+        parts[0] = _mm256_castsi256_si128(lo);
+        parts[1] = _mm256_extracti128_si256(lo, 1);
+        parts[2] = _mm256_castsi256_si128(hi);
+        parts[3] = _mm256_extracti128_si256(hi, 1);
+    } else {
+        for (int i = 0; i < 4; i++) parts[i] = _mm_loadu_si128((const __m128i *)(c + 16 * i));
+    }
+}
+
+// Features 8i .. 8i+7 of that row as fp32: code·s − zero·s. One vector at a time, so that it is used at once
+// and the accumulators keep the registers.
+static inline __attribute__((always_inline)) __m256
+weight_at(const __m128i parts[4], int i, const float *s, const float *zs) {
+    const __m128i p = i % 2 ? _mm_srli_si128(parts[i / 2], 8) : parts[i / 2];
+    const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p));
+    return _mm256_fmsub_ps(code, _mm256_loadu_ps(s + 8 * i), _mm256_loadu_ps(zs + 8 * i));
+}
+
+// One group's scales and zero·scale as fp32, 64 of each (kept in L1, not registers).
+static inline void group_params(const uint16_t *scales, const uint8_t *zeros, float s[BN], float zs[BN]) {
+    for (int i = 0; i < BN; i += 8) {
+        const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + i)));
+        const __m256 z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zeros + i))));
+        _mm256_storeu_ps(s + i, sv);
+        _mm256_storeu_ps(zs + i, _mm256_mul_ps(z, sv));
+    }
+}
+
+// Per group, x·code is accumulated from the raw codes and the scale and zero point are applied once at the
+// group's end: y += s·Σ x·code − s·zero·Σ x. That takes the multiply-subtract out of the inner loop, which
+// is what bounds one row of x here (the weights stream at a fraction of memory bandwidth).
+static inline __attribute__((always_inline)) void
+tile(int bits, int rows, const float *x, int64_t K, int64_t group, const uint8_t *codes,
+     const uint16_t *scales, const uint8_t *zeros, float *y, int64_t N) {
+    const int64_t row_bytes = BN * bits / 8;
+    __m256 acc[MB][8];
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < 8; i++) acc[r][i] = _mm256_setzero_ps();
+    float s[BN], zs[BN];
+    for (int64_t g = 0; g < K / group; g++) {
+        group_params(scales + g * BN, zeros + g * BN, s, zs);
+        __m256 part[MB][8];
+        float xsum[MB];
+        for (int r = 0; r < rows; r++) {
+            xsum[r] = 0.f;
+            for (int i = 0; i < 8; i++) part[r][i] = _mm256_setzero_ps();
+        }
+        for (int64_t k = g * group; k < (g + 1) * group; k++) {
+            __m128i parts[4];
+            codes_at(bits, codes + k * row_bytes, parts);
+            __m256 xb[MB];
+            for (int r = 0; r < rows; r++) {
+                xb[r] = _mm256_set1_ps(x[r * K + k]);
+                xsum[r] += x[r * K + k];
+            }
+            for (int i = 0; i < 8; i++) {
+                const __m128i p = i % 2 ? _mm_srli_si128(parts[i / 2], 8) : parts[i / 2];
+                const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(p));
+                for (int r = 0; r < rows; r++) part[r][i] = _mm256_fmadd_ps(xb[r], code, part[r][i]);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const __m256 xs = _mm256_set1_ps(xsum[r]);
+            for (int i = 0; i < 8; i++) {
+                acc[r][i] = _mm256_fmadd_ps(part[r][i], _mm256_loadu_ps(s + 8 * i), acc[r][i]);
+                acc[r][i] = _mm256_fnmadd_ps(xs, _mm256_loadu_ps(zs + 8 * i), acc[r][i]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < 8; i++) _mm256_storeu_ps(y + r * N + 8 * i, acc[r][i]);
+}
+
+// Weight blocks [b0, b1) dequantized to fp32, written k-major into out [K, (b1 − b0)·BN].
+void slimlm_dequantize(int bits, int64_t K, const uint8_t *codes, const uint16_t *scales,
+                       const uint8_t *zeros, int64_t b0, int64_t b1, int64_t group, float *out,
+                       int nthreads) {
+    const int64_t G = K / group, row_bytes = BN * bits / 8, width = (b1 - b0) * BN;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
+    for (int64_t nb = b0; nb < b1; nb++) {
+        for (int64_t g = 0; g < G; g++) {
+            float s[BN], zs[BN];
+            group_params(scales + (nb * G + g) * BN, zeros + (nb * G + g) * BN, s, zs);
+            for (int64_t k = g * group; k < (g + 1) * group; k++) {
+                __m128i parts[4];
+                codes_at(bits, codes + (nb * K + k) * row_bytes, parts);
+                float *o = out + k * width + (nb - b0) * BN;
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + 8 * i, weight_at(parts, i, s, zs));
+            }
+        }
+    }
+}
+
+// Literal `bits` and `rows` let the compiler specialise and unroll each tile (registers, not memory).
+#define TILE(B, R) tile(B, R, xr, K, group, c, s, z, yr, N)
+
+void slimlm_quant_matmul(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes,
+                         const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
+                         float *y, int nthreads) {
+    const int64_t N = nblocks * BN, G = K / group, mblocks = (M + MB - 1) / MB;
+    // n-blocks outermost: a thread sweeps all row blocks of x over one weight block while it is in cache.
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
+    for (int64_t nb = 0; nb < nblocks; nb++) {
+        for (int64_t mb = 0; mb < mblocks; mb++) {
+            const int rows = M - mb * MB < MB ? (int)(M - mb * MB) : MB;
+            const float *xr = x + mb * MB * K;
+            float *yr = y + mb * MB * N + nb * BN;
+            const uint8_t *c = codes + nb * K * (BN * bits / 8);
+            const uint16_t *s = scales + nb * G * BN;
+            const uint8_t *z = zeros + nb * G * BN;
+            if (bits == 4) {
+                if (rows == 1) TILE(4, 1); else TILE(4, 2);
+            } else {
+                if (rows == 1) TILE(8, 1); else TILE(8, 2);
+            }
+        }
+    }
+}
+#endif
