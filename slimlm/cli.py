@@ -123,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_calibration(p)
     _add_weight_args(p, sym=False)
     p.add_argument("--search-batches", type=int, default=2, help="calibration batches used by the scale search")
+    p.add_argument("--grid", type=int, default=20, help="scale exponents tried per group of linears (α = i/grid)")
     p.add_argument("--no-clip", dest="clip", action="store_false", help="skip the weight-clipping search")
     p.add_argument("--then", choices=["rtn", "gptq"], default="rtn",
                    help="how the AWQ-scaled weights are quantized: rtn (AWQ's own, default) or gptq")
@@ -572,7 +573,7 @@ def cmd_awq(a: argparse.Namespace) -> None:
     args = _weight_args(a)
     quantizer = GPTQ(args, damp=a.damp, act_order=a.act_order) if a.then == "gptq" else RTN(args)
     name = ("awq" if a.then == "rtn" else f"awq+{a.then}") + "+kv" * (a.kv_dtype is not None)
-    steps = [AWQ(args, search_batches=a.search_batches, clip=a.clip), quantizer, *_kv_steps(a)]
+    steps = [AWQ(args, search_batches=a.search_batches, clip=a.clip, grid=a.grid), quantizer, *_kv_steps(a)]
     _quantize_and_report(name, steps, args, a)
 
 

@@ -2,8 +2,9 @@
 rounding, and fold the inverse scale into the op that produces those activations.
 
 Per decoder layer, for each (previous op → linears that read its output) pair:
-  s_x = mean |x| per input channel;  search α ∈ {0, 1/20, …, 19/20}, s = s_x^α (normalised), for the α whose
-  fake-quantized linears Q(W·s)/s give the smallest output error of the enclosing block on calibration data;
+  s_x = mean |x| per input channel;  search α ∈ {0, 1/n, …, (n−1)/n} (n = 20, the paper's grid), s = s_x^α
+  (normalised), for the α whose fake-quantized linears Q(W·s)/s give the smallest output error of the
+  enclosing block on calibration data;
   then W ← W·s and the previous op's output ← /s, which leaves the float model's function unchanged.
 After scaling, a clipping search shrinks each group's range where that lowers the output error.
 
@@ -70,15 +71,17 @@ class AWQ:
 
     needs_data = True
 
-    def __init__(self, args: QuantArgs, search_batches: int = 2, clip: bool = True):
+    def __init__(self, args: QuantArgs, search_batches: int = 2, clip: bool = True, grid: int = GRID):
         if not (type(search_batches) is int and search_batches > 0):
             raise SlimlmError(f"--search-batches {search_batches!r} must be a positive integer (2 is the default)")
-        self.args, self.search_batches, self.clip = args, search_batches, clip
+        if not (type(grid) is int and grid > 0):
+            raise SlimlmError(f"--grid {grid!r} must be a positive integer ({GRID} is the default)")
+        self.args, self.search_batches, self.clip, self.grid = args, search_batches, clip, grid
         self.stats: dict[str, _Stats] = {}
         self.block_inputs: dict[str, list[tuple[tuple, dict]]] = {}
 
     def arguments(self) -> dict[str, Any]:
-        return {"search_batches": self.search_batches, "clip": self.clip, "grid": GRID}
+        return {"search_batches": self.search_batches, "clip": self.clip, "grid": self.grid}
 
     def observe(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> list[Any]:
         self.stats = {}
@@ -134,8 +137,8 @@ class AWQ:
         originals = [mod.weight.data.clone() for mod in mods]
         ref = self._block_output(block, inputs)
         best, best_s = float("inf"), torch.ones_like(x_mean)
-        for i in range(GRID):
-            s = x_mean.pow(i / GRID).clamp(min=1e-4)
+        for i in range(self.grid):
+            s = x_mean.pow(i / self.grid).clamp(min=1e-4)
             s = s / (s.max() * s.min()).sqrt()
             for mod, w in zip(mods, originals, strict=True):
                 scaled = w.float() * s[None, :]

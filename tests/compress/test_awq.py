@@ -2,6 +2,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from slimlm import SlimlmError
 from slimlm.compress import pipeline
 from slimlm.compress.awq import AWQ, fold_scales, layer_mappings
 from slimlm.compress.rtn import RTN
@@ -48,6 +49,26 @@ def test_awq_beats_rtn_with_activation_outliers():
         report = pipeline.run(model, [method], calib, batch_size=4, progress=False).report
         errors[name] = sum(r["relative_error"] for r in report)
     assert errors["awq"] < 0.8 * errors["rtn"], errors
+
+
+def test_a_grid_of_one_tries_only_unit_scales():
+    """α = i/grid: grid 1 is α = 0 alone (s = 1, so without clipping AWQ + RTN is RTN); coarser and finer grids
+    both find scales that help. (A finer grid is not always better for the layer: each mapping's search
+    minimises its own block's error, not the layer's.)"""
+    args = QuantArgs(4, 32, False)
+    calib = torch.randint(0, 256, (8, 64))
+    quantized = {}
+    for name, steps in [("rtn", [RTN(args)]), ("grid1", [AWQ(args, clip=False, grid=1), RTN(args)]),
+                        ("grid4", [AWQ(args, clip=False, grid=4), RTN(args)]),
+                        ("grid8", [AWQ(args, clip=False, grid=8), RTN(args)])]:  # fmt: skip
+        result = pipeline.run(tiny(4), steps, calib, batch_size=4, progress=False)
+        quantized[name] = result
+    for name, q in quantized["rtn"].quantized.items():
+        assert torch.equal(q.codes, quantized["grid1"].quantized[name].codes)
+    first = {name: r.report[0]["relative_error"] for name, r in quantized.items()}
+    assert max(first["grid4"], first["grid8"]) < 0.8 * first["grid1"], first
+    with pytest.raises(SlimlmError, match="--grid 0 must be a positive integer"):
+        AWQ(args, grid=0)
 
 
 def test_clipping_never_hurts_the_sampled_output():
