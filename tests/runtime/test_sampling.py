@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from slimlm import SlimlmError
-from slimlm.runtime.sampling import SamplingParams, filter_logits, sample
+from slimlm.runtime.sampling import SamplingParams, filter_logits, sample, top_logprobs
 
 
 def test_sampling_draws_the_filtered_distribution():
@@ -158,3 +158,43 @@ def test_every_problem_is_reported_at_once_and_boundaries_are_accepted():
     assert ok.stop == ["x"] and ok.greedy
     assert SamplingParams(top_k=0, seed=0, logprobs=0, prompt_logprobs=20, temperature=1e-5).greedy is False
     assert SamplingParams(temperature=0.99e-5).greedy
+
+
+def test_sampled_outputs_report_the_unmodified_model():
+    """Greedy rows take the argmax; every row's logprob is its token's log-softmax under the raw logits
+    (not after temperature or filtering); top-N lists are the N most likely tokens, best first."""
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3)) * 2
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.5, top_k=5, logprobs=3),
+              SamplingParams(top_p=0.5, logprobs=0), SamplingParams(temperature=0, logprobs=1)]  # fmt: skip
+    out = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(4)])
+    raw = torch.log_softmax(logits.double(), -1)
+    assert out.tokens[0] == logits[0].argmax() and out.tokens[3] == logits[3].argmax()
+    assert out.tokens[1] in logits[1].topk(5).indices.tolist()
+    assert out.logprobs == pytest.approx([raw[i, t].item() for i, t in enumerate(out.tokens)], abs=1e-5)
+    assert out.top[0] is None and out.top[2] == []
+    for row, n in ((1, 3), (3, 1)):
+        values, ids = raw[row].topk(n)
+        assert [t for t, _ in out.top[row]] == ids.tolist()
+        assert [v for _, v in out.top[row]] == pytest.approx(values.tolist(), abs=1e-5)
+    assert all(type(t) is int for t in out.tokens) and all(type(v) is float for v in out.logprobs)
+
+
+def test_a_seeded_row_draws_the_same_token_in_any_batch():
+    """Each row uses only its own generator: what other rows are in the batch, and where, does not matter."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(4))
+    params = SamplingParams(temperature=1.0)
+    alone = [sample(logits[i : i + 1], [params], [torch.Generator().manual_seed(10 + i)]).tokens[0] for i in range(3)]
+    greedy = SamplingParams(temperature=0)
+    batch = torch.cat([logits[:1], logits])  # a greedy row first, then the three seeded ones
+    gens = [torch.Generator().manual_seed(99)] + [torch.Generator().manual_seed(10 + i) for i in range(3)]
+    together = sample(batch, [greedy, params, params, params], gens).tokens
+    assert together[0] == logits[0].argmax()
+    assert together[1:] == alone
+
+
+def test_top_logprobs_when_no_row_asks_for_a_list():
+    logprobs = torch.log_softmax(torch.randn(3, 10), -1)
+    assert top_logprobs(logprobs, [None, 0, None]) == [None, [], None]
+    got = top_logprobs(logprobs, [2, None, 5])
+    assert got[1] is None and len(got[0]) == 2 and len(got[2]) == 5
+    assert [t for t, _ in got[2]] == logprobs[2].topk(5).indices.tolist()
