@@ -198,3 +198,18 @@ def test_top_logprobs_when_no_row_asks_for_a_list():
     got = top_logprobs(logprobs, [2, None, 5])
     assert got[1] is None and len(got[0]) == 2 and len(got[2]) == 5
     assert [t for t, _ in got[2]] == logprobs[2].topk(5).indices.tolist()
+
+
+def test_top_p_of_one_keeps_a_tail_that_rounds_away():
+    """A dominant token makes the fp32 cumulative mass reach exactly 1.0 before the tail: a row with top_p = 1
+    must still keep every token (filtering runs here because the other row asks for top-k)."""
+    row = torch.tensor([[30.0] + [0.0] * 20])
+    out = filter_logits(row.repeat(2, 1), [SamplingParams(top_p=1.0), SamplingParams(top_k=2)])
+    assert torch.isfinite(out[0]).all()
+    assert torch.isfinite(out[1]).sum() == 21  # the 20 tied tokens stay with the 2nd (ties kept)
+
+
+def test_top_logprobs_of_one():
+    logprobs = torch.log_softmax(torch.randn(2, 10), -1)
+    got = top_logprobs(logprobs, [1, None])
+    assert got[1] is None and got[0] == [(logprobs[0].argmax().item(), pytest.approx(logprobs[0].max().item()))]
