@@ -6,7 +6,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from slimlm import SlimlmError
-from slimlm.compress.gptq import HessianAccumulator, gptq_quantize
+from slimlm.compress import pipeline
+from slimlm.compress.gptq import GPTQ, HessianAccumulator, gptq_quantize
 from slimlm.compress.quantize import compute_qparams, quantize, quantize_rtn
 from slimlm.formats.quantized import QuantArgs, QuantizedWeight
 from tests.conftest import transformers_logits_error
@@ -94,6 +95,16 @@ def test_indefinite_hessian_is_retried_with_more_damping():
         q = gptq_quantize(torch.randn(8, 64), H, QuantArgs(4, 32, True), name="layers.3.mlp.up_proj")
     assert any("layers.3.mlp.up_proj: Hessian not positive definite" in str(w.message) for w in caught)
     assert torch.isfinite(q.dequantize()).all()
+
+
+def test_damping_is_raised_five_times_tenfold_and_then_refused():
+    """Attempts add damp·10^k·mean(diag H) for k = 0…5. This diagonal Hessian needs k = 6 (its last entry is
+    −8.95, its mean diagonal 0.005: k = 5 adds 5, k = 6 adds 50), so the error shows where the retries stop."""
+    H = torch.diag(torch.tensor([1.0] * 9 + [-8.95], dtype=torch.float64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(SlimlmError, match=r"^up: the Hessian stays singular even with damping 1000; check"):
+            gptq_quantize(torch.randn(4, 10), H, QuantArgs(4, -1, True), name="up")
 
 
 def test_nan_activations_name_the_layer():
@@ -200,8 +211,13 @@ def columnwise_gptq(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, damp: flo
 @pytest.mark.parametrize("in_features", [576, 1536])
 @pytest.mark.parametrize(
     "args, act_order",
-    [(QuantArgs(4, 64, True), None), (QuantArgs(4, 64, False), "weight"), (QuantArgs(4, 32, True), "group"),
-     (QuantArgs(3, -1, False), None), (QuantArgs(4, -1, True), "weight")],  # fmt: skip
+    [
+        (QuantArgs(4, 64, True), None),
+        (QuantArgs(4, 64, False), "weight"),
+        (QuantArgs(4, 32, True), "group"),
+        (QuantArgs(3, -1, False), None),
+        (QuantArgs(4, -1, True), "weight"),
+    ],  # fmt: skip
     ids=str,
 )
 def test_lazy_batches_equal_columnwise_gptq_across_blocks(in_features, args, act_order):
@@ -223,3 +239,52 @@ def test_lazy_batches_equal_columnwise_gptq_across_blocks(in_features, args, act
     assert loss(q) < 1.01 * loss(ref)
     if act_order == "group":
         assert torch.equal(q.g_idx, ref.g_idx)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [({"damp": 0}, "--damp 0 must be in (0, 1); 0.01 is the usual value"),
+     ({"damp": 1}, "--damp 1 must be in (0, 1); 0.01 is the usual value"),
+     ({"act_order": "columns"}, "--act-order columns is not supported; use one of weight, group")],
+)  # fmt: skip
+def test_bad_step_settings_are_named(kwargs, message):
+    with pytest.raises(SlimlmError) as caught:
+        GPTQ(QuantArgs(4, 32), **kwargs)
+    assert str(caught.value) == message
+
+
+def test_the_step_shares_hessians_warns_once_and_lets_go_of_activations(tiny_llama):
+    """Linears fed the same tensor (q/k/v, gate/up) share one Hessian object; too few calibration tokens
+    for the input width warn once per job, naming the fix; after apply the step holds no activation or
+    Hessian, and the codes are gptq_quantize's on the accumulated Hessian."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    step = GPTQ(QuantArgs(4, 32, True), damp=0.05, act_order="weight")
+    assert step.arguments() == {"damp": 0.05, "act_order": "weight"}
+    layer = pipeline.decoder_layers(model)[0]
+    linears = {f"l.{n}": m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    x = torch.randn(1, 4, model.config.hidden_size)  # 4 tokens: fewer than every linear's input width
+    positions = torch.arange(4)[None]
+    kwargs = {"position_embeddings": model.model.rotary_emb(x, positions), "attention_mask": None}
+    with torch.no_grad():
+        handles = step.observe(layer, linears)
+        layer(x, **kwargs)
+    for h in handles:
+        h.remove()
+    H = step.hessians
+    assert H["l.self_attn.q_proj"] is H["l.self_attn.k_proj"] is H["l.self_attn.v_proj"]
+    assert H["l.mlp.gate_proj"] is H["l.mlp.up_proj"] and H["l.mlp.down_proj"] is not H["l.mlp.up_proj"]
+    assert H["l.self_attn.o_proj"] is not H["l.self_attn.q_proj"] and H["l.self_attn.q_proj"].tokens == 4
+    expected = gptq_quantize(linears["l.mlp.down_proj"].weight.data.clone(), H["l.mlp.down_proj"].H,
+                             step.args, 0.05, "weight")  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = step.apply(layer, linears).quantized
+        step.hessians = {name: H[name] for name in linears}  # a second layer: no second warning
+        step.apply(layer, linears)
+    messages = [str(w.message) for w in caught if "calibration tokens" in str(w.message)]
+    assert messages == [
+        f"GPTQ: 4 calibration tokens for {model.config.hidden_size} input features: the Hessian is rank-deficient "
+        "and error compensation is unreliable; use more --num-samples or --seq-len"
+    ]
+    assert torch.equal(out["l.mlp.down_proj"].codes, expected.codes)
+    assert step.hessians == {} and step._last["x"] is None
