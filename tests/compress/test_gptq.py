@@ -93,7 +93,8 @@ def test_indefinite_hessian_is_retried_with_more_damping():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         q = gptq_quantize(torch.randn(8, 64), H, QuantArgs(4, 32, True), name="layers.3.mlp.up_proj")
-    assert any("layers.3.mlp.up_proj: Hessian not positive definite" in str(w.message) for w in caught)
+    # mean diagonal 1, eigenvalue −1: damping 0.01·10^k·1 first makes it definite at k = 3
+    assert [str(w.message) for w in caught] == ["layers.3.mlp.up_proj: Hessian not positive definite; used damping 10"]
     assert torch.isfinite(q.dequantize()).all()
 
 
@@ -105,6 +106,13 @@ def test_damping_is_raised_five_times_tenfold_and_then_refused():
         warnings.simplefilter("ignore")
         with pytest.raises(SlimlmError, match=r"^up: the Hessian stays singular even with damping 1000; check"):
             gptq_quantize(torch.randn(4, 10), H, QuantArgs(4, -1, True), name="up")
+
+
+def test_nan_weights_alone_name_the_layer():
+    W = torch.randn(8, 64)
+    W[0, 0] = float("nan")
+    with pytest.raises(SlimlmError, match="non-finite values .* of model.layers.2.mlp.down_proj"):
+        gptq_quantize(W, torch.eye(64), QuantArgs(4, 32), name="model.layers.2.mlp.down_proj")
 
 
 def test_nan_activations_name_the_layer():
