@@ -371,7 +371,9 @@ def test_flags_out_of_range_are_argparse_errors(capsys, tiny_llama, tmp_path, ar
         (["eval", "{t}", "--tasks", "slimlm_piqa"], "has no config.json"),
         (["rtn", "--model", "{m}", "--out", "{o}", "--calib", "/etc/passwd"], "is neither .txt"),
         (["awq", "--model", "{m}", "--out", "{o}", "--group-size", "32", "--search-batches", "0"],
-         "--search-batches 0 must be a positive integer"),  # fmt: skip
+         "--search-batches 0 must be a positive integer"),
+        (["awq", "--model", "{m}", "--out", "{o}", "--group-size", "32", "--grid", "0"],
+         "--grid 0 must be a positive integer (20 is the default)"),  # fmt: skip
         (["generate", "{m}", "--prompt", "caf\udce9"], "is not valid text"),
     ],
 )

@@ -63,6 +63,7 @@ def load() -> ctypes.CDLL:
     return lib
 
 
+@functools.cache  # asked on every quantized matmul: one ctypes call per process, not per layer
 def vector_bits() -> int:
     """512 where the AVX-512 kernels were built, 256 for the AVX2 ones. slimlm_dequantize writes bf16 on the
     first (which multiply bf16 fast) and fp32 on the second (where torch's bf16 matmul is ~1 GFLOP/s)."""
