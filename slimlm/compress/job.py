@@ -14,7 +14,7 @@ from slimlm.compress import offload, pipeline
 from slimlm.compress.quantize import quantize_rtn
 from slimlm.devices import resolve_device
 from slimlm.formats import atomic, gptq_v1, kv_cache, shards, writer
-from slimlm.formats.quantized import SUPPORTED_GROUP_SIZES, QuantArgs
+from slimlm.formats.quantized import SUPPORTED_GROUP_SIZES, QuantArgs, QuantizedWeight
 
 
 def default_group_size(model_dir: Path) -> int:
@@ -110,17 +110,31 @@ def quantize_weights(
             log(f"[{method_name}] {model_dir.name}: {len(samples)}×{seq_len} calibration tokens from '{calib}', {dev}")
         else:
             log(f"[{method_name}] {model_dir.name}: no calibration data needed, on {dev}")
-        result = pipeline.run(model, steps, samples, ignore, batch_size, progress, weights, dev, report_error)
-        quantized = result.quantized
+        # Each finished layer goes to disk in the checkpoint's own format at once (shards.ShardWriter), so
+        # the job never holds the whole model's codes: memory stays bounded by a layer and one shard.
+        shard_writer = shards.ShardWriter(tmp)
+        quantized_names: list[str] = []
+        kv_scales: dict[str, torch.Tensor] = {}
+
+        def write_layer(quantized: dict[str, QuantizedWeight], tensors: dict[str, torch.Tensor]) -> None:
+            if keep_weights:  # only the new KV scales: the source's own tensors are copied at the end
+                kv_scales.update({k: v for k, v in tensors.items() if k.endswith(kv_cache.SUFFIXES)})
+                return
+            quantized_names.extend(quantized)
+            shard_writer.add(writer.quantized_tensors(quantized, tensors, fmt))
+
+        result = pipeline.run(model, steps, samples, ignore, batch_size, progress, weights, dev, report_error,
+                              on_layer=write_layer)  # fmt: skip
         seconds = time.time() - start
         if weights is None:
-            float_tensors = {**{k: v.cpu() for k, v in writer.state_tensors(model).items()}, **result.float_tensors}
+            in_layers = arch.LAYERS + "."
+            outside = {k: v.cpu() for k, v in writer.state_tensors(model).items() if not k.startswith(in_layers)}
         else:
             outside = weights.read(weights.names_outside(arch.LAYERS + "."))
-            float_tensors = {**outside, **result.float_tensors}
+        quantized = {}
         if quantize_lm_head:
             # The lm_head sees the final hidden states only; it is rounded to nearest whatever the method.
-            quantized["lm_head"] = quantize_rtn(float_tensors["lm_head.weight"].float(), args)
+            quantized["lm_head"] = quantize_rtn(outside["lm_head.weight"].float(), args)
         meta = {
             "method": method_name,
             "arguments": {**(asdict(args) if args else {}), "ignore": list(ignore),
@@ -136,18 +150,19 @@ def quantize_weights(
         }  # fmt: skip
         if keep_weights:  # the source's own tensors and config, the new KV scales in place of any old ones
             tensors = {k: v for k, v in shards.read(model_dir).items() if not k.endswith(kv_cache.SUFFIXES)}
-            tensors.update({k: v for k, v in float_tensors.items() if k.endswith(kv_cache.SUFFIXES)})
+            shard_writer.add({**tensors, **kv_scales})
             qconfig = {**source_qcfg, "kv_cache_scheme": method_args.get("kv_cache_scheme")}
         else:
+            shard_writer.add(writer.quantized_tensors(quantized, outside, fmt))
             linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-            ignored = sorted(linear_names - set(quantized))
+            ignored = sorted(linear_names - set(quantized_names) - set(quantized))
             qconfig = writer.quantization_config(fmt, args, ignored, method_args)
-            tensors = writer.quantized_tensors(quantized, float_tensors, fmt)
         config_patch = {**result.config_patch, "quantization_config": qconfig}
-        del quantized, float_tensors, result
+        del quantized, outside, result
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
-        writer.write(tmp, tensors, config, tokenizer, meta, config_patch, getattr(model, "generation_config", None))
+        generation_config = getattr(model, "generation_config", None)
+        writer.write_metadata(tmp, shard_writer.finish(), config, tokenizer, meta, config_patch, generation_config)
     log(f"[{method_name}] compressed {model_dir.name} in {seconds:.0f}s; wrote {out}")
     return out

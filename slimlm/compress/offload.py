@@ -2,8 +2,9 @@
 
 The source checkpoint's safetensors files are the offload store: a quantization job builds the model with
 empty (meta) weights, loads the embeddings, and then, for each decoder layer in turn, reads that layer's
-tensors, compresses it and drops it again. Peak memory is one float decoder layer plus the calibration
-activations plus the (much smaller) quantized codes, whatever the model's size.
+tensors, compresses it, hands it to the checkpoint writer and drops it again. Peak memory is one float
+decoder layer (as read, and its dequantized copy) plus the calibration activations plus at most one shard
+waiting to be written, whatever the model's size.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from __future__ import annotations
 import fnmatch
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -144,7 +145,7 @@ def _check_finite(tensors: list[torch.Tensor], what: str) -> None:
 class Result:
     quantized: dict[str, QuantizedWeight]  # by full module name, on the CPU
     report: list[dict]  # per decoder layer: output error (when measured), seconds
-    float_tensors: dict[str, torch.Tensor]  # offloaded layers' unquantized tensors, plus steps' extra tensors
+    float_tensors: dict[str, torch.Tensor]  # the layers' unquantized tensors, plus steps' extra tensors
     config_patch: dict[str, Any] = field(default_factory=dict)
 
 
@@ -171,12 +172,17 @@ def run(
     weights: LazyWeights | None = None,
     device: torch.device | str = "cpu",
     report_error: bool = True,
+    on_layer: Callable[[dict[str, QuantizedWeight], dict[str, torch.Tensor]], None] | None = None,
 ) -> Result:
     """Compress every decoder layer of `model` in place, running `steps` on each layer in order.
 
     With `weights`, the decoder layers start empty (meta) and each is read from disk onto `device` just
-    before it is compressed and dropped right after, keeping its unquantized tensors in
-    `Result.float_tensors`. `calib` may be None when no step needs data and no error report is wanted.
+    before it is compressed and dropped right after. `calib` may be None when no step needs data and no
+    error report is wanted.
+
+    Each finished layer's quantized weights and tensors to store (the layer's unquantized ones: norms,
+    biases, ignored linears; and the steps' extra ones) go to `on_layer` when given, which is how a job
+    writes them out at once and holds nothing across layers; otherwise they are gathered in the Result.
     """
     with_data = report_error or any(s.needs_data for s in steps)
     inputs = capture_first_layer_inputs(model, calib, batch_size) if with_data else []
@@ -195,6 +201,7 @@ def run(
         layer = layers[i]
         linears = {n: m for n, m in all_linears.items() if n.startswith(f"{arch.LAYERS}.{i}.")}
         done: dict[str, QuantizedWeight] = {}
+        layer_tensors: dict[str, torch.Tensor] = {}
         ref = None
         for step in steps:
             if step.needs_data or (report_error and ref is None):
@@ -213,7 +220,7 @@ def run(
             for local, module in result.modules.items():
                 layer.set_submodule(local, module)
             done.update(result.quantized)
-            float_tensors.update({f"{arch.LAYERS}.{i}.{k}": v.detach().cpu() for k, v in result.tensors.items()})
+            layer_tensors.update({f"{arch.LAYERS}.{i}.{k}": v.detach().cpu() for k, v in result.tensors.items()})
             config_patch.update(result.config_patch)
         entry = {"layer": i}
         if with_data:
@@ -228,12 +235,18 @@ def run(
                 _check_finite([q.scale], f"the quantization scales of {name}")
         entry["seconds"] = round(time.time() - start, 3)
         report.append(entry)
-        quantized.update({n: _on_cpu(q) for n, q in done.items()})
+        for name, t in layer.state_dict().items():
+            full = f"{arch.LAYERS}.{i}.{name}"
+            if full.removesuffix(".weight") not in done:
+                layer_tensors[full] = t.detach().cpu().clone()
+        done = {n: _on_cpu(q) for n, q in done.items()}
+        if on_layer is not None:
+            on_layer(done, layer_tensors)
+        else:
+            quantized.update(done)
+            float_tensors.update(layer_tensors)
+        del done, layer_tensors
         if weights is not None:
-            for name, t in layer.state_dict().items():
-                full = f"{arch.LAYERS}.{i}.{name}"
-                if full.removesuffix(".weight") not in done:
-                    float_tensors[full] = t.detach().cpu().clone()
             layer.to("meta")
-            return_freed_memory()
+        return_freed_memory()
     return Result(quantized, report, float_tensors, config_patch)

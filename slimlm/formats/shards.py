@@ -16,29 +16,56 @@ MAX_SHARD_BYTES = 2 * 1024**3
 INDEX = "model.safetensors.index.json"
 
 
+class ShardWriter:
+    """Writes tensors as they arrive: a file each time `max_bytes` of them have gathered, so a compression
+    job holds at most one shard in memory, not the whole checkpoint. finish() names the files as
+    transformers does (model.safetensors, or model-0000i-of-0000n.safetensors plus the index)."""
+
+    def __init__(self, out: Path, max_bytes: int | None = None):
+        self.out = Path(out)
+        self.max_bytes = MAX_SHARD_BYTES if max_bytes is None else max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.written: list[tuple[str, list[str]]] = []  # (file name so far, tensor names)
+        self.total = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+                self._flush()
+            self.pending[name] = t.contiguous()
+            self.pending_bytes += nbytes
+            self.total += nbytes
+
+    def _flush(self) -> None:
+        fname = f"part-{len(self.written) + 1:05d}.safetensors"
+        save_file(self.pending, self.out / fname, metadata={"format": "pt"})
+        self.written.append((fname, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """The weight files' final names, in order."""
+        if self.pending or not self.written:
+            self._flush()
+        if len(self.written) == 1:
+            (self.out / self.written[0][0]).rename(self.out / "model.safetensors")
+            return ["model.safetensors"]
+        names = [f"model-{i + 1:05d}-of-{len(self.written):05d}.safetensors" for i in range(len(self.written))]
+        weight_map = {}
+        for fname, (part, keys) in zip(names, self.written, strict=True):
+            (self.out / part).rename(self.out / fname)
+            weight_map.update(dict.fromkeys(keys, fname))
+        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        (self.out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        return names
+
+
 def write(out: Path, tensors: dict[str, torch.Tensor]) -> list[str]:
     """Write `tensors` as model.safetensors, or as numbered shards plus an index past MAX_SHARD_BYTES."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
-        return ["model.safetensors"]
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for fname, shard in zip(names, shards, strict=True):
-        save_file(shard, out / fname, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    return names
+    shard_writer = ShardWriter(out)
+    shard_writer.add(tensors)
+    return shard_writer.finish()
 
 
 def sha256(*paths: Path) -> str:

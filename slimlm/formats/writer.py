@@ -66,8 +66,21 @@ def write(
 
     `config` is a transformers PretrainedConfig; `config_patch` is merged into its config.json (a
     quantization_config, or the fields a pruned or GQA-converted model changes)."""
+    files = shards.write(Path(out), tensors)
+    write_metadata(out, files, config, tokenizer, meta, config_patch, generation_config)
+
+
+def write_metadata(
+    out: Path,
+    files: list[str],
+    config,
+    tokenizer,
+    meta: dict,
+    config_patch: dict | None = None,
+    generation_config=None,
+) -> None:
+    """Everything but the weights, which `files` (in `out`) already hold: config, tokenizer, manifest."""
     out = Path(out)
-    files = shards.write(out, tensors)
     config.save_pretrained(out)
     if config_patch:
         data = json.loads((out / "config.json").read_text())
