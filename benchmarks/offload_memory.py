@@ -2,7 +2,10 @@
 
 Builds a random Llama (real shapes, random weights) on disk, then, each in a fresh process, measures the
 peak RSS a job adds over the process's resident size just before it starts (Linux clear_refs resets the
-peak mark; a warm-up run first pays the one-time lazy imports, whose transient peak is not the job's):
+peak mark; a warm-up run first pays the one-time lazy imports, whose transient peak is not the job's, and
+what it freed is handed back to the OS before the baseline is read). Each job runs twice: with glibc as it
+comes (what a user sees: freed blocks are kept for reuse, by an amount that varies between runs) and with
+a fixed low mmap threshold (MALLOC_MMAP_THRESHOLD_=65536), where the peak RSS is what the job holds live:
   - load whole model: transformers loads the float model and reads every weight, the least any
     whole-model pipeline holds (the baseline);
   - compress rtn / gptq: slimlm, decoder layers read from disk one at a time.
@@ -13,6 +16,7 @@ peak mark; a warm-up run first pays the one-time lazy imports, whose transient p
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -23,7 +27,9 @@ import sys
 def status(key):
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
 def measure(job):
+    from slimlm.compress.memory import return_freed_memory
     job("warmup")
+    return_freed_memory()
     open("/proc/self/clear_refs", "w").write("5")
     before = status("VmRSS")
     job("measured")
@@ -47,10 +53,10 @@ measure(job)
 """
 
 
-def growth_gb(model: Path, calib: Path, out: Path, kind: str) -> float:
-    proc = subprocess.run(
-        [sys.executable, "-c", PROBE, str(model), str(calib), str(out), kind], capture_output=True, text=True
-    )
+def growth_gb(model: Path, calib: Path, out: Path, kind: str, live: bool) -> float:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"} if live else None
+    argv = [sys.executable, "-c", PROBE, str(model), str(calib), str(out), kind]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("GROWTH")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"{kind} failed:\n{proc.stderr[-2000:]}")
@@ -88,14 +94,17 @@ def main() -> None:
         model_bytes, layer_bytes = make_model(tmp / "model", a.layers, a.hidden, a.intermediate)
         calib = tmp / "calib.txt"
         calib.write_text("\n\n".join(" ".join(f"w{(i * 7 + j) % 500}" for j in range(200)) for i in range(64)))
-        whole = growth_gb(tmp / "model", calib, tmp / "out", "whole")
-        runs = {kind: growth_gb(tmp / "model", calib, tmp / kind, kind) for kind in ("rtn", "gptq")}
+        kinds = {"load whole model (HF)": "whole", "compress rtn (slimlm)": "rtn", "compress gptq (slimlm)": "gptq"}
+        runs = {name: [growth_gb(tmp / "model", calib, tmp / f"{kind}-{live}", kind, live) for live in (False, True)]
+                for name, kind in kinds.items()}  # fmt: skip
     gb = model_bytes / 1e9
     print(f"model: {a.layers} layers, hidden {a.hidden}, intermediate {a.intermediate}: {gb:.2f} GB float32, "
           f"{layer_bytes / 1e9:.3f} GB per decoder layer")  # fmt: skip
-    print(f"{'job':26}{'peak RSS added GB':>18}{'÷ model size':>14}{'÷ one layer':>13}{'÷ whole-model load':>20}")
-    for name, g in [("load whole model (HF)", whole)] + [(f"compress {k} (slimlm)", v) for k, v in runs.items()]:
-        print(f"{name:26}{g:>18.3f}{g / gb:>14.2f}{g * 1e9 / layer_bytes:>13.1f}{g / whole:>20.2f}")
+    print("peak RSS added, GB (÷ model size, ÷ one layer): glibc as it comes | live (fixed mmap threshold)")
+    whole = runs["load whole model (HF)"]
+    for name, pair in runs.items():
+        cells = [f"{g:7.3f} ({g / gb:.2f}, {g * 1e9 / layer_bytes:4.1f})" for g in pair]
+        print(f"{name:26}{cells[0]:>24} | {cells[1]:>24}   ÷ whole-model load: {pair[1] / whole[1]:.2f}")
 
 
 if __name__ == "__main__":
