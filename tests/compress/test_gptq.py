@@ -296,3 +296,79 @@ def test_the_step_shares_hessians_warns_once_and_lets_go_of_activations(tiny_lla
     ]
     assert torch.equal(out["l.mlp.down_proj"].codes, expected.codes)
     assert step.hessians == {} and step._last["x"] is None
+
+
+@pytest.mark.parametrize("args, act_order", [(QuantArgs(4, 32, False), None), (QuantArgs(4, 32, True), "weight"),
+                                             (QuantArgs(3, 32, False), "group"), (QuantArgs(8, -1, False), None)],
+                         ids=str)  # fmt: skip
+def test_outputs_have_the_types_the_formats_expect(args, act_order):
+    """int8 codes and zero points, float scales, and a g_idx only where the groups no longer follow the
+    columns (act-order "group"): a trivial g_idx would be written to the checkpoint as if it mattered."""
+    W = torch.randn(16, 128)
+    q = gptq_quantize(W, hessian(correlated_inputs(512, 128)), args, act_order=act_order)
+    assert q.codes.dtype == torch.int8 and q.scale.dtype == torch.float32
+    assert q.zero is None if args.sym else q.zero.dtype == torch.int8
+    assert (q.g_idx is not None) == (act_order == "group")
+
+
+def test_dead_inputs_are_damped_as_in_the_reference():
+    """A dead input's Hessian diagonal becomes 1, as in the reference code, and that 1 counts in the mean
+    diagonal the damping scales with: the same codes as column-by-column GPTQ on that Hessian."""
+    x = correlated_inputs(1024, 256) * 0.05  # live diagonal ~0.05: the dead inputs' 1s move the damping a lot
+    x[:, 100:228] = 0
+    W, H = torch.randn(32, 256, generator=torch.Generator().manual_seed(3)), hessian(x)
+    q = gptq_quantize(W, H, QuantArgs(4, 64, True), damp=0.1)
+    assert torch.equal(q.codes, columnwise_gptq(W, H, QuantArgs(4, 64, True), 0.1, None).codes)
+
+
+def test_an_unknown_act_order_is_named_by_gptq_quantize_too():
+    with pytest.raises(SlimlmError) as caught:
+        gptq_quantize(torch.randn(4, 32), torch.eye(32), QuantArgs(4, 32), act_order="static")
+    assert str(caught.value) == "--act-order static is not supported; use one of weight, group"
+
+
+def test_weights_that_overflow_the_quantizer_name_the_layer():
+    """Finite weights whose range overflows float32 (asymmetric: max − min = inf) give an infinite scale."""
+    W = torch.randn(4, 32)
+    W[0, :2] = torch.tensor([3e38, -3e38])
+    with pytest.raises(SlimlmError) as caught:
+        gptq_quantize(W, torch.eye(32), QuantArgs(4, 32, False), name="model.layers.1.mlp.up_proj")
+    assert str(caught.value) == "GPTQ produced non-finite weights for model.layers.1.mlp.up_proj; try a larger --damp"
+
+
+def one_layer_step(tiny_llama, tokens: int, dtype=torch.float32):
+    """A GPTQ step that has observed `tokens` tokens through decoder layer 0: (step, layer, its linears)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=dtype).eval()
+    layer = pipeline.decoder_layers(model)[0]
+    linears = {f"l.{n}": m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    step = GPTQ(QuantArgs(4, 32, True))
+    x = torch.randn(1, tokens, model.config.hidden_size, dtype=dtype)
+    kwargs = {"position_embeddings": model.model.rotary_emb(x, torch.arange(tokens)[None]), "attention_mask": None}
+    with torch.no_grad():
+        handles = step.observe(layer, linears)
+        layer(x, **kwargs)
+    for h in handles:
+        h.remove()
+    return step, layer, linears
+
+
+def test_as_many_tokens_as_input_features_do_not_warn(tiny_llama):
+    """n tokens of width n can give a full-rank Hessian: the rank-deficiency warning starts below that."""
+    widest = max(m.in_features for m in AutoModelForCausalLM.from_pretrained(tiny_llama).modules()
+                 if isinstance(m, torch.nn.Linear))  # fmt: skip
+    step, layer, linears = one_layer_step(tiny_llama, widest)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step.apply(layer, linears)
+    assert not [w for w in caught if "calibration tokens" in str(w.message)]
+
+
+@pytest.mark.filterwarnings("ignore:GPTQ")
+def test_the_step_keeps_the_weight_dtype_and_names_the_failing_linear(tiny_llama):
+    step, layer, linears = one_layer_step(tiny_llama, 8, torch.bfloat16)
+    out = step.apply(layer, dict(linears)).quantized
+    assert {q.scale.dtype for q in out.values()} == {torch.bfloat16}
+    step, layer, linears = one_layer_step(tiny_llama, 8)
+    linears["l.mlp.up_proj"].weight.data[0, 0] = float("inf")
+    with pytest.raises(SlimlmError, match=r"weights or calibration activations of l\.mlp\.up_proj$"):
+        step.apply(layer, linears)
