@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from slimlm.runtime.block_manager import BlockManager
@@ -119,3 +120,118 @@ def test_release_last_of_a_shared_block_copies_before_writing():
     bm.release_last(b, 2)  # back into the shared block
     assert b.num_computed == 7 and bm.blocks[shared].ref_count == 2
     assert bm.append(b, 1) and b.block_table[1] != shared and bm.pending_copies == [(shared, b.block_table[1])]
+
+
+def test_the_least_recently_freed_cached_block_is_evicted_first():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    old, new = seq(list(range(5))), seq([9, 9, 9, 9, 9], seq_id=1)
+    run_prefill(bm, old)  # blocks: [0..3] + a partial one
+    bm.free_sequence(old)
+    run_prefill(bm, new)  # takes the one never-used block and old's partial one
+    bm.free_sequence(new)
+    run_prefill(bm, seq([7], seq_id=2))  # one block: the oldest freed, old's [0..3], not new's [9 9 9 9]
+    again_old, again_new = seq(list(range(5)), seq_id=3), seq([9, 9, 9, 9, 9], seq_id=4)
+    bm.allocate_prefix(again_old)
+    bm.allocate_prefix(again_new)
+    assert again_old.num_computed == 0 and again_new.num_computed == 4
+
+
+def test_recycling_a_duplicate_block_keeps_the_original_cached():
+    """Two sequences that computed the same prefix side by side each hold their own copy; only the first is
+    registered. Handing out the duplicate again must not drop the original's cache entry."""
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a, b = seq(list(range(5))), seq(list(range(5)), seq_id=1)
+    for s in (a, b):
+        bm.allocate_prefix(s)
+    for s in (a, b):  # both scheduled in the same step: neither found the other's block
+        assert bm.append(s, 5)
+        s.num_computed = 5
+        bm.register_full_blocks(s)
+    assert a.block_table[0] != b.block_table[0] and bm.blocks[b.block_table[0]].hash is not None
+    bm.free_sequence(b)  # b's blocks are the oldest free ones now...
+    run_prefill(bm, seq([8] * 8, seq_id=2))  # ...and are handed out again
+    c = seq(list(range(5)), seq_id=3)
+    bm.allocate_prefix(c)
+    assert c.block_table == a.block_table[:1] and c.num_computed == 4
+
+
+@pytest.mark.parametrize("logprobs_from, reused", [(8, 4), (9, 8), (13, 12)])
+def test_prompt_logprobs_leave_the_scored_positions_to_compute(logprobs_from, reused):
+    """Scoring prompt token i needs the logits of position i − 1, so it must not come from the cache."""
+    bm = BlockManager(num_blocks=20, block_size=4)
+    run_prefill(bm, seq(list(range(16))))
+    s = seq(list(range(16)), seq_id=1, prompt_logprobs=0, prompt_logprobs_from=logprobs_from)
+    bm.allocate_prefix(s)
+    assert s.num_computed == reused and s.num_cached_tokens == reused
+
+
+def test_a_partial_prefix_hit_is_recorded_and_chains_on():
+    """A hit on the first blocks only still counts as cached, and the blocks computed after it chain their
+    hashes on the hit ones: a third sequence finds all of them."""
+    bm = BlockManager(num_blocks=20, block_size=4)
+    run_prefill(bm, seq(list(range(4)) + [50]))
+    b = seq(list(range(13)), seq_id=1)
+    run_prefill(bm, b)
+    assert b.num_cached_tokens == 4
+    c = seq(list(range(13)), seq_id=2)
+    bm.allocate_prefix(c)
+    assert c.num_computed == 12 and c.block_table == b.block_table[:3]
+
+
+def test_appending_nothing_to_a_forked_sequence_copies_nothing():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    parent, child = seq(list(range(6))), seq(list(range(6)), seq_id=1)
+    run_prefill(bm, parent)
+    bm.fork(parent, child)
+    free = bm.num_free
+    assert bm.can_append(child, 0) and bm.append(child, 0)
+    assert child.block_table == parent.block_table and bm.pending_copies == [] and bm.num_free == free
+
+
+def test_a_copy_on_write_needs_its_block_counted():
+    """A forked sequence about to write into its shared partial block and cross into a new one needs two
+    free blocks: with one, append refuses and changes nothing."""
+    bm = BlockManager(num_blocks=3, block_size=4)
+    parent, child = seq(list(range(6))), seq(list(range(6)), seq_id=1)
+    run_prefill(bm, parent)
+    bm.fork(parent, child)
+    assert bm.num_free == 1
+    child.token_ids += [1, 2, 3]
+    assert not bm.can_append(child, 3) and not bm.append(child, 3)
+    assert child.block_table == parent.block_table and bm.num_free == 1 and bm.pending_copies == []
+
+
+def test_release_last_takes_none_to_all_and_refuses_more():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    s = seq(list(range(9)))
+    run_prefill(bm, s)
+    bm.release_last(s, 0)  # every drafted token accepted
+    assert s.num_computed == 9 and len(s.block_table) == 3
+    with pytest.raises(ValueError) as caught:
+        bm.release_last(s, 10)
+    assert str(caught.value) == "cannot release 10 of 9 computed tokens"
+    with pytest.raises(ValueError):
+        bm.release_last(s, -1)
+    bm.release_last(s, 9)
+    assert s.num_computed == 0 and s.block_table == [] and bm.num_free == 10
+
+
+def test_release_last_into_a_shared_block_keeps_it_cached_for_the_others():
+    bm = BlockManager(num_blocks=20, block_size=4)
+    a = seq(list(range(8)))
+    run_prefill(bm, a)
+    b = seq(list(range(8)) + [1], seq_id=1)
+    run_prefill(bm, b)  # shares both of a's blocks
+    bm.release_last(b, 2)  # back into the shared second block: b will copy it before writing
+    c = seq(list(range(8)) + [5], seq_id=2)
+    bm.allocate_prefix(c)
+    assert c.num_computed == 8 and c.block_table == a.block_table
+
+
+def test_a_freed_sequence_holds_nothing():
+    """A preempted sequence waits with no KV at all: nothing computed, no blocks, no hashes."""
+    bm = BlockManager(num_blocks=10, block_size=4)
+    s = seq(list(range(9)))
+    run_prefill(bm, s)
+    bm.free_sequence(s)
+    assert (s.block_table, s.block_hashes, s.num_computed) == ([], [], 0) and bm.num_free == 10
