@@ -1,3 +1,6 @@
+import random
+
+import pytest
 import torch
 
 from slimlm.runtime.block_manager import BlockManager
@@ -77,3 +80,92 @@ def test_finishing_from_any_state_returns_every_block():
         sched.finish(s, "abort")
     assert bm.num_free == 16 and not sched.has_work()
 
+
+class Cache:
+    """What each KV block would hold: the token written into each slot, as the model runner would write it."""
+
+    def __init__(self, bm: BlockManager):
+        self.bm = bm
+        self.slots: dict[int, list[int | None]] = {b.block_id: [None] * bm.block_size for b in bm.blocks}
+
+    def write(self, s: Sequence, start: int, n: int) -> None:
+        for pos in range(start, start + n):
+            self.slots[s.block_table[pos // self.bm.block_size]][pos % self.bm.block_size] = s.token_ids[pos]
+
+    def copy(self, copies) -> None:
+        for src, dst in copies:
+            self.slots[dst] = list(self.slots[src])
+
+    def read(self, s: Sequence) -> list[int | None]:
+        size = self.bm.block_size
+        return [self.slots[s.block_table[p // size]][p % size] for p in range(s.num_computed)]
+
+
+def check_invariants(bm: BlockManager, sched: Scheduler, live: list[Sequence], cache: Cache) -> None:
+    refs = [0] * len(bm.blocks)
+    for s in live:
+        for b in s.block_table:
+            refs[b] += 1
+    assert [b.ref_count for b in bm.blocks] == refs  # every reference counted, none leaked
+    assert set(bm.free) == {b.block_id for b in bm.blocks if b.ref_count == 0}
+    assert all(bm.blocks[b].hash == h for h, b in bm.cached.items())
+    assert len(sched.running) <= sched.max_num_seqs
+    for s in sched.waiting:
+        assert s.status == Status.WAITING and not s.block_table  # a waiting sequence holds no blocks
+    for s in sched.running:
+        assert len(s.block_table) == bm.blocks_needed(s.num_computed)
+        assert len(s.block_hashes) == (s.num_computed // bm.block_size if bm.prefix_caching else 0)
+        # The KV a sequence attends over is its own tokens, whoever computed them: shared prefixes and
+        # copies-on-write must never let another sequence's tokens in.
+        assert cache.read(s) == s.token_ids[: s.num_computed]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_workloads_keep_every_sequence_s_kv_its_own(seed):
+    """Arrivals with shared prefixes, chunked prefill, preemption, forks and speculative roll-backs on a
+    small pool, against a model of what each block holds."""
+    rng = random.Random(seed)
+    bm = BlockManager(num_blocks=rng.randint(10, 24), block_size=4, prefix_caching=rng.random() < 0.8)
+    sched = Scheduler(bm, max_num_seqs=rng.randint(2, 5), max_num_batched_tokens=rng.randint(4, 16))
+    cache = Cache(bm)
+    prefixes = [[rng.randrange(5) for _ in range(rng.randint(0, 12))] for _ in range(3)]
+    live: list[Sequence] = []
+    want: dict[int, int] = {}  # seq_id -> output tokens it stops at
+    next_id = 0
+    for _ in range(400):
+        if next_id < 30 and rng.random() < 0.3:
+            prompt = rng.choice(prefixes) + [rng.randrange(5) for _ in range(rng.randint(1, 8))]
+            s = Sequence(next_id, f"r{next_id}", prompt, len(prompt), SamplingParams(), torch.Generator())
+            want[next_id], next_id = rng.randint(1, 10), next_id + 1
+            sched.add(s)
+            live.append(s)
+        batch = sched.schedule()
+        assert sum(item.num_tokens for item in batch.items) <= sched.max_num_batched_tokens
+        assert all(item.num_tokens > 0 for item in batch.items)
+        cache.copy(batch.copies)
+        for item in batch.items:
+            s, samples = item.seq, item.samples
+            cache.write(s, s.num_computed, item.num_tokens)
+            s.num_computed += item.num_tokens
+            bm.register_full_blocks(s)
+            if not samples:
+                continue
+            s.token_ids.append(rng.randrange(5))
+            if len(s.output_ids) >= want[s.seq_id]:
+                sched.finish(s, "length")
+                live.remove(s)
+            elif rng.random() < 0.15 and s.num_computed > 1:  # a speculative step whose drafts were rejected
+                k = rng.randint(1, min(3, s.num_computed - 1))
+                bm.release_last(s, k)
+                del s.token_ids[s.num_computed + 1 :]
+            elif rng.random() < 0.1 and next_id < 30 and len(sched.running) < sched.max_num_seqs:
+                child = Sequence(next_id, f"r{next_id}", list(s.token_ids), s.num_prompt_tokens, s.params,
+                                 torch.Generator())  # fmt: skip
+                want[next_id], next_id = want[s.seq_id], next_id + 1
+                sched.fork(s, child)
+                live.append(child)
+        check_invariants(bm, sched, live, cache)
+        if next_id >= 30 and not sched.has_work():
+            break
+    assert not sched.has_work(), "the workload did not drain"
+    assert bm.num_free == len(bm.blocks)
