@@ -69,6 +69,37 @@ def test_preemption_frees_the_youngest_and_requeues_it_first():
     assert young.status == Status.RUNNING and young.num_computed == young.num_tokens - 1
 
 
+def test_the_youngest_of_three_is_preempted_and_reported():
+    bm = BlockManager(7, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=100)
+    seqs = [seq(8, i) for i in range(3)]  # two blocks each: 6 of 7 used after prefill
+    for s in seqs:
+        sched.add(s)
+    advance(sched.schedule())
+    batch = sched.schedule()  # each now needs a third block and one is free: the youngest makes room
+    assert batch.preempted == [seqs[2]] and [i.seq for i in batch.items] == seqs[:2]
+    assert [s.status for s in seqs] == [Status.RUNNING, Status.RUNNING, Status.WAITING]
+
+
+def test_a_budget_of_one_token_still_admits_and_finishes_a_prompt():
+    sched = Scheduler(BlockManager(8, 4), max_num_seqs=2, max_num_batched_tokens=1)
+    s = seq(3, 0)
+    sched.add(s)
+    for _ in range(3):
+        batch = sched.schedule()
+        assert [(i.seq, i.num_tokens) for i in batch.items] == [(s, 1)]
+        advance(batch)
+    assert s.num_computed == 3 and s.num_tokens == 4
+
+
+def test_a_pool_too_small_for_one_sequence_is_an_error_not_a_hang():
+    sched = Scheduler(BlockManager(1, 4), max_num_seqs=2, max_num_batched_tokens=16)
+    sched.add(seq(9, 0))
+    with pytest.raises(RuntimeError) as caught:
+        sched.schedule()
+    assert str(caught.value) == "KV cache pool cannot hold a single waiting sequence"
+
+
 def test_finishing_from_any_state_returns_every_block():
     bm = BlockManager(16, 4)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=6)
@@ -131,6 +162,7 @@ def test_random_workloads_keep_every_sequence_s_kv_its_own(seed):
     prefixes = [[rng.randrange(5) for _ in range(rng.randint(0, 12))] for _ in range(3)]
     live: list[Sequence] = []
     want: dict[int, int] = {}  # seq_id -> output tokens it stops at
+    preempted: dict[int, int] = {}  # seq_id -> times reported preempted
     next_id = 0
     for _ in range(400):
         if next_id < 30 and rng.random() < 0.3:
@@ -143,6 +175,10 @@ def test_random_workloads_keep_every_sequence_s_kv_its_own(seed):
         assert sum(item.num_tokens for item in batch.items) <= sched.max_num_batched_tokens
         assert all(item.num_tokens > 0 for item in batch.items)
         cache.copy(batch.copies)
+        for s in batch.preempted:
+            preempted[s.seq_id] = preempted.get(s.seq_id, 0) + 1
+        assert sched.num_preemptions == sum(preempted.values())
+        assert all(s.num_preemptions == preempted.get(s.seq_id, 0) for s in live)
         for item in batch.items:
             s, samples = item.seq, item.samples
             cache.write(s, s.num_computed, item.num_tokens)
