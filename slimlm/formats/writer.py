@@ -1,4 +1,4 @@
-"""Writing a checkpoint's files into a (temp) directory: weights, config, tokenizer, manifest.
+"""A checkpoint's contents: each quantized linear in its format's tensors, then config, tokenizer and manifest.
 
 Callers own the directory: they get it from atomic.atomic_dir, which puts it in place only when complete.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from slimlm import SlimlmError
-from slimlm.formats import compressed_tensors, gptq_v1, manifest, shards
+from slimlm.formats import compressed_tensors, gptq_v1, manifest
 from slimlm.formats.quantized import QuantArgs, QuantizedWeight
 
 FORMATS = ("compressed-tensors", "gptq")
@@ -53,23 +53,6 @@ def quantized_tensors(quantized: dict[str, QuantizedWeight], float_tensors: dict
     return tensors
 
 
-def write(
-    out: Path,
-    tensors: dict[str, torch.Tensor],
-    config,
-    tokenizer,
-    meta: dict,
-    config_patch: dict | None = None,
-    generation_config=None,
-) -> None:
-    """Write a checkpoint into `out` (an existing, empty directory).
-
-    `config` is a transformers PretrainedConfig; `config_patch` is merged into its config.json (a
-    quantization_config, or the fields a pruned or GQA-converted model changes)."""
-    files = shards.write(Path(out), tensors)
-    write_metadata(out, files, config, tokenizer, meta, config_patch, generation_config)
-
-
 def write_metadata(
     out: Path,
     files: list[str],
@@ -79,7 +62,9 @@ def write_metadata(
     config_patch: dict | None = None,
     generation_config=None,
 ) -> None:
-    """Everything but the weights, which `files` (in `out`) already hold: config, tokenizer, manifest."""
+    """Everything but the weights, which `files` (in `out`, from shards.write or a ShardWriter) already hold:
+    config, tokenizer, manifest. `config` is a transformers PretrainedConfig; `config_patch` is merged into
+    its config.json (a quantization_config, or the fields a pruned or GQA-converted model changes)."""
     out = Path(out)
     config.save_pretrained(out)
     if config_patch:

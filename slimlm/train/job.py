@@ -92,8 +92,9 @@ def _finish(job: _Job, student: torch.nn.Module, meta: dict, train_config: Train
                             "eval": f"{eval_data}, first {EVAL_TOKENS} tokens"}  # fmt: skip
     if state.is_main_process:
         with atomic.atomic_dir(out, overwrite, sources=[job.model_dir]) as tmp:
-            writer.write(tmp, writer.state_tensors(student), student.config, job.tokenizer, meta,
-                         generation_config=getattr(student, "generation_config", None))  # fmt: skip
+            files = shards.write(tmp, writer.state_tensors(student))
+            writer.write_metadata(tmp, files, student.config, job.tokenizer, meta,
+                                  generation_config=getattr(student, "generation_config", None))  # fmt: skip
             if train_config is not None:
                 for name in ("log.jsonl", "curve.png"):
                     shutil.copy(run_dir / name, tmp / name)
