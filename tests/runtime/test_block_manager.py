@@ -110,7 +110,7 @@ def test_release_last_rolls_back_rejected_tokens():
     assert bm.num_free == 20
 
 
-def test_release_last_of_a_shared_block_copies_before_writing():
+def test_release_last_of_a_shared_block_copies_before_writing_and_keeps_it_cached():
     bm = BlockManager(num_blocks=20, block_size=4)
     a = seq(list(range(8)))
     run_prefill(bm, a)
@@ -119,6 +119,9 @@ def test_release_last_of_a_shared_block_copies_before_writing():
     shared = b.block_table[1]
     bm.release_last(b, 2)  # back into the shared block
     assert b.num_computed == 7 and bm.blocks[shared].ref_count == 2
+    c = seq(list(range(8)) + [5], seq_id=2)  # a's full blocks stay cached for the others
+    bm.allocate_prefix(c)
+    assert c.num_computed == 8 and c.block_table == a.block_table
     assert bm.append(b, 1) and b.block_table[1] != shared and bm.pending_copies == [(shared, b.block_table[1])]
 
 
@@ -214,18 +217,6 @@ def test_release_last_takes_none_to_all_and_refuses_more():
         bm.release_last(s, -1)
     bm.release_last(s, 9)
     assert s.num_computed == 0 and s.block_table == [] and bm.num_free == 10
-
-
-def test_release_last_into_a_shared_block_keeps_it_cached_for_the_others():
-    bm = BlockManager(num_blocks=20, block_size=4)
-    a = seq(list(range(8)))
-    run_prefill(bm, a)
-    b = seq(list(range(8)) + [1], seq_id=1)
-    run_prefill(bm, b)  # shares both of a's blocks
-    bm.release_last(b, 2)  # back into the shared second block: b will copy it before writing
-    c = seq(list(range(8)) + [5], seq_id=2)
-    bm.allocate_prefix(c)
-    assert c.num_computed == 8 and c.block_table == a.block_table
 
 
 def test_a_freed_sequence_holds_nothing():
