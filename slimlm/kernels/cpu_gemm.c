@@ -15,6 +15,8 @@
 
 #ifdef __AVX512F__
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <immintrin.h>
 
 #define BN 64  // output features per block (packed.BLOCK_N)
@@ -97,6 +99,273 @@ void slimlm_dequantize(int bits, int64_t K, const uint8_t *codes, const uint16_t
         }
     }
 }
+#ifdef __AVX512BF16__
+// bf16 x: GEMMs on the bf16 dot-product unit (vdpbf16ps: 32 multiply-adds an instruction, the fastest
+// arithmetic here). Its operand is a register of 16 dwords whose halves hold one output feature's weights at
+// inputs k (low) and k + 1 (high): "pairs" below. Two ways to feed it, because what costs most changes with
+// the number of rows M:
+//
+// Few rows (code tiles): unpacking weights, not multiplying them, is the cost. So the codes go into the dot
+// product as they are: a 4-bit code c becomes bf16(1 + c/16) with two bit operations (c in the mantissa of
+// 1.0), an 8-bit code bf16(c) through one integer conversion (exact: 8 significant bits). A segment of inputs
+// inside one group is summed that way and the group's scale and zero point are applied once per segment
+// instead of once per weight (4-bit: offset 16, 8-bit: 0):
+//     y += scale · Σ x·(c + offset)  −  scale · (zero + offset) · Σ x            (Σ x precomputed per segment)
+// The offset makes the sums run larger than the result, which costs fp32 bits: 1 + c/16 rather than the
+// plain trick's 128 + c keeps that 8× smaller, and the result as accurate as torch's fp32 matmul.
+// Every tile of ≤ 4 rows unpacks its own codes (they stay in cache between tiles). Weights are exact.
+//
+// Many rows (weight tiles): the dot products are the cost, and the per-segment correction would add ~10%.
+// So each chunk of one weight block is dequantized once into a buffer of bf16 weights (rounded to
+// nearest even, as torch rounds) and tiles of 6 rows read it: the inner loop of a dense bf16 GEMM.
+#define KC 1024       // inputs per chunk: KC/2 pairs × 64 features × 4 bytes = 128 KB of buffer, in L2.
+                      // Fewer chunks mean fewer reloads of y's tiles, whose rows (N·4 bytes apart, often a
+                      // multiple of 64 KB) collide in the caches: chunks of 256 halved lm_head's speed.
+#define CODE_ROWS 4   // rows per code tile: 16 accumulators, 4 pairs and the unpacking temporaries
+#define WEIGHT_ROWS 6 // rows per weight tile: 24 accumulators and 4 pairs of the 32 registers
+
+// Codes of weight rows k and k + 1 (at c) as four registers of bf16 pairs, features 16i..16i+15 in w[i].
+static inline __attribute__((always_inline)) void code_pairs(int bits, const uint8_t *c, __m512i w[4]) {
+    if (bits == 4) {
+        // byte j of a row: feature j in the low nibble, j + 32 in the high one. Dword l of t gathers the
+        // bytes of features l and l + 16 at k (bytes 0, 1) and at k + 1 (bytes 2, 3).
+        static const uint8_t gather[64] = {
+            0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
+            6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+            12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+        const __m512i t = _mm512_permutexvar_epi8(_mm512_loadu_si512(gather), _mm512_loadu_si512(c));
+        // a code c at bits 3-6 of 0x3F80 is bf16(1 + c/16), exactly; (shifted t & field) | one: 0xEA = (A & B) | C
+        const __m512i field = _mm512_set1_epi32(0x00780078), one = _mm512_set1_epi32(0x3F803F80);
+        w[0] = _mm512_ternarylogic_epi32(_mm512_slli_epi32(t, 3), field, one, 0xEA);
+        w[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(t, 5), field, one, 0xEA);
+        w[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(t, 1), field, one, 0xEA);
+        w[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(t, 9), field, one, 0xEA);
+    } else {
+        // a small integer's fp32 bits end in 16 zeros, so its top half is its exact bf16
+        for (int i = 0; i < 4; i++) {
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16 * i))));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + BN + 16 * i))));
+            w[i] = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(lo), 16), _mm512_castps_si512(hi));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void
+dot_pair(int rows, const uint16_t *x, int64_t K, const __m512i w[4], __m512 acc[][4]) {
+    for (int r = 0; r < rows; r++) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(x + r * K));  // x[r, k], x[r, k+1]
+        for (int i = 0; i < 4; i++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], (__m512bh)w[i], xb);
+    }
+}
+
+// y[rows, 64] (+)= x[rows, k0 : k0 + kc] · W[block, k0 : k0 + kc]ᵀ from the codes, segment by segment.
+// xs: Σ x of each segment (stride xs_stride per row).
+static inline __attribute__((always_inline)) void
+code_tile(int bits, int rows, const uint16_t *x, int64_t K, int64_t group, int64_t seg, const uint8_t *codes,
+          const uint16_t *scales, const uint8_t *zeros, int64_t k0, int64_t kc, const float *xs,
+          int64_t xs_stride, float *y, int64_t N) {
+    // 4-bit pairs hold 1 + c/16 = (16 + c)/16, 8-bit ones c
+    const __m512 offset = _mm512_set1_ps(bits == 4 ? 16.0f : 0.0f), unit = _mm512_set1_ps(bits == 4 ? 16.0f : 1.0f);
+    for (int64_t sk = k0; sk < k0 + kc; sk += seg) {
+        __m512 acc[CODE_ROWS][4];
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
+        for (int64_t k = sk; k < sk + seg; k += 2) {
+            __m512i w[4];
+            code_pairs(bits, codes + k * (BN * bits / 8), w);
+            dot_pair(rows, x + k, K, w, acc);
+        }
+        // y += scale · unit · acc − scale · (zero + offset) · Σx
+        const int64_t g = sk / group;
+        __m512 s[4], zs[4];
+        for (int i = 0; i < 4; i++) {
+            s[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * BN + 16 * i)));
+            const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zeros + g * BN + 16 * i))));
+            zs[i] = _mm512_mul_ps(_mm512_add_ps(z, offset), s[i]);
+        }
+        for (int r = 0; r < rows; r++) {
+            const __m512 sum = _mm512_set1_ps(xs[r * xs_stride + sk / seg]);
+            for (int i = 0; i < 4; i++) {
+                const __m512 v = sk == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * N + 16 * i);
+                const __m512 scaled = _mm512_fmadd_ps(acc[r][i], _mm512_mul_ps(s[i], unit), v);
+                _mm512_storeu_ps(y + r * N + 16 * i, _mm512_fnmadd_ps(zs[i], sum, scaled));
+            }
+        }
+    }
+}
+
+// Inputs [k0, k0 + kc) of one weight block, dequantized into buf as bf16 pairs.
+static inline __attribute__((always_inline)) void
+dequantize_chunk(int bits, int64_t group, const uint8_t *codes, const uint16_t *scales, const uint8_t *zeros,
+                 int64_t k0, int64_t kc, __m512i *buf) {
+    // word 2j of a pair <- word j of the two rows converted together (k), word 2j + 1 <- word 16 + j (k + 1)
+    static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i idx = _mm512_loadu_si512(interleave);
+    const int64_t row_bytes = BN * bits / 8;
+    __m512 s[4], zs[4];
+    for (int64_t k = k0; k < k0 + kc; k += 2) {
+        if (k == k0 || k % group == 0) {  // groups are even: a pair never straddles two
+            for (int i = 0; i < 4; i++) {
+                s[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + k / group * BN + 16 * i)));
+                const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zeros + k / group * BN + 16 * i))));
+                zs[i] = _mm512_mul_ps(z, s[i]);
+            }
+        }
+        __m512 lo[4], hi[4];
+        weights_at(bits, codes + k * row_bytes, s, zs, lo);
+        weights_at(bits, codes + (k + 1) * row_bytes, s, zs, hi);
+        for (int i = 0; i < 4; i++)
+            buf[(k - k0) / 2 * 4 + i] = _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(hi[i], lo[i]));
+    }
+}
+
+// y[rows, 64] (+)= x[rows, k0 : k0 + kc] · the dequantized chunk in buf.
+static inline __attribute__((always_inline)) void
+weight_tile(int rows, const uint16_t *x, int64_t K, int64_t k0, int64_t kc, const __m512i *buf, float *y,
+            int64_t N) {
+    __m512 acc[WEIGHT_ROWS][4];
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < 4; i++) acc[r][i] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * N + 16 * i);
+    for (int64_t k = k0; k < k0 + kc; k += 2) dot_pair(rows, x + k, K, buf + (k - k0) / 2 * 4, acc);
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(y + r * N + 16 * i, acc[r][i]);
+}
+
+// Rows [m, m1) in tiles of at most `most` rows, as even as possible (7 rows: 4 + 3, not 6 + 1: a tile of
+// one row waits on its accumulators' latency). Returns the next tile's rows.
+static inline int64_t tile_rows(int64_t m, int64_t m1, int64_t most) {
+    const int64_t left = m1 - m, tiles = (left + most - 1) / most;
+    return (left + tiles - 1) / tiles;
+}
+
+// Literal bits and rows: each case compiles to its own unrolled loop with the tile in registers.
+#define CODE_TILE(B, R) code_tile(B, R, x + m * K, K, group, seg, c, s, z, k0, kc, xs + m * S, S, yb + m * N, N)
+#define WEIGHT_TILE(R) weight_tile(R, x + m * K, K, k0, kc, buf, yb + m * N, N)
+#define CASES(TILE, ...)                                                                                  \
+    switch (rows) {                                                                                       \
+        case 1: TILE(__VA_ARGS__ 1); break;                                                               \
+        case 2: TILE(__VA_ARGS__ 2); break;                                                               \
+        case 3: TILE(__VA_ARGS__ 3); break;                                                               \
+        case 4: TILE(__VA_ARGS__ 4); break;                                                               \
+        case 5: TILE(__VA_ARGS__ 5); break;                                                               \
+        default: TILE(__VA_ARGS__ 6);                                                                     \
+    }
+
+// y[M, N] fp32 = x[M, K] bf16 · Wᵀ, code tiles up to `code_rows` rows of x and weight tiles above. K and the
+// group size must be even. Returns -1 if out of memory.
+int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
+                             const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
+                             float *y, int64_t code_rows, int nthreads) {
+    const int64_t N = nblocks * BN, G = K / group;
+    const int codes_only = M <= code_rows;
+    int64_t seg = group < KC ? group : KC;  // segments lie inside one group and one chunk and have even length
+    while (group % seg != 0 || seg % 2 != 0) seg--;
+    const int64_t S = K / seg, chunk = KC / seg * seg;
+    float *xs = NULL;  // Σ x over each segment, per row (code tiles only)
+    if (codes_only) {
+        xs = malloc(sizeof(float) * M * S);
+        if (xs == NULL) return -1;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t j = 0; j < S; j++) {
+                float sum = 0.0f;
+                for (int64_t k = j * seg; k < (j + 1) * seg; k++) {
+                    const uint32_t word = (uint32_t)x[m * K + k] << 16;  // bf16 -> fp32: the same top half
+                    float v;
+                    memcpy(&v, &word, sizeof v);
+                    sum += v;
+                }
+                xs[m * S + j] = sum;
+            }
+    }
+    // A narrow layer has too few weight blocks to keep every thread busy: then the rows are split too, and
+    // each thread unpacks its own copy of the block.
+    int64_t parts = 1;
+    while (nblocks * parts < 4 * nthreads && 2 * parts * CODE_ROWS <= M) parts *= 2;
+    const int64_t part_rows = (M + parts - 1) / parts;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(|| : failed)
+    {
+        __m512i *buf = codes_only ? NULL : aligned_alloc(64, sizeof(__m512i) * KC / 2 * 4);  // one per thread
+        failed = !codes_only && buf == NULL;
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            for (int64_t part = 0; part < parts; part++) {
+                if (failed) continue;
+                const int64_t m0 = part * part_rows, m1 = part == parts - 1 ? M : m0 + part_rows;
+                const uint8_t *c = codes + nb * K * (BN * bits / 8);
+                const uint16_t *s = scales + nb * G * BN;
+                const uint8_t *z = zeros + nb * G * BN;
+                float *yb = y + nb * BN;
+                for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+                    const int64_t kc = K - k0 < chunk ? K - k0 : chunk;
+                    if (codes_only) {
+                        for (int64_t m = m0, rows; m < m1; m += rows) {
+                            rows = tile_rows(m, m1, CODE_ROWS);
+                            if (bits == 4) { CASES(CODE_TILE, 4,) } else { CASES(CODE_TILE, 8,) }
+                        }
+                    } else {
+                        dequantize_chunk(bits, group, c, s, z, k0, kc, buf);
+                        for (int64_t m = m0, rows; m < m1; m += rows) {
+                            rows = tile_rows(m, m1, WEIGHT_ROWS);
+                            CASES(WEIGHT_TILE,)
+                        }
+                    }
+                }
+            }
+        }
+        free(buf);
+    }
+    free(xs);
+    return failed ? -1 : 0;
+}
+
+static inline uint16_t bf16_nearest(float f) {  // round to nearest even, as torch's float -> bfloat16
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+static inline float bf16_value(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+// fp32 x through the code tiles, to fp32 accuracy: each row is split exactly into three bf16 rows
+// (x = x1 + x2 + x3: 8 + 8 + 8 significant bits, each remainder exact by Sterbenz), multiplied by the exact
+// codes, and the three results summed. Three dot products per weight still cost less than unpacking each
+// weight to fp32 (the fused loop above), as long as 3·M rows stay in the code tiles' range.
+int slimlm_quant_matmul_f32_split(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes,
+                                  const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
+                                  float *y, int nthreads) {
+    const int64_t N = nblocks * BN;
+    uint16_t *planes = malloc(sizeof(uint16_t) * 3 * M * K);
+    float *partial = malloc(sizeof(float) * 3 * M * N);
+    int status = -1;
+    if (planes != NULL && partial != NULL) {
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k++) {
+                float rest = x[m * K + k];
+                for (int p = 0; p < 3; p++) {
+                    const uint16_t h = bf16_nearest(rest);
+                    planes[(3 * m + p) * K + k] = h;
+                    rest -= bf16_value(h);
+                }
+            }
+        status = slimlm_quant_matmul_bf16(bits, planes, 3 * M, K, codes, scales, zeros, nblocks, group, partial,
+                                          3 * M, nthreads);
+        for (int64_t m = 0; status == 0 && m < M; m++)
+            for (int64_t n = 0; n < N; n++)
+                y[m * N + n] = partial[3 * m * N + n] + partial[(3 * m + 1) * N + n] + partial[(3 * m + 2) * N + n];
+    }
+    free(planes);
+    free(partial);
+    return status;
+}
+#endif
+
 // Literal `bits` and `rows` let the compiler specialise and unroll each tile (registers, not memory).
 #define TILE(B, R) tile(B, R, xr, K, group, c, s, z, yr, N)
 

@@ -1,45 +1,70 @@
-"""The CPU quantized GEMM (cpu_gemm.c, through cpu_library)."""
+"""The CPU quantized GEMM (cpu_gemm.c, through cpu_library).
+
+Which loop runs, by CPU and by x (thresholds measured with benchmarks/kernels_cpu.py):
+
+    AVX-512 BF16, bf16 x      up to CODE_MAX_ROWS[bits] rows: code tiles (exact codes into the bf16 dot
+                              products, scales applied per segment); above: dequantized bf16 weight tiles
+    AVX-512 BF16, fp32 x      up to a third of that: each row split exactly into three bf16 rows for the code
+                              tiles (fp32 accuracy); above: the fused fp32 loop
+    AVX-512 without BF16      fused fp32 loop; bf16 x above FUSED_MAX_ROWS_BF16 rows: bf16 matmul on
+                              dequantized slices
+    AVX2                      fused fp32 loop; above FUSED_MAX_ROWS_AVX2 rows: fp32 matmul on dequantized slices
+"""
 
 from __future__ import annotations
 
 import torch
 
+from slimlm import SlimlmError
 from slimlm.kernels import cpu_library
 from slimlm.kernels.packed import BLOCK_N, PackedWeight
 
-FUSED_MAX_ROWS_BF16 = 16  # AVX-512: above this, bf16 matmul on dequantized slices wins (benchmarks/kernels_cpu.py)
+CODE_MAX_ROWS = {4: 32, 8: 16}  # AVX-512 BF16: code tiles up to here (bf16 rows), weight tiles above
+FUSED_MAX_ROWS_BF16 = 16  # AVX-512 without BF16: above this, bf16 matmul on dequantized slices wins
 FUSED_MAX_ROWS_AVX2 = 24  # AVX2: above this, fp32 matmul on dequantized slices wins, for either dtype of x
 SLICE_BLOCKS = 16  # weight blocks (of BLOCK_N features) dequantized at a time: a few MB, stays in cache
 
 
 def quant_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    """x [M, K] @ W.T -> [M, out_features] in x's dtype.
-
-    Few rows: the fused loop, fp32 accumulation, weights read once per register tile of rows. Many rows:
-    the weight is dequantized a slice at a time and torch's matmul does the arithmetic, which wins there
-    (benchmarks/kernels_cpu.py measures both): in bf16 for bf16 rows on AVX-512 (fp32 rows stay fused), in
-    fp32 for any rows on AVX2, which has no fast bf16 matmul."""
+    """x [M, K] @ W.T -> [M, out_features] in x's dtype."""
     if w.perm is not None:
         x = x[:, w.perm]
-    if dequantizes_slices(x.shape[0], x.dtype):
+    dtype = x.dtype
+    kernel = path(x.shape[0], dtype, w)
+    if kernel == "dequant-slices":
         slices = torch.bfloat16 if cpu_library.vector_bits() == 512 else torch.float32  # what slimlm_dequantize writes
-        return _dequantized_matmul(x.to(slices).contiguous(), w).to(x.dtype)
-    xf = x.to(torch.float32).contiguous()
-    m, k = xf.shape
+        return _dequantized_matmul(x.to(slices).contiguous(), w).to(dtype)
+    lib = cpu_library.load()
+    x = x.contiguous() if kernel in ("bf16-codes", "bf16-weights") else x.to(torch.float32).contiguous()
+    m, k = x.shape
     y = torch.empty(m, w.padded_out_features, dtype=torch.float32)
-    cpu_library.load().slimlm_quant_matmul(
-        w.bits, xf.data_ptr(), m, k, w.codes.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(),
-        w.codes.shape[0], w.group_size, y.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+    args = (w.codes.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(), w.codes.shape[0], w.group_size, y.data_ptr())
+    threads = torch.get_num_threads()
+    if kernel in ("bf16-codes", "bf16-weights"):
+        status = lib.slimlm_quant_matmul_bf16(w.bits, x.data_ptr(), m, k, *args, CODE_MAX_ROWS[w.bits], threads)
+    elif kernel == "fp32-split":
+        status = lib.slimlm_quant_matmul_f32_split(w.bits, x.data_ptr(), m, k, *args, threads)
+    else:
+        status = lib.slimlm_quant_matmul(w.bits, x.data_ptr(), m, k, *args, threads)
+    if status:  # only the bf16 kernels allocate
+        raise SlimlmError(f"out of memory in the CPU quantized matmul ({m}×{k} rows of x)")
     y = y[:, : w.out_features]
-    return y if x.dtype == torch.float32 else y.to(x.dtype)
+    return y if dtype == torch.float32 else y.to(dtype)
 
 
-def dequantizes_slices(rows: int, dtype: torch.dtype) -> bool:
-    """Whether quant_matmul hands `rows` rows of `dtype` to torch's matmul on dequantized weight slices."""
+def path(rows: int, dtype: torch.dtype, w: PackedWeight) -> str:
+    """The loop quant_matmul runs for `rows` rows of `dtype` against `w` on this CPU (see the module doc)."""
+    pairs = w.in_features % 2 == 0 and w.group_size % 2 == 0  # the bf16 dot product takes inputs in pairs
+    if cpu_library.has_bf16_gemm() and pairs:
+        limit = CODE_MAX_ROWS[w.bits]
+        if dtype == torch.bfloat16:
+            return "bf16-codes" if rows <= limit else "bf16-weights"
+        if 3 * rows <= limit:
+            return "fp32-split"
+        return "fused"
     if cpu_library.vector_bits() == 512:
-        return dtype == torch.bfloat16 and rows > FUSED_MAX_ROWS_BF16
-    return rows > FUSED_MAX_ROWS_AVX2
+        return "dequant-slices" if dtype == torch.bfloat16 and rows > FUSED_MAX_ROWS_BF16 else "fused"
+    return "dequant-slices" if rows > FUSED_MAX_ROWS_AVX2 else "fused"
 
 
 def _dequantized_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:

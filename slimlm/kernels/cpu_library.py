@@ -60,6 +60,10 @@ def load() -> ctypes.CDLL:
     for name, (args, result) in SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
     lib.slimlm_dequantize.argtypes = DEQUANTIZE
+    if hasattr(lib, "slimlm_quant_matmul_bf16"):  # built only where the CPU has AVX-512 BF16
+        lib.slimlm_quant_matmul_bf16.argtypes = [c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, c_int]
+        lib.slimlm_quant_matmul_f32_split.argtypes = SIGNATURES["slimlm_quant_matmul"][0]
+        lib.slimlm_quant_matmul_bf16.restype = lib.slimlm_quant_matmul_f32_split.restype = c_int
     return lib
 
 
@@ -68,6 +72,12 @@ def vector_bits() -> int:
     """512 where the AVX-512 kernels were built, 256 for the AVX2 ones. slimlm_dequantize writes bf16 on the
     first (which multiply bf16 fast) and fp32 on the second (where torch's bf16 matmul is ~1 GFLOP/s)."""
     return load().slimlm_vector_bits()
+
+
+@functools.cache
+def has_bf16_gemm() -> bool:
+    """Whether the bf16 dot-product GEMM (slimlm_quant_matmul_bf16, AVX-512 BF16) was built here."""
+    return hasattr(load(), "slimlm_quant_matmul_bf16")
 
 
 @functools.cache

@@ -2,32 +2,108 @@ import pytest
 import torch
 
 from slimlm.kernels import cpu_gemm, cpu_library, reference
+from slimlm.kernels.packed import dequantize
 from tests.kernels.problems import quantized_weight, relative_error
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="needs gcc and AVX-512 or AVX2")
-
-
-@pytest.mark.parametrize(
-    "bits,group_size,sym,act_order,n,k",
-    [
-        (4, 64, False, False, 192, 576),
-        (4, 32, True, True, 70, 96),
-        (8, -1, True, False, 130, 72),
-        (8, 128, False, True, 64, 256),
-    ],
+needs_bf16 = pytest.mark.skipif(
+    not (cpu_library.available() and cpu_library.has_bf16_gemm()), reason="needs AVX-512 BF16"
 )
+
+SHAPES = [  # bits, group, sym, act-order, n, k: ragged N, chunks of 256 inputs, segments of whole groups
+    (4, 64, False, False, 192, 576),
+    (4, 32, True, True, 70, 96),
+    (8, -1, True, False, 130, 72),
+    (8, 128, False, True, 64, 256),
+    (4, -1, False, False, 100, 576),  # per channel: segments of 192 (576 = 3 · 192)
+    (8, 128, False, False, 130, 2176),  # 17 groups over chunks of 1024, 1024 and 128
+    (4, -1, False, False, 64, 1536),  # per channel: chunks of two 768-input segments
+    (4, -1, True, False, 64, 270),  # 270's largest divisor under 256 is odd (135): segments of 90
+]
+
+
+@pytest.mark.parametrize("bits,group_size,sym,act_order,n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 11])
-def test_fused_gemm_matches_reference(poisoned, bits, group_size, sym, act_order, n, k, m):
+def test_fp32_rows_match_reference_to_fp32_accuracy(poisoned, bits, group_size, sym, act_order, n, k, m):
     _, w = quantized_weight(n, k, bits, group_size, sym, act_order, seed=m)
     x = torch.randn(m, k)
     ref = reference.quant_matmul(x.double(), w)
     out = cpu_gemm.quant_matmul(x, w)
     assert out.shape == (m, n) and out.dtype == torch.float32
-    assert relative_error(out, ref) < 1e-5  # fp32 accumulation
+    assert relative_error(out, ref) < 1e-5  # fp32 accumulation, whichever loop ran
+
+
+@needs_bf16
+def test_fp32_rows_split_into_bf16_planes_up_to_a_third_of_the_code_rows():
+    _, w = quantized_weight(64, 128, 4, 64, False)
+    limit = cpu_gemm.CODE_MAX_ROWS[4] // 3
+    assert cpu_gemm.path(limit, torch.float32, w) == "fp32-split"
+    assert cpu_gemm.path(limit + 1, torch.float32, w) == "fused"
+    # values that need all three planes: no bf16 rounding of x survives into the result
+    x = torch.randn(limit, 128) * torch.logspace(-3, 3, 128)
+    assert relative_error(cpu_gemm.quant_matmul(x, w), reference.quant_matmul(x.double(), w)) < 1e-6
+
+
+@needs_bf16
+@pytest.mark.parametrize("bits,group_size,sym,act_order,n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 5, 7, 12, 30])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_code_tiles_are_exact_in_the_weights(poisoned, bits, group_size, sym, act_order, n, k, m, threads):
+    """Codes, scales and zero points enter exactly: only fp32 accumulation separates the result from the
+    float64 product of the same bf16 x. 5 and 7 rows split into tiles of 3 + 2 and 4 + 3; with two threads a
+    narrow layer (≤ 3 blocks of 64 features) splits its rows between them too."""
+    if m > cpu_gemm.CODE_MAX_ROWS[bits]:
+        pytest.skip("above the code tiles' range for these bits")
+    _, w = quantized_weight(n, k, bits, group_size, sym, act_order, seed=m)
+    x = torch.randn(m, k).bfloat16()
+    assert cpu_gemm.path(m, torch.bfloat16, w) == "bf16-codes"
+    ref = reference.quant_matmul(x.double(), w)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_gemm.quant_matmul(x, w)
+        assert out.shape == (m, n) and out.dtype == torch.bfloat16
+        assert relative_error(out.double(), ref) < 4e-3  # the output's own bf16 rounding
+        assert relative_error(_fp32_result(x, w), ref) < 1e-5  # before it: fp32 accumulation only
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_bf16
+@pytest.mark.parametrize("bits,group_size,sym,act_order,n,k", SHAPES)
+@pytest.mark.parametrize("extra", [1, 7])
+def test_bf16_weight_tiles_round_the_weights_as_torch(poisoned, bits, group_size, sym, act_order, n, k, extra):
+    """Above the code rows, each weight is dequantized once, rounded to bf16 (nearest even) and multiplied by
+    6-row tiles: the result is the float64 product with exactly those weights, up to fp32 accumulation."""
+    m = cpu_gemm.CODE_MAX_ROWS[bits] + extra
+    _, w = quantized_weight(n, k, bits, group_size, sym, act_order, seed=extra)
+    x = torch.randn(m, k).bfloat16()
+    assert cpu_gemm.path(m, torch.bfloat16, w) == "bf16-weights"
+    x_perm = x if w.perm is None else x[:, w.perm]
+    rounded = dequantize(w).bfloat16().double()[: w.out_features]
+    ref = x_perm.double() @ rounded.T
+    y = cpu_gemm.quant_matmul(x, w)
+    assert y.dtype == torch.bfloat16
+    assert relative_error(y.double(), ref) < 4e-3  # the output's own bf16 rounding
+    # before that rounding, the sums agree to fp32 accuracy: rerun with the last step visible
+    assert relative_error(_fp32_result(x, w), ref) < 1e-5
+
+
+def _fp32_result(x: torch.Tensor, w) -> torch.Tensor:
+    """The bf16 kernel's fp32 output, before quant_matmul rounds it to x's dtype."""
+    if w.perm is not None:
+        x = x[:, w.perm]
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.padded_out_features)
+    cpu_library.load().slimlm_quant_matmul_bf16(
+        w.bits, x.data_ptr(), x.shape[0], x.shape[1], w.codes.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(),
+        w.codes.shape[0], w.group_size, y.data_ptr(), cpu_gemm.CODE_MAX_ROWS[w.bits], torch.get_num_threads(),
+    )  # fmt: skip
+    return y[:, : w.out_features].double()
 
 
 @pytest.mark.parametrize("m", [3, cpu_gemm.FUSED_MAX_ROWS_BF16 + 1, 40])
-def test_bf16_rows_take_either_path_within_bf16_error(poisoned, m):
+def test_bf16_rows_take_any_path_within_bf16_error(poisoned, m):
     _, w = quantized_weight(1100, 128, 4, 64, sym=False, seed=m)  # > SLICE_BLOCKS blocks, ragged last slice
     x = torch.randn(m, 128).bfloat16()
     out = cpu_gemm.quant_matmul(x, w)
