@@ -171,25 +171,43 @@ def test_gptq_format_refuses_asymmetric(capsys, tiny_llama, out_dir):
     assert_one_line_error(code, err, "--format gptq writes symmetric 4- or 8-bit weights only")
 
 
-def test_quantize_lm_head_refuses_tied_embeddings(capsys, tiny_llama, out_dir):
-    code, _, err = run_cli(capsys, "rtn", "--model", str(tiny_llama), "--group-size", "32", "--quantize-lm-head",
-                           "--out", out_dir)  # fmt: skip
-    assert_one_line_error(code, err, "ties lm_head to the input embeddings")
-
-
-def test_quantize_lm_head_of_an_untied_model(capsys, calib_txt, tmp_path):
+@pytest.mark.parametrize("tied,flag,bits", [(True, [], 8), (False, ["4"], 4)])
+def test_quantize_lm_head(capsys, calib_txt, tmp_path, tied, flag, bits):
+    """A tied lm_head is untied: quantized (8-bit unless asked), while the embeddings stay float, its own
+    scheme a config group of its own; transformers and the runtime both read it."""
+    import torch
 
     from slimlm.formats import reader
     from tests.conftest import make_tiny_llama
 
-    src = make_tiny_llama(tmp_path / "untied", tied=False)
+    src = make_tiny_llama(tmp_path / "src", tied=tied)
     out = tmp_path / "q"
-    flags = ["--num-samples", "8", "--seq-len", "32", "--group-size", "32", "--quantize-lm-head"]
+    flags = ["--num-samples", "8", "--seq-len", "32", "--group-size", "32", "--quantize-lm-head", *flag]
     code, _, err = run_cli(capsys, "gptq", "--model", str(src), "--calib", str(calib_txt), *flags, "--out", str(out))
     assert code == 0, err
     quantized, rest = reader.read_checkpoint(out)
     assert "lm_head" in quantized and "lm_head.weight" not in rest
+    assert quantized["lm_head"].args.bits == bits and quantized["model.layers.0.mlp.up_proj"].args.bits == 4
+    assert rest["model.embed_tokens.weight"].dtype == torch.float32
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
     assert transformers_logits_error(out) < 1e-4
+    # the runtime reads the quantized lm_head too: its log-probabilities are transformers' on the same files
+    from transformers import AutoModelForCausalLM
+
+    from slimlm.runtime.llm import LLM
+    from slimlm.runtime.sampling import SamplingParams
+    from tests.runtime.conftest import model_logprobs
+
+    ids = list(range(5, 40))
+    got = LLM(str(out)).generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert torch.allclose(torch.tensor(got), model_logprobs(theirs, ids), atol=1e-4)
+
+
+def test_gptq_format_refuses_an_lm_head_of_other_bits(capsys, tiny_llama, out_dir):
+    code, _, err = run_cli(capsys, "rtn", "--model", str(tiny_llama), "--group-size", "32", "--format", "gptq",
+                           "--quantize-lm-head", "--out", out_dir)  # fmt: skip
+    assert_one_line_error(code, err, "--format gptq stores one scheme for every linear")
 
 
 def test_generate_serves_good_prompts_and_names_the_rejected_one(capsys, tiny_llama):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -26,11 +26,6 @@ def default_group_size(model_dir: Path) -> int:
 
 
 def _check_lm_head(model: torch.nn.Module, args: QuantArgs) -> None:
-    if model.config.tie_word_embeddings:
-        raise SlimlmError(
-            "--quantize-lm-head: this model ties lm_head to the input embeddings (tie_word_embeddings), so "
-            "quantizing it would quantize the embeddings too; drop --quantize-lm-head"
-        )
     hidden = model.lm_head.in_features
     if args.group_size != -1 and hidden % args.group_size:
         raise SlimlmError(
@@ -53,7 +48,7 @@ def quantize_weights(
     overwrite: bool = False,
     progress: bool = True,
     fmt: str = "compressed-tensors",
-    quantize_lm_head: bool = False,
+    lm_head_bits: int | None = None,
     device: str | None = None,
     report_error: bool = True,
     checks: list = (),
@@ -68,12 +63,13 @@ def quantize_weights(
             raise SlimlmError(f"{name} {value!r} must be a positive integer")
     if fmt == "gptq" and args is not None:
         gptq_v1.check_exportable(args)
-    if quantize_lm_head and args is None:
+    if lm_head_bits is not None and args is None:
         raise SlimlmError("--quantize-lm-head needs a weight quantization method (rtn, gptq, awq)")
     method_args: dict = {}
     for step in steps:
         method_args.update(step.arguments())
-    writer.quantization_config(fmt, args, [], method_args)  # an unknown --format fails here, not after calibration
+    head = {"lm_head": replace(args, bits=lm_head_bits)} if lm_head_bits is not None else {}
+    writer.quantization_config(fmt, args, [], method_args, head)  # a bad --format fails here, not after calibration
     dev = resolve_device(device)
     model_dir = models.resolve(model_spec)
     source_config = models.check(model_dir)
@@ -101,7 +97,7 @@ def quantize_weights(
             weights = None
         if args is not None:
             pipeline.check_group_size(model, args, ignore)
-        if quantize_lm_head:
+        if lm_head_bits is not None:
             _check_lm_head(model, args)
         start = time.time()
         samples = None
@@ -131,14 +127,18 @@ def quantize_weights(
             outside = {k: v.cpu() for k, v in writer.state_tensors(model).items() if not k.startswith(in_layers)}
         else:
             outside = weights.read(weights.names_outside(arch.LAYERS + "."))
-        quantized = {}
-        if quantize_lm_head:
+        quantized, untie = {}, {}
+        if lm_head_bits is not None:
             # The lm_head sees the final hidden states only; it is rounded to nearest whatever the method.
-            quantized["lm_head"] = quantize_rtn(outside["lm_head.weight"].float(), args)
+            # A tied one is untied: the embeddings stay float (a lookup reads a few rows of them), and only
+            # the copy every decode step reads in full is quantized.
+            head = outside.get("lm_head.weight", outside[arch.EMBED + ".weight"])
+            quantized["lm_head"] = quantize_rtn(head.float(), replace(args, bits=lm_head_bits))
+            untie = {"tie_word_embeddings": False} if model.config.tie_word_embeddings else {}
         meta = {
             "method": method_name,
             "arguments": {**(asdict(args) if args else {}), "ignore": list(ignore),
-                          "quantize_lm_head": quantize_lm_head, **method_args},
+                          "lm_head_bits": lm_head_bits, **method_args},
             "calibration": {"source": calib, "num_samples": num_samples, "seq_len": seq_len, "seed": seed}
             if with_data else None,
             "source_model": {"spec": model_spec, "path": str(model_dir),
@@ -156,8 +156,9 @@ def quantize_weights(
             shard_writer.add(writer.quantized_tensors(quantized, outside, fmt))
             linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
             ignored = sorted(linear_names - set(quantized_names) - set(quantized))
-            qconfig = writer.quantization_config(fmt, args, ignored, method_args)
-        config_patch = {**result.config_patch, "quantization_config": qconfig}
+            named = {name: q.args for name, q in quantized.items() if q.args != args}
+            qconfig = writer.quantization_config(fmt, args, ignored, method_args, named)
+        config_patch = {**result.config_patch, **untie, "quantization_config": qconfig}
         del quantized, outside, result
         config = model.config
         if hasattr(config, "quantization_config"):

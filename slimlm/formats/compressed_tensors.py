@@ -25,23 +25,21 @@ MARKER = "weight_packed"  # the tensor suffix that marks a quantized linear
 KEYS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 
 
-def quantization_config(args: QuantArgs | None, ignore: list[str], act_order: str | None = None,
-                        kv_cache_scheme: dict | None = None) -> dict:  # fmt: skip
-    """`args` None: float weights, only the KV cache quantized (format "dense", no config groups)."""
+def quantization_config(
+    args: QuantArgs | None,
+    ignore: list[str],
+    act_order: str | None = None,
+    kv_cache_scheme: dict | None = None,
+    named: dict[str, QuantArgs] | None = None,
+) -> dict:
+    """`args` None: float weights, only the KV cache quantized (format "dense", no config groups). `named`:
+    modules with a scheme of their own (an 8-bit lm_head), each a group that targets it by its exact name,
+    which compressed-tensors and vLLM both prefer over the "Linear" class target of the others."""
     groups = {}
     if args is not None:
-        weights = {
-            "num_bits": args.bits,
-            "type": "int",
-            "symmetric": args.sym,
-            "group_size": None if args.group_size == -1 else args.group_size,
-            "strategy": "channel" if args.group_size == -1 else "group",
-            "dynamic": False,
-            "actorder": act_order,
-            "observer": "minmax",
-        }
-        groups["group_0"] = {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                             "output_activations": None, "format": "pack-quantized"}  # fmt: skip
+        groups["group_0"] = _group(["Linear"], args, act_order)
+        for i, (name, own) in enumerate(sorted((named or {}).items()), start=1):
+            groups[f"group_{i}"] = _group([name], own, None)
     return {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized" if groups else "dense",
@@ -52,22 +50,70 @@ def quantization_config(args: QuantArgs | None, ignore: list[str], act_order: st
     }
 
 
-def args_from_config(qcfg: dict) -> QuantArgs:
-    """The weight scheme of a checkpoint's quantization_config (None: float weights, a quantized KV cache
-    only); anything slimlm cannot serve is named."""
+def _group(targets: list[str], args: QuantArgs, act_order: str | None) -> dict:
+    weights = {
+        "num_bits": args.bits,
+        "type": "int",
+        "symmetric": args.sym,
+        "group_size": None if args.group_size == -1 else args.group_size,
+        "strategy": "channel" if args.group_size == -1 else "group",
+        "dynamic": False,
+        "actorder": act_order,
+        "observer": "minmax",
+    }
+    return {"targets": targets, "weights": weights, "input_activations": None, "output_activations": None,
+            "format": "pack-quantized"}  # fmt: skip
+
+
+def args_from_config(qcfg: dict) -> QuantArgs | None:
+    """The weight scheme of a checkpoint's quantization_config: the group that targets "Linear" (None: float
+    weights, a quantized KV cache only); anything slimlm cannot serve is named."""
     if not qcfg.get("config_groups") and qcfg.get("kv_cache_scheme") is not None:
         return None
     if qcfg.get("format") != "pack-quantized":
         raise SlimlmError(
             f"compressed-tensors format '{qcfg.get('format')}' is not supported; slimlm reads pack-quantized"
         )
+    return _weight_args(_main_and_named_groups(qcfg)[0])
+
+
+def named_args(qcfg: dict) -> dict[str, QuantArgs]:
+    """Modules whose own config group names them exactly (e.g. an 8-bit lm_head beside 4-bit layers)."""
+    if not qcfg.get("config_groups"):
+        return {}
+    named = {}
+    for group in _main_and_named_groups(qcfg)[1]:
+        targets = group.get("targets")
+        if not isinstance(targets, list) or not targets:
+            raise SlimlmError(f"config group targets {targets!r}: expected a list of module names")
+        for target in targets:
+            if not isinstance(target, str) or target.startswith("re:"):
+                raise SlimlmError(f"config group target {target!r}: slimlm reads targets that are exact module "
+                                  'names, besides the one "Linear" group')  # fmt: skip
+            named[target] = _weight_args(group)
+    return named
+
+
+def _main_and_named_groups(qcfg: dict) -> tuple[dict, list[dict]]:
+    """A lone group is the scheme of every quantized linear; with several, one targets "Linear" and the
+    others name their modules."""
     groups = qcfg.get("config_groups")
     groups = list(groups.values()) if isinstance(groups, dict) else []
-    if len(groups) != 1 or not isinstance(groups[0], dict) or not isinstance(groups[0].get("weights"), dict):
-        raise SlimlmError("quantization_config must have exactly one config group with a 'weights' scheme")
-    if groups[0].get("input_activations"):
+    if not groups or not all(isinstance(g, dict) and isinstance(g.get("weights"), dict) for g in groups):
+        raise SlimlmError("quantization_config must have config groups, each with a 'weights' scheme")
+    if len(groups) == 1:
+        return groups[0], []
+    main = [g for g in groups if "Linear" in (g.get("targets") or [])]
+    if len(main) != 1:
+        raise SlimlmError('with several config groups, exactly one must target "Linear"; slimlm reads the others '
+                          "as schemes for the modules they name")  # fmt: skip
+    return main[0], [g for g in groups if g is not main[0]]
+
+
+def _weight_args(group: dict) -> QuantArgs:
+    if group.get("input_activations"):
         raise SlimlmError("activation quantization (W·A· schemes) is not supported; slimlm serves weight-only schemes")
-    w = groups[0]["weights"]
+    w = group["weights"]
     if w.get("type", "int") != "int" or w.get("strategy") not in (None, "group", "channel"):
         raise SlimlmError(f"weight scheme type={w.get('type')} strategy={w.get('strategy')} is not supported; "
                           "slimlm serves integer per-group or per-channel weights")  # fmt: skip

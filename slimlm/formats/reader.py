@@ -73,11 +73,12 @@ def read_checkpoint(
     quantized: dict[str, QuantizedWeight] = {}
     if q is not None and q[1] is not None:
         reader, args = q
+        named = compressed_tensors.named_args(config["quantization_config"]) if reader is compressed_tensors else {}
         names = [k[: -len(reader.MARKER) - 1] for k in tensors if k.endswith("." + reader.MARKER)]
         for name in names:
             parts = {key: tensors.pop(f"{name}.{key}") for key in reader.KEYS if f"{name}.{key}" in tensors}
             try:
-                quantized[name] = reader.from_tensors(parts, args, name)
+                quantized[name] = reader.from_tensors(parts, named.get(name, args), name)
             except SlimlmError as e:
                 raise SlimlmError(f"{model_dir}: {e}") from None
     for name, t in [*tensors.items(), *((f"{n}.weight_scale", w.scale) for n, w in quantized.items())]:

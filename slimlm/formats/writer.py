@@ -29,8 +29,10 @@ def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def quantization_config(fmt: str, args: QuantArgs | None, ignore: list[str], method_args: dict) -> dict:
-    """The config's quantization_config; `method_args` carries act_order, damp and kv_cache_scheme."""
+def quantization_config(fmt: str, args: QuantArgs | None, ignore: list[str], method_args: dict,
+                        named: dict[str, QuantArgs] | None = None) -> dict:  # fmt: skip
+    """The config's quantization_config; `method_args` carries act_order, damp and kv_cache_scheme; `named`
+    the modules with a scheme of their own (compressed-tensors only)."""
     if fmt not in FORMATS:
         raise SlimlmError(f"--format {fmt} is not supported; use one of {', '.join(FORMATS)}")
     kv_scheme = method_args.get("kv_cache_scheme")
@@ -38,8 +40,11 @@ def quantization_config(fmt: str, args: QuantArgs | None, ignore: list[str], met
         if kv_scheme is not None:
             raise SlimlmError("--format gptq has no place for KV-cache scales; use --format compressed-tensors "
                               "to quantize the KV cache too")  # fmt: skip
+        if any(own != args for own in (named or {}).values()):
+            raise SlimlmError("--format gptq stores one scheme for every linear; use --format compressed-tensors "
+                              "for an lm_head of other bits")  # fmt: skip
         return gptq_v1.quantization_config(args, method_args.get("act_order"), method_args.get("damp"))
-    return compressed_tensors.quantization_config(args, ignore, method_args.get("act_order"), kv_scheme)
+    return compressed_tensors.quantization_config(args, ignore, method_args.get("act_order"), kv_scheme, named)
 
 
 def quantized_tensors(quantized: dict[str, QuantizedWeight], float_tensors: dict[str, torch.Tensor],

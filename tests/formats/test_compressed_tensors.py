@@ -146,3 +146,43 @@ def test_garbage_header_is_reported(tiny_llama, tmp_path):
     (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
     with pytest.raises(SlimlmError, match="unreadable header"):
         models.load(str(d))
+
+
+def _config(**groups) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": groups}
+
+
+def _group(targets, bits: int) -> dict:
+    return {"targets": targets, "weights": {"num_bits": bits, "type": "int", "symmetric": True, "group_size": 32,
+                                            "strategy": "group"}}  # fmt: skip
+
+
+def test_a_module_named_by_a_group_of_its_own_reads_with_that_scheme():
+    from slimlm.formats import compressed_tensors
+
+    qcfg = compressed_tensors.quantization_config(QuantArgs(4, 32), ["x"], named={"lm_head": QuantArgs(8, 32)})
+    assert [g["targets"] for g in qcfg["config_groups"].values()] == [["Linear"], ["lm_head"]]
+    assert compressed_tensors.args_from_config(qcfg) == QuantArgs(4, 32)
+    assert compressed_tensors.named_args(qcfg) == {"lm_head": QuantArgs(8, 32)}
+    # the order of the groups does not matter, and a lone group is every linear's whatever it targets
+    swapped = _config(a=_group(["lm_head"], 8), b=_group(["Linear"], 4))
+    assert compressed_tensors.args_from_config(swapped).bits == 4
+    assert compressed_tensors.named_args(swapped) == {"lm_head": QuantArgs(8, 32, True)}
+    assert compressed_tensors.named_args(_config(only=_group(["re:.*proj"], 4))) == {}
+
+
+@pytest.mark.parametrize(
+    "groups,fragment",
+    [
+        (dict(a=_group(["lm_head"], 8), b=_group(["re:.*"], 4)), 'exactly one must target "Linear"'),
+        (dict(a=_group(["Linear"], 4), b=_group(["re:.*lm_head"], 8)), "targets that are exact module names"),
+        (dict(a=_group(["Linear"], 4), b=_group("lm_head", 8)), "expected a list of module names"),
+        (dict(a=_group(["Linear"], 4), b=_group(["lm_head"], 5)), "weights.num_bits is 5"),
+    ],
+)
+def test_config_groups_slimlm_cannot_read_are_named(groups, fragment):
+    from slimlm.formats import compressed_tensors
+
+    with pytest.raises(SlimlmError, match=fragment):
+        compressed_tensors.args_from_config(_config(**groups))
+        compressed_tensors.named_args(_config(**groups))
