@@ -59,6 +59,7 @@ def load_model(
         module, _, attr = name.rpartition(".")
         weight = torch.nn.Parameter(tensors[name].to(device, dtype), requires_grad=False)
         setattr(model.get_submodule(module), attr, weight)
+    model.fuse_projections()
     model.set_rope(max_positions, device)
     model.set_backend(kernels.select(device))
     set_kv_cache(model, kv_cache_dtype, scheme, scales, device)

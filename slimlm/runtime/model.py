@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slimlm import kernels
-from slimlm.kernels.packed import PackedWeight
+from slimlm.kernels.packed import BLOCK_N, PackedWeight
 from slimlm.kernels.reference import quantized_kv
 
 
@@ -34,6 +34,7 @@ class StepInputs:
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
+        self.in_features, self.dtype = in_features, dtype
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed: PackedWeight | None = None
@@ -48,6 +49,40 @@ class Linear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         y = self.quant_matmul(x, self.packed)
         return y if self.bias is None else y + self.bias
+
+
+def fuse(parts: list[Linear]) -> Linear | None:
+    """One Linear whose output is the parts' outputs side by side (q, k and v; gate and up: they read the same
+    input), so a step makes one call where it made several. None when their weights cannot be joined as they
+    are: all float, or all packed alike (bits, groups, act-order permutation) in whole blocks of features."""
+    if len({p.bias is None for p in parts}) > 1:
+        return None
+    if all(p.packed is None for p in parts):
+        weight, packed = torch.cat([p.weight for p in parts]), None
+    elif all(p.packed is not None for p in parts):
+        ws = [p.packed for p in parts]
+        alike = all(w.bits == ws[0].bits and w.group_size == ws[0].group_size and _same(w.perm, ws[0].perm)
+                    for w in ws)  # fmt: skip
+        if not alike or any(w.out_features % BLOCK_N for w in ws[:-1]):
+            return None
+        weight = None
+        packed = PackedWeight(*(torch.cat([getattr(w, key) for w in ws]) for key in ("codes", "scales", "zeros")),
+                              ws[0].bits, ws[0].group_size, sum(w.out_features for w in ws), ws[0].perm)  # fmt: skip
+    else:
+        return None
+    out_features = sum(p.weight.shape[0] if p.packed is None else p.packed.out_features for p in parts)
+    with torch.device("meta"):
+        joined = Linear(parts[0].in_features, out_features, parts[0].bias is not None, parts[0].dtype)
+    joined.weight = None if weight is None else nn.Parameter(weight, requires_grad=False)
+    joined.packed = packed
+    if joined.bias is not None:
+        joined.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+    joined.quant_matmul = parts[0].quant_matmul
+    return joined
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 class RMSNorm(nn.Module):
@@ -80,6 +115,8 @@ class Attention(nn.Module):
         self.k_proj = Linear(hidden, self.kv_heads * self.head_dim, bias, dtype)
         self.v_proj = Linear(hidden, self.kv_heads * self.head_dim, bias, dtype)
         self.o_proj = Linear(self.heads * self.head_dim, hidden, getattr(config, "attention_bias", False), dtype)
+        self.qkv = [self.q_proj, self.k_proj, self.v_proj]  # one joined Linear after fuse_projections()
+        self.qkv_sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
         self.scale = self.head_dim**-0.5
         self.attention = kernels.paged_attention  # the load-time Backend's, once set_backend ran
         self.k_scale = self.v_scale = None  # fp32 [kv_heads] for an fp8/int8 cache (loader.set_kv_cache)
@@ -88,9 +125,10 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs, kv_cache: torch.Tensor
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = rotate(self.q_proj(x).view(t, self.heads, self.head_dim), cos, sin)
-        k = rotate(self.k_proj(x).view(t, self.kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        q, k, v = joined_outputs(self.qkv, x).split(self.qkv_sizes, dim=-1)
+        q = rotate(q.reshape(t, self.heads, self.head_dim), cos, sin)
+        k = rotate(k.reshape(t, self.kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(t, self.kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
         k_cache.view(-1, self.kv_heads, self.head_dim)[step.slots] = quantized_kv(k, self.k_scale, k_cache.dtype)
         v_cache.view(-1, self.kv_heads, self.head_dim)[step.slots] = quantized_kv(v, self.v_scale, v_cache.dtype)
@@ -107,9 +145,15 @@ class MLP(nn.Module):
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, False, dtype)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, False, dtype)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
+        self.gate_up = [self.gate_proj, self.up_proj]  # one joined Linear after fuse_projections()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = joined_outputs(self.gate_up, x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def joined_outputs(linears: list[Linear], x: torch.Tensor) -> torch.Tensor:
+    return linears[0](x) if len(linears) == 1 else torch.cat([linear(x) for linear in linears], dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -141,6 +185,18 @@ class CausalLM(nn.Module):
         self.model = Decoder(config, dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
         self.cos = self.sin = None  # [positions, head_dim], from set_rope (sin with its first half negated)
+
+    def fuse_projections(self) -> None:
+        """Join q, k, v and gate, up into one Linear each where their weights allow (see fuse); the parts go."""
+        for layer in self.model.layers:
+            for owner, names, attr in ((layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv"),
+                                       (layer.mlp, ("gate_proj", "up_proj"), "gate_up")):  # fmt: skip
+                joined = fuse([getattr(owner, name) for name in names])
+                if joined is not None:
+                    for name in names:
+                        delattr(owner, name)
+                    owner.add_module(f"{attr}_proj", joined)  # vLLM's names for the joined projections
+                    setattr(owner, attr, [joined])
 
     def set_backend(self, backend: kernels.Backend) -> None:
         """Bind every layer to the kernels chosen for the model's device, once, instead of per call."""
