@@ -94,3 +94,128 @@ def test_awq_then_gptq_composes_and_beats_either_alone():
         assert len(result.quantized) == 14
         errors[name] = sum(r["relative_error"] for r in result.report)
     assert errors["awq+gptq"] < errors["awq+rtn"] and errors["awq+gptq"] < errors["gptq"], errors
+
+
+def observed(awq: AWQ, model: LlamaForCausalLM, batches: int, tokens: int = 40) -> torch.nn.Module:
+    """Layer 0 of `model` after `batches` calibration forwards with AWQ's hooks on it."""
+    layer = model.model.layers[0]
+    handles = awq.observe(layer, {})
+    with torch.no_grad():
+        for b in range(batches):
+            model(torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(b)))
+    for h in handles:
+        h.remove()
+    return layer
+
+
+def test_observe_counts_every_token_keeps_a_subsample_and_the_first_block_inputs():
+    awq = AWQ(QuantArgs(4, 32, False))
+    assert awq.arguments() == {"search_batches": 2, "clip": True, "grid": 20}  # the documented defaults
+    observed(awq, tiny(4), batches=3, tokens=50)
+    stats = awq.stats["self_attn.q_proj"]
+    assert stats.tokens == 3 * 50
+    assert len(torch.cat(stats.samples)) == 3 * 4  # every 16th token of each batch: 0, 16, 32, 48
+    assert len(awq.block_inputs["self_attn"]) == len(awq.block_inputs["mlp"]) == 2  # search_batches
+
+
+def test_stats_sum_over_batches():
+    from slimlm.compress.awq import _Stats
+
+    stats, a, b = _Stats(), torch.randn(2, 5, 8), torch.randn(7, 8)
+    stats.add(a, stride=4)
+    stats.add(b, stride=4)
+    assert stats.tokens == 17
+    assert torch.allclose(stats.abs_sum, a.abs().sum((0, 1)) + b.abs().sum(0))
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 1.0])
+def test_search_batches_must_be_a_positive_integer(value):
+    message = rf"--search-batches {value!r} must be a positive integer \(2 is the default\)"
+    with pytest.raises(SlimlmError, match=message):
+        AWQ(QuantArgs(4, 32), search_batches=value)
+    assert AWQ(QuantArgs(4, 32), search_batches=1).search_batches == 1
+
+
+def test_a_block_that_returns_a_tensor_is_compared_whole():
+    block = torch.nn.Linear(4, 3)
+    x = torch.randn(5, 4)
+    (out,) = AWQ(QuantArgs(4, 32))._block_output(block, [((x,), {})])
+    assert torch.equal(out, block(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_scale_is_the_grid_power_with_the_least_block_error(dtype):
+    """The paper's search, written out: s = s_x^α normalised by √(max·min), α = i/grid, the α whose
+    fake-quantized q/k/v give the smallest error of the attention block's output. The layer's own dtype
+    is kept, and the weights are put back."""
+    from slimlm.compress.quantize import quantize_rtn
+
+    args, grid = QuantArgs(4, 32, False), 6
+    awq = AWQ(args, grid=grid)
+    model = tiny(4).to(dtype)
+    layer = observed(awq, model, batches=2)
+    mapping = next(m for m in layer_mappings(layer) if m.block == "self_attn")
+    mods = [layer.get_submodule(n) for n in mapping.linears]
+    originals = [m.weight.data.clone() for m in mods]
+    stats = awq.stats[mapping.linears[0]]
+    x_mean = stats.abs_sum / stats.tokens
+    assert (x_mean < 1).any()  # powers of small means stay small: no floor but 1e-4 may lift them
+    inputs = awq.block_inputs["self_attn"]
+    with torch.no_grad():
+        ref = [layer.self_attn(*a, **k)[0] for a, k in inputs]
+        losses, scales = [], []
+        for i in range(grid):
+            s = x_mean.pow(i / grid).clamp(min=1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            for mod, w in zip(mods, originals, strict=True):
+                mod.weight.data = (quantize_rtn(w.float() * s, args).dequantize() / s).to(dtype)
+            out = [layer.self_attn(*a, **k)[0] for a, k in inputs]
+            losses.append(sum((o - r).float().pow(2).mean() for o, r in zip(out, ref, strict=True)).item())
+            scales.append(s)
+        for mod, w in zip(mods, originals, strict=True):
+            mod.weight.data = w
+        found = awq._search_scale(layer, mapping)
+    assert found.dtype == dtype
+    assert torch.equal(found, scales[losses.index(min(losses))].to(dtype))
+    assert losses.index(min(losses)) > 0  # the outliers make some α > 0 win
+    assert all(torch.equal(m.weight.data, w) for m, w in zip(mods, originals, strict=True))
+
+
+def reference_clip(w: torch.Tensor, x: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    """Per row and group, one at a time: the range shrink 1, 0.95, …, 0.5 (the first best) whose quantized
+    group keeps x_g · w_g closest, in mean squared error over the tokens."""
+    from slimlm.compress.quantize import quantize_rtn
+
+    gs = w.shape[1] if args.group_size == -1 else args.group_size
+    one = QuantArgs(args.bits, gs, args.sym)
+    out = w.clone()
+    for o in range(w.shape[0]):
+        for g0 in range(0, w.shape[1], gs):
+            wg, xg = w[o, g0 : g0 + gs], x[:, g0 : g0 + gs]
+            best, best_w = float("inf"), wg
+            for i in range(11):
+                bound = wg.abs().max() * (1 - i / 20)
+                clipped = wg.clamp(-bound, bound)
+                deq = quantize_rtn(clipped[None], one).dequantize()[0]
+                err = ((xg @ deq - xg @ wg) ** 2).mean().item()
+                if err < best:
+                    best, best_w = err, clipped
+            out[o, g0 : g0 + gs] = best_w
+    return out
+
+
+@pytest.mark.parametrize("args", [QuantArgs(3, 32, False), QuantArgs(3, 32, True), QuantArgs(4, -1, False)])
+def test_clipping_is_the_per_group_search_of_the_reference(args, monkeypatch):
+    from slimlm.compress import awq as awq_module
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(80, 64, generator=g), torch.randn(32, 64, generator=g)  # more rows than inputs
+    w[0, 0], x[:, 0] = 20.0, 0.0  # an outlier no token sees: the largest shrink allowed (0.5) is best
+    x[:, 48:] = 0.0  # a group no token sees (with groups of 32): every shrink ties, the first (none) is kept
+    awq = AWQ(args)
+    expected = reference_clip(w, x, args)
+    assert torch.allclose(awq._clip(w, x), expected, atol=1e-6)
+    assert not torch.equal(expected, w)  # some group is clipped
+    monkeypatch.setattr(awq_module, "CLIP_CHUNK_ELEMENTS", 2 * 32 * 64)  # two rows at a time
+    assert torch.allclose(awq._clip(w, x), expected, atol=1e-6)
+    assert awq._clip(w.bfloat16(), x).dtype == torch.bfloat16
