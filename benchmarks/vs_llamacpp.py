@@ -1,0 +1,111 @@
+"""slimlm's runtime against llama.cpp on the default model at the same bits, measured in one run.
+
+llama.cpp (llama-cpp-python, in its own venv) runs the default model's own GGUF: Q4_1 layers (4-bit,
+asymmetric, blocks of 32) and a Q8_0 tied embedding/output. slimlm serves what `compress` makes of the same
+weights at the same bits: RTN W4 g32 asymmetric layers and an 8-bit lm_head (--quantize-lm-head). Both get
+the same token ids and the same number of threads; each side is timed on its own, the machine otherwise idle.
+
+    prefill   one prompt of --prompt tokens in one call (llama.cpp: Llama.eval; slimlm: one engine forward)
+    decode    one new token per step after a short context, batch 1 (llama.cpp: single-token Llama.eval)
+    batch 32  slimlm only: llama-cpp-python evaluates one sequence at a time
+
+    .venv/bin/python benchmarks/vs_llamacpp.py --llama-python /path/to/llama-venv/bin/python [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from slimlm import assets, models
+from slimlm.eval.bench import BenchConfig, offline
+from slimlm.eval.plan import copy_bandwidth
+
+LLAMA = r"""
+import json, statistics, sys, time
+from llama_cpp import Llama
+path, threads, prompt, steps = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=len(prompt),
+            verbose=False)
+def timed(tokens):
+    start = time.perf_counter()
+    llm.eval(tokens)
+    return time.perf_counter() - start
+prefill = []
+for _ in range(4):  # the first call pays one-time costs: the best of the rest
+    llm.reset()
+    prefill.append(timed(prompt))
+llm.reset()
+llm.eval(prompt[:16])
+decode = [timed([prompt[16 + i % 64]]) for i in range(steps)]
+print(json.dumps({"prefill_tok_s": len(prompt) / min(prefill[1:]),
+                  "decode_tok_s": 1 / statistics.median(decode[8:])}))
+"""
+
+
+def llama_cpp(python: str, gguf: Path, threads: int, prompt: list[int], steps: int) -> dict:
+    cmd = [python, "-c", LLAMA, str(gguf), str(threads), json.dumps(prompt), str(steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    if proc.returncode != 0:
+        sys.exit(f"llama.cpp run failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def checkpoint(work: Path) -> Path:
+    """RTN W4 g32 asymmetric with an 8-bit lm_head: the bits of the GGUF's Q4_1 layers and Q8_0 output."""
+    out = work / "rtn-w4-g32-asym-head8"
+    if not (out / "config.json").exists():
+        compress = shutil.which("compress") or str(Path(sys.executable).with_name("compress"))
+        subprocess.run([compress, "rtn", "--model", "smollm2-135m", "--bits", "4", "--group-size", "32", "--asym",
+                        "--quantize-lm-head", "8", "--out", str(out), "--overwrite"], check=True)  # fmt: skip
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-python", required=True, help="python of a venv with llama-cpp-python installed")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt", type=int, default=500, help="prefill length, tokens")
+    parser.add_argument("--steps", type=int, default=64, help="decode steps timed")
+    parser.add_argument("--work", default="out/vs_llamacpp", help="where the slimlm checkpoint is made")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = checkpoint(Path(args.work))
+    gguf = assets.original_file("smollm2-135m")
+    tokenizer = models.load_tokenizer(models.resolve("smollm2-135m"))
+    ids = tokenizer.encode("\n\n".join(assets.text_passages("wiki")[:40]))
+    prompt = ids[: args.prompt]
+    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} threads; "
+          f"prompt {len(prompt)} tokens, {args.steps} decode steps", flush=True)  # fmt: skip
+    peer_name = "llama.cpp (GGUF Q4_1, Q8_0 output)"
+    results = {peer_name: llama_cpp(args.llama_python, gguf, args.threads, prompt, args.steps)}
+    bandwidth = copy_bandwidth("cpu")
+    for dtype in ("float32", "bfloat16"):
+        config = BenchConfig(batches=[1, 32], context=64, prefill_len=len(prompt), steps=args.steps // 4, dtype=dtype)
+        run = offline(str(model), config, bandwidth)
+        one, many = run["decode"]
+        results[f"slimlm {dtype} (W4 g32 asym, 8-bit lm_head)"] = {
+            "prefill_tok_s": run["prefill_tok_s"], "decode_tok_s": one["tok_s"], "batch32_tok_s": many["tok_s"],
+            "decode_floor_ratio": one["floor_ratio"]}  # fmt: skip
+    peer = results[peer_name]
+    print(f"{'system':<46}{'prefill tok/s':>14}{'÷llama':>8}{'decode tok/s':>14}{'÷llama':>8}{'b32 tok/s':>11}")
+    for name, r in results.items():
+        b32 = f"{r['batch32_tok_s']:>11.0f}" if "batch32_tok_s" in r else f"{'-':>11}"
+        print(f"{name:<46}{r['prefill_tok_s']:>14.0f}{r['prefill_tok_s'] / peer['prefill_tok_s']:>7.2f}×"
+              f"{r['decode_tok_s']:>14.1f}{r['decode_tok_s'] / peer['decode_tok_s']:>7.2f}×{b32}")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"threads": args.threads, "prompt": len(prompt), "results": results},
+                                              indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
