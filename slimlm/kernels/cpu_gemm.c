@@ -240,8 +240,8 @@ static inline int64_t tile_rows(int64_t m, int64_t m1, int64_t most) {
 }
 
 // Literal bits and rows: each case compiles to its own unrolled loop with the tile in registers.
-#define CODE_TILE(B, R) code_tile(B, R, x + m * K, K, group, seg, c, s, z, k0, kc, xs + m * S, S, yb + m * N, N)
-#define WEIGHT_TILE(R) weight_tile(R, x + m * K, K, k0, kc, buf, yb + m * N, N)
+#define CODE_TILE(B, R) code_tile(B, R, x + m * K, K, group, seg, c, s, z, k0, kc, xs + m * S, S, acc + (m - m0) * BN, BN)
+#define WEIGHT_TILE(R) weight_tile(R, x + m * K, K, k0, kc, buf, acc + (m - m0) * BN, BN)
 #define CASES(TILE, ...)                                                                                  \
     switch (rows) {                                                                                       \
         case 1: TILE(__VA_ARGS__ 1); break;                                                               \
@@ -252,12 +252,31 @@ static inline int64_t tile_rows(int64_t m, int64_t m1, int64_t most) {
         default: TILE(__VA_ARGS__ 6);                                                                     \
     }
 
-// y[M, N] fp32 = x[M, K] bf16 · Wᵀ, code tiles up to `code_rows` rows of x and weight tiles above. K and the
-// group size must be even. Returns -1 if out of memory.
+// Rows [m0, m1) of one block's fp32 results (acc, 64 per row) into y: its first `cols` columns from
+// column c0 on, as fp32 or rounded to bf16 (nearest even).
+static inline void write_block(const float *acc, int64_t m0, int64_t m1, void *y, int64_t y_cols, int y_bf16,
+                               int64_t c0) {
+    const int64_t cols = y_cols - c0 < BN ? y_cols - c0 : BN;
+    const __mmask16 tail = (__mmask16)((1u << (cols % 16)) - 1);
+    for (int64_t m = m0; m < m1; m++) {
+        const float *a = acc + (m - m0) * BN;
+        for (int64_t i = 0; i < cols; i += 16) {
+            const __mmask16 mask = cols - i >= 16 ? (__mmask16)0xFFFF : tail;
+            const __m512 v = _mm512_loadu_ps(a + i);
+            if (y_bf16)
+                _mm256_mask_storeu_epi16((uint16_t *)y + m * y_cols + c0 + i, mask, (__m256i)_mm512_cvtneps_pbh(v));
+            else
+                _mm512_mask_storeu_ps((float *)y + m * y_cols + c0 + i, mask, v);
+        }
+    }
+}
+
+// y[M, y_cols] = x[M, K] bf16 · Wᵀ, as fp32 or bf16 (y_bf16), code tiles up to `code_rows` rows of x and
+// weight tiles above. K and the group size must be even. Returns -1 if out of memory.
 int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
                              const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
-                             float *y, int64_t code_rows, int nthreads) {
-    const int64_t N = nblocks * BN, G = K / group;
+                             void *y, int64_t y_cols, int y_bf16, int64_t code_rows, int nthreads) {
+    const int64_t G = K / group;
     const int codes_only = M <= code_rows;
     int64_t seg = group < KC ? group : KC;  // segments lie inside one group and one chunk and have even length
     while (group % seg != 0 || seg % 2 != 0) seg--;
@@ -286,8 +305,11 @@ int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, 
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(|| : failed)
     {
-        __m512i *buf = codes_only ? NULL : aligned_alloc(64, sizeof(__m512i) * KC / 2 * 4);  // one per thread
-        failed = !codes_only && buf == NULL;
+        // per thread: the results of one block's rows until the last chunk (then written to y, in y's dtype,
+        // without the padding), and the dequantized chunk of the weight tiles
+        float *acc = aligned_alloc(64, sizeof(float) * BN * part_rows);
+        __m512i *buf = codes_only ? NULL : aligned_alloc(64, sizeof(__m512i) * KC / 2 * 4);
+        failed = acc == NULL || (!codes_only && buf == NULL);
 #pragma omp for collapse(2) schedule(static)
         for (int64_t nb = 0; nb < nblocks; nb++) {
             for (int64_t part = 0; part < parts; part++) {
@@ -296,7 +318,6 @@ int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, 
                 const uint8_t *c = codes + nb * K * (BN * bits / 8);
                 const uint16_t *s = scales + nb * G * BN;
                 const uint8_t *z = zeros + nb * G * BN;
-                float *yb = y + nb * BN;
                 for (int64_t k0 = 0; k0 < K; k0 += chunk) {
                     const int64_t kc = K - k0 < chunk ? K - k0 : chunk;
                     if (codes_only) {
@@ -312,9 +333,11 @@ int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, 
                         }
                     }
                 }
+                write_block(acc, m0, m1, y, y_cols, y_bf16, nb * BN);
             }
         }
         free(buf);
+        free(acc);
     }
     free(xs);
     return failed ? -1 : 0;
@@ -339,10 +362,9 @@ static inline float bf16_value(uint16_t h) {
 // weight to fp32 (the fused loop above), as long as 3·M rows stay in the code tiles' range.
 int slimlm_quant_matmul_f32_split(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes,
                                   const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
-                                  float *y, int nthreads) {
-    const int64_t N = nblocks * BN;
+                                  float *y, int64_t y_cols, int nthreads) {
     uint16_t *planes = malloc(sizeof(uint16_t) * 3 * M * K);
-    float *partial = malloc(sizeof(float) * 3 * M * N);
+    float *partial = malloc(sizeof(float) * 3 * M * y_cols);
     int status = -1;
     if (planes != NULL && partial != NULL) {
         for (int64_t m = 0; m < M; m++)
@@ -355,10 +377,11 @@ int slimlm_quant_matmul_f32_split(int bits, const float *x, int64_t M, int64_t K
                 }
             }
         status = slimlm_quant_matmul_bf16(bits, planes, 3 * M, K, codes, scales, zeros, nblocks, group, partial,
-                                          3 * M, nthreads);
+                                          y_cols, 0, 3 * M, nthreads);
         for (int64_t m = 0; status == 0 && m < M; m++)
-            for (int64_t n = 0; n < N; n++)
-                y[m * N + n] = partial[3 * m * N + n] + partial[(3 * m + 1) * N + n] + partial[(3 * m + 2) * N + n];
+            for (int64_t n = 0; n < y_cols; n++)
+                y[m * y_cols + n] = partial[3 * m * y_cols + n] + partial[(3 * m + 1) * y_cols + n] +
+                                    partial[(3 * m + 2) * y_cols + n];
     }
     free(planes);
     free(partial);

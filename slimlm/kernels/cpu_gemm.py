@@ -35,21 +35,27 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         slices = torch.bfloat16 if cpu_library.vector_bits() == 512 else torch.float32  # what slimlm_dequantize writes
         return _dequantized_matmul(x.to(slices).contiguous(), w).to(dtype)
     lib = cpu_library.load()
-    x = x.contiguous() if kernel in ("bf16-codes", "bf16-weights") else x.to(torch.float32).contiguous()
     m, k = x.shape
-    y = torch.empty(m, w.padded_out_features, dtype=torch.float32)
-    args = (w.codes.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(), w.codes.shape[0], w.group_size, y.data_ptr())
+    blocks = (w.codes.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(), w.codes.shape[0], w.group_size)
     threads = torch.get_num_threads()
-    if kernel in ("bf16-codes", "bf16-weights"):
-        status = lib.slimlm_quant_matmul_bf16(w.bits, x.data_ptr(), m, k, *args, CODE_MAX_ROWS[w.bits], threads)
+    if kernel in ("bf16-codes", "bf16-weights"):  # written in x's dtype, without the padding
+        x = x.contiguous()
+        y = torch.empty(m, w.out_features, dtype=dtype)
+        status = lib.slimlm_quant_matmul_bf16(w.bits, x.data_ptr(), m, k, *blocks, y.data_ptr(), w.out_features,
+                                              1, CODE_MAX_ROWS[w.bits], threads)  # fmt: skip
     elif kernel == "fp32-split":
-        status = lib.slimlm_quant_matmul_f32_split(w.bits, x.data_ptr(), m, k, *args, threads)
+        x = x.to(torch.float32).contiguous()
+        y = torch.empty(m, w.out_features)
+        status = lib.slimlm_quant_matmul_f32_split(w.bits, x.data_ptr(), m, k, *blocks, y.data_ptr(),
+                                                   w.out_features, threads)  # fmt: skip
     else:
-        status = lib.slimlm_quant_matmul(w.bits, x.data_ptr(), m, k, *args, threads)
-    if status:  # only the bf16 kernels allocate
+        x = x.to(torch.float32).contiguous()
+        y = torch.empty(m, w.padded_out_features)
+        lib.slimlm_quant_matmul(w.bits, x.data_ptr(), m, k, *blocks, y.data_ptr(), threads)
+        y, status = y[:, : w.out_features], 0
+    if status:  # the bf16 kernels allocate
         raise SlimlmError(f"out of memory in the CPU quantized matmul ({m}×{k} rows of x)")
-    y = y[:, : w.out_features]
-    return y if dtype == torch.float32 else y.to(dtype)
+    return y if y.dtype == dtype else y.to(dtype)
 
 
 def path(rows: int, dtype: torch.dtype, w: PackedWeight) -> str:

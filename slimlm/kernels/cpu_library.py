@@ -61,8 +61,9 @@ def load() -> ctypes.CDLL:
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
     lib.slimlm_dequantize.argtypes = DEQUANTIZE
     if hasattr(lib, "slimlm_quant_matmul_bf16"):  # built only where the CPU has AVX-512 BF16
-        lib.slimlm_quant_matmul_bf16.argtypes = [c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, c_int]
-        lib.slimlm_quant_matmul_f32_split.argtypes = SIGNATURES["slimlm_quant_matmul"][0]
+        lib.slimlm_quant_matmul_bf16.argtypes = [c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, c_int,
+                                                 i64, c_int]  # fmt: skip
+        lib.slimlm_quant_matmul_f32_split.argtypes = [c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, c_int]
         lib.slimlm_quant_matmul_bf16.restype = lib.slimlm_quant_matmul_f32_split.restype = c_int
     return lib
 

@@ -94,12 +94,13 @@ def _fp32_result(x: torch.Tensor, w) -> torch.Tensor:
     if w.perm is not None:
         x = x[:, w.perm]
     x = x.contiguous()
-    y = torch.empty(x.shape[0], w.padded_out_features)
+    y = torch.empty(x.shape[0], w.out_features)
     cpu_library.load().slimlm_quant_matmul_bf16(
         w.bits, x.data_ptr(), x.shape[0], x.shape[1], w.codes.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(),
-        w.codes.shape[0], w.group_size, y.data_ptr(), cpu_gemm.CODE_MAX_ROWS[w.bits], torch.get_num_threads(),
+        w.codes.shape[0], w.group_size, y.data_ptr(), w.out_features, 0, cpu_gemm.CODE_MAX_ROWS[w.bits],
+        torch.get_num_threads(),
     )  # fmt: skip
-    return y[:, : w.out_features].double()
+    return y.double()
 
 
 @pytest.mark.parametrize("m", [3, cpu_gemm.FUSED_MAX_ROWS_BF16 + 1, 40])
