@@ -186,3 +186,70 @@ def test_config_groups_slimlm_cannot_read_are_named(groups, fragment):
     with pytest.raises(SlimlmError, match=fragment):
         compressed_tensors.args_from_config(_config(**groups))
         compressed_tensors.named_args(_config(**groups))
+
+
+def test_the_config_we_write_is_the_scheme_compressed_tensors_documents():
+    from slimlm.formats import compressed_tensors
+
+    own_args = {"model.x": QuantArgs(8, 32, False)}
+    qcfg = compressed_tensors.quantization_config(QuantArgs(4, -1), ["lm_head"], "group", {"num_bits": 8}, own_args)
+    assert qcfg["format"] == "pack-quantized" and qcfg["ignore"] == ["lm_head"]
+    assert qcfg["kv_cache_scheme"] == {"num_bits": 8} and qcfg["quant_method"] == "compressed-tensors"
+    main, own = qcfg["config_groups"]["group_0"], qcfg["config_groups"]["group_1"]
+    assert main["weights"] == {"num_bits": 4, "type": "int", "symmetric": True, "group_size": None,
+                               "strategy": "channel", "dynamic": False, "actorder": "group",
+                               "observer": "minmax"}  # fmt: skip
+    assert own["targets"] == ["model.x"] and own["weights"]["actorder"] is None  # act-order is GPTQ's, not RTN's
+    assert own["weights"]["group_size"] == 32 and own["weights"]["strategy"] == "group"
+    kv_only = compressed_tensors.quantization_config(None, ["x"], kv_cache_scheme={"num_bits": 8})
+    assert kv_only["format"] == "dense" and kv_only["config_groups"] == {} and kv_only["ignore"] == []
+    assert compressed_tensors.args_from_config(kv_only) is None and compressed_tensors.named_args(kv_only) == {}
+
+
+@pytest.mark.parametrize(
+    "weights,expected",
+    [
+        ({"num_bits": 4}, QuantArgs(4, -1, True)),  # type int, symmetric and per channel by default
+        ({"num_bits": 8, "strategy": "channel", "group_size": 64}, QuantArgs(8, -1, True)),
+        ({"num_bits": 3, "strategy": "group", "group_size": 32, "symmetric": False, "type": "int"},
+         QuantArgs(3, 32, False)),
+        ({"num_bits": 4, "input_activations": None}, QuantArgs(4, -1, True)),
+    ],
+)  # fmt: skip
+def test_weight_schemes_are_read_with_their_defaults(weights, expected):
+    from slimlm.formats import compressed_tensors
+
+    group = {"targets": ["Linear"], "weights": weights}
+    assert compressed_tensors.args_from_config(_config(group_0=group)) == expected
+
+
+@pytest.mark.parametrize(
+    "group,fragment",
+    [
+        ({"input_activations": {"num_bits": 8}}, r"activation quantization \(W·A· schemes\) is not supported"),
+        ({"weights": {"num_bits": 4, "type": "float"}}, "weight scheme type=float strategy=None is not supported"),
+        ({"weights": {"num_bits": 4, "strategy": "tensor"}}, "type=None strategy=tensor is not supported"),
+        ({"weights": {"num_bits": True}}, r"weights.num_bits is True; slimlm reads integers \(2, 3, 4, 8\)"),
+        ({"weights": {"num_bits": 4, "strategy": "group", "group_size": 16}}, "weights.group_size is 16"),
+        ({"weights": {"num_bits": 4, "strategy": "group", "group_size": 64.0}}, "weights.group_size is 64.0"),
+        ({"weights": {"num_bits": 4, "symmetric": "yes"}}, "weights.symmetric is 'yes'; it must be true or false"),
+        ({"weights": "int4"}, "must have config groups, each with a 'weights' scheme"),
+    ],
+)
+def test_weight_schemes_slimlm_cannot_serve_are_named(group, fragment):
+    from slimlm.formats import compressed_tensors
+
+    group = {"targets": ["Linear"], "weights": {"num_bits": 4}, **group}
+    with pytest.raises(SlimlmError, match=fragment):
+        compressed_tensors.args_from_config(_config(group_0=group))
+
+
+def test_a_config_with_groups_reads_them_even_beside_a_kv_scheme():
+    from slimlm.formats import compressed_tensors
+
+    qcfg = {**_config(a=_group(["Linear"], 4)), "kv_cache_scheme": {"num_bits": 8}}
+    assert compressed_tensors.args_from_config(qcfg) == QuantArgs(4, 32, True)
+    with pytest.raises(SlimlmError, match="format 'dense' is not supported; slimlm reads pack-quantized"):
+        compressed_tensors.args_from_config({**qcfg, "format": "dense"})
+    with pytest.raises(SlimlmError, match="must have config groups"):
+        compressed_tensors.args_from_config({**qcfg, "config_groups": ["x"]})
