@@ -72,3 +72,62 @@ def test_gptq_v1_checkpoint_round_trip(tiny_llama, calib_txt, tmp_path):
         torch.testing.assert_close(b[n].scale.float(), a[n].scale.half().float(), rtol=0, atol=0)
     m = models.load(str(v1))[0]
     assert torch.isfinite(m.model.layers[0].mlp.down_proj.weight).all()
+
+
+@pytest.mark.parametrize("args,got", [(QuantArgs(4, 32, False), "4-bit asym"), (QuantArgs(3, 32, True), "3-bit sym"),
+                                      (QuantArgs(2, 32, True), "2-bit sym")])  # fmt: skip
+def test_the_refusal_says_what_was_asked(args, got):
+    with pytest.raises(SlimlmError, match=rf"\(got {got}\); use --sym with --bits 4 or 8, or the default"):
+        gptq_v1.check_exportable(args)
+    gptq_v1.check_exportable(QuantArgs(8, -1, True))  # symmetric 8-bit: fine
+
+
+@pytest.mark.parametrize("act_order,desc_act", [("group", True), (None, False), ("weight", False)])
+def test_the_config_is_autogptqs(act_order, desc_act):
+    assert gptq_v1.quantization_config(QuantArgs(4, 128, True), act_order, 0.01) == {
+        "quant_method": "gptq", "checkpoint_format": "gptq", "bits": 4, "group_size": 128, "sym": True,
+        "desc_act": desc_act, "damp_percent": 0.01, "true_sequential": True,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "qcfg,expected",
+    [({"bits": 4, "group_size": 128}, QuantArgs(4, 128, True)),
+     ({"bits": 8, "group_size": -1, "sym": True, "checkpoint_format": "gptq"}, QuantArgs(8, -1, True))],
+)  # fmt: skip
+def test_configs_are_read_with_their_defaults(qcfg, expected):
+    assert gptq_v1.args_from_config(qcfg) == expected
+
+
+@pytest.mark.parametrize(
+    "qcfg,fragment",
+    [
+        ({"bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"},
+         r"GPTQ checkpoint format gptq_v2 \(sym=None\) is not supported; slimlm reads symmetric GPTQ v1"),
+        ({"bits": 4, "group_size": 128, "sym": False}, r"format None \(sym=False\) is not supported"),
+        ({"bits": "4", "group_size": 128}, r"GPTQ bits='4' group_size=128: slimlm reads bits 2/3/4/8, group sizes "
+                                           r"\(-1, 32, 64, 128\)"),
+        ({"bits": 4, "group_size": 128.0}, "group_size=128.0: slimlm reads"),
+        ({"bits": 5, "group_size": 128}, "GPTQ bits=5 group_size=128"),
+        ({"bits": 4, "group_size": 16}, "GPTQ bits=4 group_size=16"),
+        ({"group_size": 128}, "GPTQ bits=None group_size=128"),
+    ],
+)  # fmt: skip
+def test_configs_slimlm_cannot_read_are_named(qcfg, fragment):
+    with pytest.raises(SlimlmError, match=fragment):
+        gptq_v1.args_from_config(qcfg)
+
+
+def test_broken_tensors_are_named():
+    args = QuantArgs(4, 32, True)
+    t = gptq_v1.to_tensors(quantize_rtn(torch.randn(16, 64), args))
+    for key in gptq_v1.KEYS:
+        with pytest.raises(SlimlmError, match=f"the checkpoint has no w.{key}"):
+            gptq_v1.from_tensors({k: v for k, v in t.items() if k != key}, args, "w")
+    with pytest.raises(SlimlmError, match=r"w.scales is \[3, 16\], the quantization_config implies \[2, 16\]"):
+        gptq_v1.from_tensors({**t, "scales": torch.cat([t["scales"], t["scales"][:1]])}, args, "w")
+    with pytest.raises(SlimlmError, match=r"w.qweight is \[8, 16\], the quantization_config implies \[16, 16\]"):
+        gptq_v1.from_tensors(t, QuantArgs(8, 32, True), "w")
+    asym = {**t, "qzeros": t["qzeros"] + 1}  # zero points other than the symmetric 2^(b−1)
+    with pytest.raises(SlimlmError, match="GPTQ v1 checkpoint with asymmetric zero points: not supported yet"):
+        gptq_v1.from_tensors(asym, args, "w")
