@@ -34,8 +34,8 @@ def to_tensors(q: QuantizedWeight) -> dict[str, torch.Tensor]:
     check_exportable(q.args)
     out_f, in_f = q.codes.shape
     groups = q.scale.shape[1]
-    offset = 2 ** (q.args.bits - 1)
-    zeros_minus_one = torch.full((groups, out_f), offset - 1 - offset, dtype=torch.int8)  # signed form of z−1
+    # z − 1 = 2^(b−1) − 1 for every symmetric group; pack_int32 stores signed values + 2^(b−1), so: −1
+    zeros_minus_one = torch.full((groups, out_f), -1, dtype=torch.int8)
     return {
         "qweight": pack_int32(q.codes.T.contiguous(), q.args.bits, dim=0),
         "qzeros": pack_int32(zeros_minus_one, q.args.bits, dim=1),
@@ -56,12 +56,10 @@ def from_tensors(t: dict[str, torch.Tensor], args: QuantArgs, name: str) -> Quan
     for key, shape in want.items():
         if tuple(t[key].shape) != shape:
             raise SlimlmError(f"{name}.{key} is {list(t[key].shape)}, the quantization_config implies {list(shape)}")
-    offset = 2 ** (args.bits - 1)
-    u = unpack_int32(t["qweight"], args.bits, in_f, dim=0).T.to(torch.int16) + offset
-    z = unpack_int32(t["qzeros"], args.bits, out_f, dim=1).T.to(torch.int16) + offset + 1  # [out, groups]
-    if not (z == offset).all():
+    # unpack_int32 gives the stored unsigned values − 2^(b−1): the signed codes, and −1 for a symmetric z − 1
+    codes = unpack_int32(t["qweight"], args.bits, in_f, dim=0).T
+    if not (unpack_int32(t["qzeros"], args.bits, out_f, dim=1) == -1).all():
         raise SlimlmError("GPTQ v1 checkpoint with asymmetric zero points: not supported yet")
-    codes = (u - offset).to(torch.int8)
     g_idx = t["g_idx"].long()
     trivial = torch.equal(g_idx, group_index(in_f, args))
     return QuantizedWeight(codes.contiguous(), t["scales"].T.contiguous(), None, args, None if trivial else g_idx.int())
