@@ -253,3 +253,77 @@ def test_a_config_with_groups_reads_them_even_beside_a_kv_scheme():
         compressed_tensors.args_from_config({**qcfg, "format": "dense"})
     with pytest.raises(SlimlmError, match="must have config groups"):
         compressed_tensors.args_from_config({**qcfg, "config_groups": ["x"]})
+
+
+@pytest.mark.parametrize("args,shape", [(QuantArgs(4, 32, False), (264, 64)), (QuantArgs(3, -1, True), (5, 264)),
+                                        (QuantArgs(8, 32, True), (1, 96))], ids=str)  # fmt: skip
+def test_tensors_round_trip_with_their_dtypes(args, shape):
+    """Sizes whose packed widths need ceil(·/32) (264 = 8.25 words of 4-bit codes) and one output row."""
+    from slimlm.formats import compressed_tensors
+
+    q = quantize_rtn(torch.randn(*shape), args)
+    g = torch.Generator().manual_seed(0)
+    q.g_idx = (torch.arange(shape[1]) // (shape[1] if args.group_size == -1 else args.group_size))[
+        torch.randperm(shape[1], generator=g)].int()  # fmt: skip
+    t = compressed_tensors.to_tensors(q)
+    assert t["weight_packed"].dtype == torch.int32 and t["weight_shape"].dtype == torch.int64
+    assert t["weight_g_idx"].dtype == torch.int32 and torch.equal(t["weight_g_idx"], q.g_idx)
+    back = compressed_tensors.from_tensors(t, args, "w")
+    assert torch.equal(back.codes, q.codes) and torch.equal(back.scale, q.scale) and torch.equal(back.g_idx, q.g_idx)
+    assert (back.zero is None) == args.sym and (args.sym or torch.equal(back.zero, q.zero))
+
+
+def _tensors(args: QuantArgs | None = None) -> dict:
+    from slimlm.formats import compressed_tensors
+
+    args = args or QuantArgs(4, 32, False)
+    q = quantize_rtn(torch.randn(16, 64), args)
+    q.g_idx = (torch.arange(64) // 32).flip(0).int()
+    return compressed_tensors.to_tensors(q)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda t: t.pop("weight_shape"), "the checkpoint has no w.weight_shape"),
+        (lambda t: t.pop("weight_packed"), "the checkpoint has no w.weight_packed"),
+        (lambda t: t.update(weight_shape=torch.tensor([16, 64, 1])),
+         r"w.weight_shape is \[16, 64, 1\]; expected \[out, in\] with positive sizes"),
+        (lambda t: t.update(weight_shape=torch.tensor([16.0, 64.0])), r"w.weight_shape is \[16.0, 64.0\]; expected"),
+        (lambda t: t.update(weight_shape=torch.tensor([0, 64])), r"w.weight_shape is \[0, 64\]; expected"),
+        (lambda t: t.update(weight_shape=torch.tensor([16, 48])), "w: group_size 32 does not divide its input dim 48"),
+        (lambda t: t.update(weight_packed=t["weight_packed"].long()),
+         r"w.weight_packed is \[16, 8\] torch.int64, the quantization_config implies \[16, 8\] torch.int32"),
+        (lambda t: t.update(weight_scale=t["weight_scale"][:, :1]),
+         r"w.weight_scale is \[16, 1\] torch.float32, the quantization_config implies \[16, 2\]$"),
+        (lambda t: t.update(weight_scale=t["weight_scale"].int()),
+         "w.weight_scale has dtype torch.int32; scales are floats"),
+        (lambda t: t.update(weight_zero_point=t["weight_zero_point"].long()),
+         r"w.weight_zero_point is \[2, 2\] torch.int64, the quantization_config implies \[2, 2\] torch.int32"),
+        (lambda t: t.update(weight_g_idx=t["weight_g_idx"].float()), r"w.weight_g_idx holds groups outside 0..1$"),
+        (lambda t: t.update(weight_g_idx=t["weight_g_idx"] + 1), r"w.weight_g_idx holds groups outside 0..1$"),
+        (lambda t: t.update(weight_g_idx=t["weight_g_idx"] - 1), r"w.weight_g_idx holds groups outside 0..1$"),
+        (lambda t: t.update(weight_g_idx=t["weight_g_idx"][:63]),
+         r"w.weight_g_idx is \[63\] torch.int32, the quantization_config implies \[64\]$"),
+    ],
+)  # fmt: skip
+def test_broken_tensors_are_named(change, message):
+    from slimlm.formats import compressed_tensors
+
+    t = _tensors()
+    change(t)
+    with pytest.raises(SlimlmError, match=f"^{message}"):
+        compressed_tensors.from_tensors(t, QuantArgs(4, 32, False), "w")
+
+
+def test_a_zero_point_beside_a_symmetric_config_is_refused():
+    from slimlm.formats import compressed_tensors
+
+    t = _tensors(QuantArgs(4, 32, False))
+    with pytest.raises(SlimlmError, match="^w has a weight_zero_point but the config says symmetric$"):
+        compressed_tensors.from_tensors(t, QuantArgs(4, 32, True), "w")
+    t.pop("weight_zero_point")
+    assert compressed_tensors.from_tensors(t, QuantArgs(4, 32, True), "w").zero is None
+    t = _tensors(QuantArgs(4, -1, True))  # per channel: any input dim
+    t["weight_g_idx"] = torch.zeros(64, dtype=torch.int32)
+    assert compressed_tensors.from_tensors(t, QuantArgs(4, -1, True), "w").g_idx is not None
