@@ -174,8 +174,12 @@ def test_a_module_named_by_a_group_of_its_own_reads_with_that_scheme():
 @pytest.mark.parametrize(
     "groups,fragment",
     [
-        (dict(a=_group(["lm_head"], 8), b=_group(["re:.*"], 4)), 'exactly one must target "Linear"'),
-        (dict(a=_group(["Linear"], 4), b=_group(["re:.*lm_head"], 8)), "targets that are exact module names"),
+        (dict(a=_group(["lm_head"], 8), b=_group(["re:.*"], 4)),
+         '^with several config groups, exactly one must target "Linear"; slimlm reads the others as schemes for '
+         "the modules they name$"),
+        (dict(a=_group(["Linear"], 4), b=_group(["re:.*lm_head"], 8)),
+         """^config group target 're:.\\*lm_head': slimlm reads targets that are exact module names, besides the """
+         'one "Linear" group$'),
         (dict(a=_group(["Linear"], 4), b=_group("lm_head", 8)), "expected a list of module names"),
         (dict(a=_group(["Linear"], 4), b=_group(["lm_head"], 5)), "weights.num_bits is 5"),
     ],
@@ -226,14 +230,18 @@ def test_weight_schemes_are_read_with_their_defaults(weights, expected):
 @pytest.mark.parametrize(
     "group,fragment",
     [
-        ({"input_activations": {"num_bits": 8}}, r"activation quantization \(W·A· schemes\) is not supported"),
-        ({"weights": {"num_bits": 4, "type": "float"}}, "weight scheme type=float strategy=None is not supported"),
+        ({"input_activations": {"num_bits": 8}},
+         r"^activation quantization \(W·A· schemes\) is not supported; slimlm serves weight-only schemes$"),
+        ({"weights": {"num_bits": 4, "type": "float"}},
+         "^weight scheme type=float strategy=None is not supported; slimlm serves integer per-group or "
+         "per-channel weights$"),
         ({"weights": {"num_bits": 4, "strategy": "tensor"}}, "type=None strategy=tensor is not supported"),
         ({"weights": {"num_bits": True}}, r"weights.num_bits is True; slimlm reads integers \(2, 3, 4, 8\)"),
-        ({"weights": {"num_bits": 4, "strategy": "group", "group_size": 16}}, "weights.group_size is 16"),
+        ({"weights": {"num_bits": 4, "strategy": "group", "group_size": 16}},
+         r"^weights.group_size is 16; slimlm reads \(32, 64, 128\) or null$"),
         ({"weights": {"num_bits": 4, "strategy": "group", "group_size": 64.0}}, "weights.group_size is 64.0"),
         ({"weights": {"num_bits": 4, "symmetric": "yes"}}, "weights.symmetric is 'yes'; it must be true or false"),
-        ({"weights": "int4"}, "must have config groups, each with a 'weights' scheme"),
+        ({"weights": "int4"}, "^quantization_config must have config groups, each with a 'weights' scheme$"),
     ],
 )
 def test_weight_schemes_slimlm_cannot_serve_are_named(group, fragment):
@@ -264,12 +272,13 @@ def test_tensors_round_trip_with_their_dtypes(args, shape):
     q = quantize_rtn(torch.randn(*shape), args)
     g = torch.Generator().manual_seed(0)
     q.g_idx = (torch.arange(shape[1]) // (shape[1] if args.group_size == -1 else args.group_size))[
-        torch.randperm(shape[1], generator=g)].int()  # fmt: skip
+        torch.randperm(shape[1], generator=g)]  # int64: written as int32  # fmt: skip
     t = compressed_tensors.to_tensors(q)
     assert t["weight_packed"].dtype == torch.int32 and t["weight_shape"].dtype == torch.int64
-    assert t["weight_g_idx"].dtype == torch.int32 and torch.equal(t["weight_g_idx"], q.g_idx)
+    assert t["weight_g_idx"].dtype == torch.int32 and torch.equal(t["weight_g_idx"].long(), q.g_idx)
     back = compressed_tensors.from_tensors(t, args, "w")
-    assert torch.equal(back.codes, q.codes) and torch.equal(back.scale, q.scale) and torch.equal(back.g_idx, q.g_idx)
+    assert torch.equal(back.codes, q.codes) and torch.equal(back.scale, q.scale)
+    assert torch.equal(back.g_idx.long(), q.g_idx)
     assert (back.zero is None) == args.sym and (args.sym or torch.equal(back.zero, q.zero))
 
 
