@@ -43,6 +43,16 @@ weights_at(int bits, const uint8_t *c, const __m512 s[4], const __m512 zs[4], __
     for (int i = 0; i < 4; i++) w[i] = _mm512_fmsub_ps(w[i], s[i], zs[i]);  // code·s − zero·s
 }
 
+// One group's 64 scales, and scale · (zero + offset), of the features of a block (scales, zeros at the group).
+static inline __attribute__((always_inline)) void
+group_scales(const uint16_t *scales, const uint8_t *zeros, float offset, __m512 s[4], __m512 zs[4]) {
+    for (int i = 0; i < 4; i++) {
+        s[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 16 * i)));
+        const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zeros + 16 * i))));
+        zs[i] = _mm512_mul_ps(_mm512_add_ps(z, _mm512_set1_ps(offset)), s[i]);
+    }
+}
+
 static inline __attribute__((always_inline)) void
 tile(int bits, int rows, const float *x, int64_t K, int64_t group, const uint8_t *codes,
      const uint16_t *scales, const uint8_t *zeros, float *y, int64_t N) {
@@ -52,11 +62,7 @@ tile(int bits, int rows, const float *x, int64_t K, int64_t group, const uint8_t
         for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < K / group; g++) {
         __m512 s[4], zs[4];
-        for (int i = 0; i < 4; i++) {
-            s[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * BN + 16 * i)));
-            const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zeros + g * BN + 16 * i))));
-            zs[i] = _mm512_mul_ps(z, s[i]);
-        }
+        group_scales(scales + g * BN, zeros + g * BN, 0.0f, s, zs);
         for (int64_t k = g * group; k < (g + 1) * group; k++) {
             __m512 w[4];
             weights_at(bits, codes + k * row_bytes, s, zs, w);
@@ -80,11 +86,7 @@ void slimlm_dequantize(int bits, int64_t K, const uint8_t *codes, const uint16_t
     for (int64_t nb = b0; nb < b1; nb++) {
         for (int64_t g = 0; g < G; g++) {
             __m512 s[4], zs[4];
-            for (int i = 0; i < 4; i++) {
-                s[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + (nb * G + g) * BN + 16 * i)));
-                const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zeros + (nb * G + g) * BN + 16 * i))));
-                zs[i] = _mm512_mul_ps(z, s[i]);
-            }
+            group_scales(scales + (nb * G + g) * BN, zeros + (nb * G + g) * BN, 0.0f, s, zs);
             for (int64_t k = g * group; k < (g + 1) * group; k++) {
                 __m512 w[4];
                 weights_at(bits, codes + (nb * K + k) * row_bytes, s, zs, w);
@@ -165,7 +167,8 @@ code_tile(int bits, int rows, const uint16_t *x, int64_t K, int64_t group, int64
           const uint16_t *scales, const uint8_t *zeros, int64_t k0, int64_t kc, const float *xs,
           int64_t xs_stride, float *y, int64_t N) {
     // 4-bit pairs hold 1 + c/16 = (16 + c)/16, 8-bit ones c
-    const __m512 offset = _mm512_set1_ps(bits == 4 ? 16.0f : 0.0f), unit = _mm512_set1_ps(bits == 4 ? 16.0f : 1.0f);
+    const float offset = bits == 4 ? 16.0f : 0.0f;
+    const __m512 unit = _mm512_set1_ps(bits == 4 ? 16.0f : 1.0f);
     for (int64_t sk = k0; sk < k0 + kc; sk += seg) {
         __m512 acc[CODE_ROWS][4];
         for (int r = 0; r < rows; r++)
@@ -178,11 +181,7 @@ code_tile(int bits, int rows, const uint16_t *x, int64_t K, int64_t group, int64
         // y += scale · unit · acc − scale · (zero + offset) · Σx
         const int64_t g = sk / group;
         __m512 s[4], zs[4];
-        for (int i = 0; i < 4; i++) {
-            s[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * BN + 16 * i)));
-            const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zeros + g * BN + 16 * i))));
-            zs[i] = _mm512_mul_ps(_mm512_add_ps(z, offset), s[i]);
-        }
+        group_scales(scales + g * BN, zeros + g * BN, offset, s, zs);
         for (int r = 0; r < rows; r++) {
             const __m512 sum = _mm512_set1_ps(xs[r * xs_stride + sk / seg]);
             for (int i = 0; i < 4; i++) {
@@ -205,13 +204,8 @@ dequantize_chunk(int bits, int64_t group, const uint8_t *codes, const uint16_t *
     const int64_t row_bytes = BN * bits / 8;
     __m512 s[4], zs[4];
     for (int64_t k = k0; k < k0 + kc; k += 2) {
-        if (k == k0 || k % group == 0) {  // groups are even: a pair never straddles two
-            for (int i = 0; i < 4; i++) {
-                s[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + k / group * BN + 16 * i)));
-                const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zeros + k / group * BN + 16 * i))));
-                zs[i] = _mm512_mul_ps(z, s[i]);
-            }
-        }
+        if (k == k0 || k % group == 0)  // groups are even: a pair never straddles two
+            group_scales(scales + k / group * BN, zeros + k / group * BN, 0.0f, s, zs);
         __m512 lo[4], hi[4];
         weights_at(bits, codes + k * row_bytes, s, zs, lo);
         weights_at(bits, codes + (k + 1) * row_bytes, s, zs, hi);
