@@ -210,6 +210,13 @@ def test_gptq_format_refuses_an_lm_head_of_other_bits(capsys, tiny_llama, out_di
     assert_one_line_error(code, err, "--format gptq stores one scheme for every linear")
 
 
+def test_lm_head_bits_the_kernels_do_not_cover_are_refused(capsys, tiny_llama, out_dir):
+    with pytest.raises(SystemExit) as exc:
+        main(["rtn", "--model", str(tiny_llama), "--quantize-lm-head", "5", "--out", out_dir])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--quantize-lm-head: invalid choice: 5 (choose from 4, 8)" in err.splitlines()[-1]
+
+
 def test_generate_serves_good_prompts_and_names_the_rejected_one(capsys, tiny_llama):
     code, out, err = run_cli(capsys, "generate", str(tiny_llama), "--prompt", "the city", "--prompt", "",
                              "--max-tokens", "3")  # fmt: skip

@@ -68,8 +68,9 @@ def quantize_weights(
     method_args: dict = {}
     for step in steps:
         method_args.update(step.arguments())
-    head = {"lm_head": replace(args, bits=lm_head_bits)} if lm_head_bits is not None else {}
-    writer.quantization_config(fmt, args, [], method_args, head)  # a bad --format fails here, not after calibration
+    head_args = None if lm_head_bits is None else replace(args, bits=lm_head_bits)
+    own = {"lm_head": head_args} if head_args else {}
+    writer.quantization_config(fmt, args, [], method_args, own)  # a bad --format fails here, not after calibration
     dev = resolve_device(device)
     model_dir = models.resolve(model_spec)
     source_config = models.check(model_dir)
@@ -128,12 +129,12 @@ def quantize_weights(
         else:
             outside = weights.read(weights.names_outside(arch.LAYERS + "."))
         quantized, untie = {}, {}
-        if lm_head_bits is not None:
+        if head_args is not None:
             # The lm_head sees the final hidden states only; it is rounded to nearest whatever the method.
             # A tied one is untied: the embeddings stay float (a lookup reads a few rows of them), and only
             # the copy every decode step reads in full is quantized.
             head = outside.get("lm_head.weight", outside[arch.EMBED + ".weight"])
-            quantized["lm_head"] = quantize_rtn(head.float(), replace(args, bits=lm_head_bits))
+            quantized["lm_head"] = quantize_rtn(head.float(), head_args)
             untie = {"tie_word_embeddings": False} if model.config.tie_word_embeddings else {}
         meta = {
             "method": method_name,

@@ -70,7 +70,7 @@ def fuse(parts: list[Linear]) -> Linear | None:
                               ws[0].bits, ws[0].group_size, sum(w.out_features for w in ws), ws[0].perm)  # fmt: skip
     else:
         return None
-    out_features = sum(p.weight.shape[0] if p.packed is None else p.packed.out_features for p in parts)
+    out_features = weight.shape[0] if packed is None else packed.out_features
     with torch.device("meta"):
         joined = Linear(parts[0].in_features, out_features, parts[0].bias is not None, parts[0].dtype)
     joined.weight = None if weight is None else nn.Parameter(weight, requires_grad=False)
