@@ -50,10 +50,12 @@ def from_tensors(t: dict[str, torch.Tensor], args: QuantArgs, name: str) -> Quan
     if missing:
         raise SlimlmError(f"the checkpoint has no {name}.{missing[0]}")
     in_f, out_f = t["qweight"].shape[0], t["scales"].shape[-1]
+    if in_f % args.group_size:
+        raise SlimlmError(f"{name}: group_size {args.group_size} does not divide its input dim {in_f}")
     groups = args.groups(in_f)
     want = {"qweight": (in_f, out_f // 8), "qzeros": (groups, out_f // 8), "scales": (groups, out_f)}
     for key, shape in want.items():
-        if tuple(t[key].shape) != shape or in_f % args.group_size:
+        if tuple(t[key].shape) != shape:
             raise SlimlmError(f"{name}.{key} is {list(t[key].shape)}, the quantization_config implies {list(shape)}")
     codes = unpack_columns(t["qweight"]).T.contiguous()  # [out, in]
     zeros = unpack_columns(t["qzeros"]).T.contiguous()  # [out, groups]

@@ -17,6 +17,7 @@ from slimlm.formats.quantized import QuantArgs
 from slimlm.runtime.llm import LLM
 from slimlm.runtime.sampling import SamplingParams
 from tests.conftest import make_text, make_tokenizer
+from tests.formats.test_awq_gemm import pack_awq_gemm
 from tests.runtime.conftest import model_logprobs, next_token_logprobs
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
@@ -126,19 +127,6 @@ def test_llmcompressor_checkpoints_serve(name):
     ids = ref["input_ids"][0].tolist()
     expected = next_token_logprobs(ref["logits"][0], ids)
     assert torch.allclose(runtime_logprobs(FIXTURES / name, ids), expected, atol=2e-3)
-
-
-AUTOAWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # written out here, not imported: the test must not share the reader's
-
-
-def pack_awq_gemm(codes_u: torch.Tensor) -> torch.Tensor:
-    """[rows, cols] unsigned 4-bit -> int32 [rows, cols/8], nibble j = column 8c + ORDER[j] (AutoAWQ's rule)."""
-    rows, cols = codes_u.shape
-    grouped = codes_u.reshape(rows, cols // 8, 8).to(torch.int64)
-    packed = torch.zeros(rows, cols // 8, dtype=torch.int64)
-    for j, col in enumerate(AUTOAWQ_ORDER):
-        packed |= grouped[:, :, col] << (4 * j)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
 def test_awq_gemm_checkpoint_serves(calibrated, tmp_path):
