@@ -1,0 +1,93 @@
+"""The plain PyTorch definitions every kernel is held to, checked against definitions that share nothing with
+them: attention over each sequence's K/V laid out contiguously (no blocks), the weight as the checkpoint's
+codes dequantize it, and the KV-cache rounding rules written element by element."""
+
+import pytest
+import torch
+
+from slimlm.kernels import reference
+from tests.kernels.problems import paged_problem, quantized_weight
+
+
+def contiguous_attention(p, dtype=torch.float64) -> torch.Tensor:
+    """Causal attention per sequence over its first seq_len cache slots, gathered block by block, GQA by
+    mapping query head h to KV head h // group, one query at a time."""
+    block_size, kv_heads = p.k_cache.shape[1], p.k_cache.shape[2]
+    group = p.q.shape[1] // kv_heads
+    out = torch.zeros(p.q.shape, dtype=dtype)
+    for s in range(len(p.seq_lens)):
+        n, start, end = int(p.seq_lens[s]), int(p.query_start[s]), int(p.query_start[s + 1])
+        slots = [int(p.block_tables[s, i // block_size]) * block_size + i % block_size for i in range(n)]
+        k = p.k_cache.flatten(0, 1)[slots].to(dtype)
+        v = p.v_cache.flatten(0, 1)[slots].to(dtype)
+        if p.k_scale is not None:
+            k, v = k * p.k_scale.to(dtype)[:, None], v * p.v_scale.to(dtype)[:, None]
+        for i in range(start, end):
+            pos = n - (end - start) + (i - start)  # the query's own position: it sees keys 0..pos
+            for h in range(p.q.shape[1]):
+                scores = (k[: pos + 1, h // group] @ p.q[i, h].to(dtype)) * p.scale
+                out[i, h] = scores.softmax(0) @ v[: pos + 1, h // group]
+    return out
+
+
+@pytest.mark.parametrize(
+    "seq_lens, q_lens, heads, kv_heads, kv_dtype",
+    [([20, 7, 33], [4, 7, 1], 4, 2, torch.float32),  # a whole prompt, a chunk, a decode; GQA 2
+     ([16, 1], [16, 1], 3, 3, torch.float16),  # block-aligned, a one-token sequence, MHA
+     ([40, 9], [3, 2], 6, 2, torch.int8),  # scaled caches, GQA 3
+     ([17], [5], 2, 1, torch.float8_e4m3fn)],
+)  # fmt: skip
+def test_paged_attention_equals_attention_over_contiguous_kv(seq_lens, q_lens, heads, kv_heads, kv_dtype):
+    p = paged_problem(seq_lens, q_lens, heads, kv_heads, 16, block_size=8, kv_dtype=kv_dtype, q_dtype=torch.float32)
+    expected = contiguous_attention(p)
+    got = reference.paged_attention(*p.args(), dtype=torch.float64)
+    assert got.dtype == torch.float64 and torch.allclose(got, expected, rtol=1e-10, atol=1e-12)
+    # the host copy of the query lengths gives the same answer as query_start
+    assert torch.equal(reference.paged_attention(*p.args(), dtype=torch.float64, query_lens=q_lens), got)
+    # without `dtype` it computes in q's dtype
+    assert reference.paged_attention(*p.args()).dtype == torch.float32
+
+
+@pytest.mark.parametrize("bits, group, sym, act_order", [(4, 32, True, False), (8, -1, False, False),
+                                                        (4, 32, False, True)])  # fmt: skip
+def test_quant_matmul_is_x_times_the_dequantized_weight(bits, group, sym, act_order):
+    q, w = quantized_weight(72, 96, bits, group, sym, act_order=act_order)  # 72 outputs: the pack pads to 128
+    q.scale = q.scale.half().float()  # the kernel layout keeps fp16 scales
+    x = torch.randn(5, 96, dtype=torch.float64)
+    expected = x @ q.dequantize(torch.float64).T
+    got = reference.quant_matmul(x, w)
+    assert got.shape == (5, 72) and got.dtype == torch.float64 and torch.allclose(got, expected, rtol=0, atol=1e-12)
+    got32 = reference.quant_matmul(x.float(), w, torch.float64)  # computed in the given dtype
+    assert got32.dtype == torch.float64 and torch.allclose(got32, x.float().double() @ q.dequantize(torch.float64).T)
+
+
+def test_a_float_cache_takes_kv_as_it_is():
+    kv = torch.randn(5, 2, 8)
+    assert torch.equal(reference.quantized_kv(kv, None, torch.float16), kv.half())
+    assert torch.equal(reference.dequantized(kv.half(), None, torch.float32), kv.half().float())
+
+
+def test_int8_cache_rounds_to_nearest_and_clamps_per_head():
+    scale = torch.tensor([0.5, 0.25])
+    kv = torch.tensor([[[0.74, -0.76, 63.6, -200.0]], [[0.1, -0.13, 31.9, 40.0]]]).transpose(0, 1)  # [1, 2, 4]
+    stored = reference.quantized_kv(kv, scale, torch.int8)
+    assert stored.dtype == torch.int8
+    assert stored[0].tolist() == [[1, -2, 127, -127], [0, -1, 127, 127]]  # x / s, rounded, within ±127
+    assert torch.equal(reference.dequantized(stored, scale, torch.float32)[0],
+                       torch.tensor([[0.5, -1.0, 63.5, -63.5], [0.0, -0.25, 31.75, 31.75]]))  # fmt: skip
+
+
+def test_fp8_cache_rounds_to_nearest_fp8_and_saturates():
+    scale = torch.tensor([2.0])
+    kv = torch.tensor([[[3.0, 17.0, 1000.0, -1e6, 1e-3]]]).transpose(1, 2).reshape(1, 1, 5)
+    stored = reference.quantized_kv(kv, scale, torch.float8_e4m3fn)
+    assert stored.dtype == torch.float8_e4m3fn
+    # 3/2 = 1.5 exact; 17/2 = 8.5 lies between fp8 values 8 and 9 (ties to even: 8); 500 and -5e5 saturate at ±448
+    assert stored.float().flatten().tolist()[:4] == [1.5, 8.0, 448.0, -448.0]
+    assert reference.dequantized(stored, scale, torch.float32).flatten()[2] == 896.0
+
+
+def test_cached_kv_reads_a_sequence_through_its_block_table():
+    cache = torch.arange(4 * 2 * 1 * 1, dtype=torch.float32).reshape(4, 2, 1, 1)  # 4 blocks of 2 slots
+    got = reference.cached_kv(cache, None, torch.tensor([3, 0, 2], dtype=torch.int32), 5, torch.float64)
+    assert got.dtype == torch.float64 and got.flatten().tolist() == [6, 7, 0, 1, 4]
