@@ -24,7 +24,7 @@ ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of a packed int32 -> column offset 
 def unpack_columns(packed: torch.Tensor) -> torch.Tensor:
     """int32 [rows, cols/8] -> signed 4-bit codes (code − 8) [rows, cols] in natural column order."""
     rows = packed.shape[0]
-    in_packing_order = unpack_int32(packed, 4, packed.shape[1] * 8, dim=1).view(rows, -1, 8)
+    in_packing_order = unpack_int32(packed, 4, packed.shape[1] * 8).view(rows, -1, 8)
     natural = torch.empty_like(in_packing_order)
     natural[:, :, list(ORDER)] = in_packing_order
     return natural.view(rows, -1)
@@ -49,7 +49,10 @@ def from_tensors(t: dict[str, torch.Tensor], args: QuantArgs, name: str) -> Quan
     missing = [k for k in KEYS if k not in t]
     if missing:
         raise SlimlmError(f"the checkpoint has no {name}.{missing[0]}")
-    in_f, out_f = t["qweight"].shape[0], t["scales"].shape[-1]
+    flat = next((k for k in KEYS if t[k].dim() != 2), None)
+    if flat is not None:
+        raise SlimlmError(f"{name}.{flat} is {list(t[flat].shape)}; AWQ GEMM tensors are 2-D")
+    in_f, out_f = t["qweight"].shape[0], t["scales"].shape[1]
     if in_f % args.group_size:
         raise SlimlmError(f"{name}: group_size {args.group_size} does not divide its input dim {in_f}")
     groups = args.groups(in_f)

@@ -49,7 +49,7 @@ def from_tensors(t: dict[str, torch.Tensor], args: QuantArgs, name: str) -> Quan
     missing = [k for k in KEYS if k not in t]
     if missing:
         raise SlimlmError(f"the checkpoint has no {name}.{missing[0]}")
-    in_f, out_f = t["g_idx"].numel(), t["scales"].shape[-1]
+    in_f, out_f = t["g_idx"].numel(), t["scales"].shape[-1] if t["scales"].dim() else 0
     groups = args.groups(in_f)
     want = {"qweight": (in_f * args.bits // 32, out_f), "qzeros": (groups, out_f * args.bits // 32),
             "scales": (groups, out_f)}  # fmt: skip
@@ -61,6 +61,8 @@ def from_tensors(t: dict[str, torch.Tensor], args: QuantArgs, name: str) -> Quan
     if not (unpack_int32(t["qzeros"], args.bits, out_f, dim=1) == -1).all():
         raise SlimlmError("GPTQ v1 checkpoint with asymmetric zero points: not supported yet")
     g_idx = t["g_idx"].long()
+    if t["g_idx"].is_floating_point() or g_idx.min() < 0 or g_idx.max() >= groups:
+        raise SlimlmError(f"{name}.g_idx holds groups outside 0..{groups - 1}")
     trivial = torch.equal(g_idx, group_index(in_f, args))
     return QuantizedWeight(codes.contiguous(), t["scales"].T.contiguous(), None, args, None if trivial else g_idx.int())
 

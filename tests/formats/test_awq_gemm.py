@@ -118,6 +118,15 @@ def test_a_misshapen_tensor_is_named(key, shape, wanted):
     assert str(e.value) == f"proj.{key} is {list(t[key].shape)}, the quantization_config implies {wanted}"
 
 
+@pytest.mark.parametrize("key, shape", [("qweight", (64,)), ("scales", (256,)), ("qzeros", (2, 2, 1)), ("scales", ())])
+def test_a_tensor_that_is_not_a_matrix_is_named(key, shape):
+    t, _ = awq_tensors(64, 16, 32)
+    t[key] = torch.zeros(shape, dtype=t[key].dtype)
+    with pytest.raises(SlimlmError) as e:
+        awq_gemm.from_tensors(t, QuantArgs(4, 32, False), "proj")
+    assert str(e.value) == f"proj.{key} is {list(shape)}; AWQ GEMM tensors are 2-D"
+
+
 def test_inputs_that_the_group_does_not_divide_are_refused():
     t, _ = awq_tensors(64, 16, 32)
     t["qweight"] = torch.zeros(80, 2, dtype=torch.int32)  # 80 inputs: 2 groups of 32 and a remainder

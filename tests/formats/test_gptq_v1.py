@@ -134,3 +134,9 @@ def test_broken_tensors_are_named():
     asym = {**t, "qzeros": t["qzeros"] + 1}  # zero points other than the symmetric 2^(b−1)
     with pytest.raises(SlimlmError, match="^GPTQ v1 checkpoint with asymmetric zero points: not supported yet$"):
         gptq_v1.from_tensors(asym, args, "w")
+    with pytest.raises(SlimlmError, match=r"^w.qweight is \[8, 16\], the quantization_config implies \[8, 0\]$"):
+        gptq_v1.from_tensors({**t, "scales": torch.tensor(1.0)}, args, "w")  # a scalar: named, not an IndexError
+    for bad in (torch.full((64,), 2, dtype=torch.int32), torch.full((64,), -1, dtype=torch.int32),
+                torch.zeros(64)):  # fmt: skip
+        with pytest.raises(SlimlmError, match=r"^w.g_idx holds groups outside 0..1$"):
+            gptq_v1.from_tensors({**t, "g_idx": bad}, args, "w")
