@@ -205,3 +205,18 @@ def test_kv_scales_are_expected_only_when_the_config_has_a_kv_scheme(tmp_path):
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(SlimlmError, match="holds tensor layers.0.self_attn.k_scale that its config.json"):
         reader.read_checkpoint(d, expected_shapes())
+
+
+def test_config_refusals_from_read_checkpoint_name_the_directory(tmp_path):
+    d, _ = quantized_checkpoint(tmp_path / "q", kv=kv_cache.scheme("int8", "tensor"))
+    config = json.loads((d / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"]["num_bits"] = 4
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SlimlmError) as e:
+        reader.read_checkpoint(d, expected_shapes())
+    assert one_line(e).startswith(f"{d}/config.json: kv_cache_scheme num_bits=4 type=int is not supported")
+    config["quantization_config"]["quant_method"] = "hqq"
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SlimlmError) as e:
+        reader.read_checkpoint(d)
+    assert one_line(e) == f"{d}: quant_method 'hqq' is not supported; slimlm reads compressed-tensors, gptq, awq"
