@@ -1,8 +1,8 @@
 """The one place that picks an implementation for each kernel.
 
     cuda tensors  -> Triton (triton_gemm, triton_attention)
-    cpu tensors   -> the C kernels, AVX-512 or AVX2 (cpu_gemm, and cpu_attention's C decode for fp32/bf16 caches;
-                     its batched PyTorch path otherwise); PyTorch everywhere if they cannot be built here
+    cpu tensors   -> the C kernels, AVX-512 or AVX2 (cpu_gemm, cpu_layer, and cpu_attention's C decode for fp32/bf16
+                     caches; its batched PyTorch path otherwise); PyTorch everywhere if they cannot be built here
     SLIMLM_KERNELS=reference  -> the plain PyTorch definitions (reference.py) everywhere
 
 The runtime calls select(device) once at load and keeps the Backend; quant_matmul and paged_attention
@@ -48,6 +48,8 @@ class Backend:
     name: str
     quant_matmul: Callable[[torch.Tensor, PackedWeight], torch.Tensor]
     paged_attention: Callable[..., torch.Tensor]  # paged_attention's signature below
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = reference.add_rms_norm
+    rotary_kv_write: Callable[..., torch.Tensor] = reference.rotary_kv_write
 
 
 def select(device: torch.device | str) -> Backend:
@@ -58,9 +60,10 @@ def select(device: torch.device | str) -> Backend:
 
         return Backend("triton", triton_gemm.quant_matmul, triton_attention.paged_attention)
     if chosen == "cpu" and cpu_kernels_available():
-        from slimlm.kernels import cpu_gemm
+        from slimlm.kernels import cpu_gemm, cpu_layer
 
-        return Backend("cpu", cpu_gemm.quant_matmul, functools.partial(cpu_attention.paged_attention, native=True))
+        return Backend("cpu", cpu_gemm.quant_matmul, functools.partial(cpu_attention.paged_attention, native=True),
+                       cpu_layer.add_rms_norm, cpu_layer.rotary_kv_write)  # fmt: skip
     if chosen == "cpu":
         return Backend("cpu-pytorch", reference.quant_matmul,
                        functools.partial(cpu_attention.paged_attention, native=False))  # fmt: skip

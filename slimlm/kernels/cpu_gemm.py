@@ -36,7 +36,7 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         return _dequantized_matmul(x.to(slices).contiguous(), w).to(dtype)
     lib = cpu_library.load()
     m, k = x.shape
-    blocks = (w.codes.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(), w.codes.shape[0], w.group_size)
+    blocks = w.kernel_args
     threads = torch.get_num_threads()
     if kernel in ("bf16-codes", "bf16-weights"):  # written in x's dtype, without the padding
         x = x.contiguous()

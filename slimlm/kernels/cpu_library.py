@@ -1,6 +1,6 @@
-"""The CPU kernels (cpu_gemm.c, cpu_attention.c, and their AVX2 twins *_avx2.c) as one shared library: built
-with gcc -march=native on first use, cached by source hash, called through ctypes. Each source compiles to
-nothing on the other ISA, so the library holds the AVX-512 kernels or the AVX2 ones.
+"""The CPU kernels (cpu_gemm.c, cpu_attention.c, and their AVX2 twins *_avx2.c; cpu_layer.c for either) as one
+shared library: built with gcc -march=native on first use, cached by source hash, called through ctypes. Each
+ISA-specific source compiles to nothing on the other ISA, so the library holds the AVX-512 kernels or the AVX2 ones.
 
 A plain shared library rather than a torch extension: it needs no torch headers, so it builds in about a
 second from a clean clone, and the OpenMP runtime it links is the one torch has already loaded (same soname).
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from slimlm import SlimlmError, cache_dir
 
-SOURCES = [Path(__file__).with_name(f"{kernel}{isa}.c") for kernel in ("cpu_gemm", "cpu_attention")
-           for isa in ("", "_avx2")]  # fmt: skip
+SOURCES = [*(Path(__file__).with_name(f"{kernel}{isa}.c") for kernel in ("cpu_gemm", "cpu_attention")
+             for isa in ("", "_avx2")), Path(__file__).with_name("cpu_layer.c")]  # fmt: skip
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -32,6 +32,8 @@ SIGNATURES = {  # name: (argument types, return type)
         [ptr, ptr, ptr, c_int, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, c_int],
         c_int,
     ),  # fmt: skip
+    "slimlm_add_rms_norm": ([ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, c_int, c_int], None),
+    "slimlm_rotary_kv_write": ([ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, c_int], None),
 }
 
 

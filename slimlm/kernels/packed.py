@@ -17,6 +17,7 @@ read x[:, perm]. N is padded to a multiple of BLOCK_N with zero weights that the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,13 @@ class PackedWeight:
     @property
     def padded_out_features(self) -> int:
         return self.codes.shape[0] * BLOCK_N
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple[int, int, int, int, int]:
+        """The C kernels' weight arguments (codes, scales and zeros addresses, blocks, group size), built once:
+        a decode step makes ~120 quantized calls, and rebuilding them was a few µs of each."""
+        blocks = self.codes.shape[0]
+        return self.codes.data_ptr(), self.scales.data_ptr(), self.zeros.data_ptr(), blocks, self.group_size
 
     def to(self, device: torch.device | str) -> PackedWeight:
         perm = None if self.perm is None else self.perm.to(device)

@@ -13,6 +13,7 @@ Query i of a sequence sits at position seq_len − q_len + i and sees keys 0..th
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from slimlm.formats.kv_cache import KV_DTYPES
 from slimlm.kernels.packed import PackedWeight, dequantize
@@ -40,6 +41,42 @@ def quantized_kv(kv: torch.Tensor, scale: torch.Tensor | None, cache_dtype: torc
     limit = KV_DTYPES["int8" if cache_dtype == torch.int8 else "fp8"][1]
     x = (kv.float() / scale[:, None]).clamp_(-limit, limit)
     return (x.round_() if cache_dtype == torch.int8 else x).to(cache_dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm of h, h) for h = x + residual (x alone without one): the residual stream of a decoder layer
+    and the norm that reads it. Normalized in fp32, cast back, then scaled: what transformers does, so half
+    precision rounds the same."""
+    h = x if residual is None else x + residual
+    return weight * F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype), h
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, transformers' half-split convention, x·cos + rotate_half(x)·sin, written as
+    x·cos + roll(x, D/2)·[−sin₁, sin₂]: the same products and sums (negation is exact), half the calls."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def rotary_kv_write(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """qkv [T, (Hq + 2·Hkv)·D], each token's cos and signed sin [T, D] -> rotated q [T, Hq, D]; the rotated
+    keys and the values are written into the caches [blocks, block_size, Hkv, D] at `slots`, as they store them."""
+    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    q, k, v = qkv.reshape(qkv.shape[0], -1, dim).split([qkv.shape[1] // dim - 2 * kv_heads, kv_heads, kv_heads], 1)
+    cos, signed_sin = cos[:, None], signed_sin[:, None]
+    k_cache.view(-1, kv_heads, dim)[slots] = quantized_kv(rotate(k, cos, signed_sin), k_scale, k_cache.dtype)
+    v_cache.view(-1, kv_heads, dim)[slots] = quantized_kv(v, v_scale, v_cache.dtype)
+    return rotate(q, cos, signed_sin)
 
 
 def cached_kv(

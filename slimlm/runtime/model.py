@@ -16,7 +16,6 @@ from torch import nn
 
 from slimlm import kernels
 from slimlm.kernels.packed import BLOCK_N, PackedWeight
-from slimlm.kernels.reference import quantized_kv
 
 
 @dataclass
@@ -90,17 +89,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.add_rms_norm = kernels.reference.add_rms_norm  # the load-time Backend's, once set_backend ran
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalized in fp32, cast back, then scaled: what transformers does, so half precision rounds the same
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, transformers' half-split convention, x·cos + rotate_half(x)·sin, written as
-    x·cos + roll(x, D/2)·[−sin₁, sin₂]: the same products and sums (negation is exact), half the calls.
-    cos and signed_sin are [tokens, 1, D]."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm of h, h) for the residual stream h = x + residual; `residual` may be updated in place."""
+        return self.add_rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -116,27 +109,22 @@ class Attention(nn.Module):
         self.v_proj = Linear(hidden, self.kv_heads * self.head_dim, bias, dtype)
         self.o_proj = Linear(self.heads * self.head_dim, hidden, getattr(config, "attention_bias", False), dtype)
         self.qkv = [self.q_proj, self.k_proj, self.v_proj]  # one joined Linear after fuse_projections()
-        self.qkv_sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
         self.scale = self.head_dim**-0.5
         self.attention = kernels.paged_attention  # the load-time Backend's, once set_backend ran
+        self.rotary_kv_write = kernels.reference.rotary_kv_write  # likewise
         self.k_scale = self.v_scale = None  # fp32 [kv_heads] for an fp8/int8 cache (loader.set_kv_cache)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs, kv_cache: torch.Tensor
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = joined_outputs(self.qkv, x).split(self.qkv_sizes, dim=-1)
-        q = rotate(q.reshape(t, self.heads, self.head_dim), cos, sin)
-        k = rotate(k.reshape(t, self.kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(t, self.kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
-        k_cache.view(-1, self.kv_heads, self.head_dim)[step.slots] = quantized_kv(k, self.k_scale, k_cache.dtype)
-        v_cache.view(-1, self.kv_heads, self.head_dim)[step.slots] = quantized_kv(v, self.v_scale, v_cache.dtype)
+        qkv = joined_outputs(self.qkv, x)
+        q = self.rotary_kv_write(qkv, cos, sin, step.slots, k_cache, v_cache, self.k_scale, self.v_scale)
         out = self.attention(
             q, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start, self.scale,
             self.k_scale, self.v_scale, query_lens=step.query_lens,
         )  # fmt: skip
-        return self.o_proj(out.reshape(t, self.heads * self.head_dim))
+        return self.o_proj(out.reshape(x.shape[0], self.heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -164,9 +152,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, x, cos, sin, step: StepInputs, kv_cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, step, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, step: StepInputs, kv_cache: torch.Tensor):
+        """(this layer's output, the residual stream before it): the stream's adds happen in the next norm,
+        fused with it (as vLLM does), so the model's output is x + residual."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, step, kv_cache), residual)
+        return self.mlp(h), residual
 
 
 class Decoder(nn.Module):
@@ -204,22 +195,24 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.quant_matmul = backend.quant_matmul
             elif isinstance(module, Attention):
-                module.attention = backend.paged_attention
+                module.attention, module.rotary_kv_write = backend.paged_attention, backend.rotary_kv_write
+            elif isinstance(module, RMSNorm):
+                module.add_rms_norm = backend.add_rms_norm
 
     def set_rope(self, max_positions: int, device: str) -> None:
         cos, sin = rope_tables(self.config, max_positions)
         half = sin.shape[-1] // 2
-        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # pairs with roll() in rotate()
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # pairs with roll() in reference.rotate
         dtype = self.model.norm.weight.dtype
         self.cos, self.sin = cos.to(device, dtype), signed_sin.to(device, dtype)
 
     def forward(self, input_ids: torch.Tensor, step: StepInputs, kv_caches: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; kv_caches [layers, 2, blocks, block_size, kv_heads, D]."""
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.cos[step.positions, None], self.sin[step.positions, None]
+        x, residual = self.model.embed_tokens(input_ids), None
+        cos, sin = self.cos[step.positions], self.sin[step.positions]
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, step, kv_cache)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, step, kv_cache)
+        return self.model.norm(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
