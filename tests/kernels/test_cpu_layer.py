@@ -20,11 +20,14 @@ def test_add_rms_norm_matches_the_reference(dtype, rows, dim):
     kept = residual.clone()
     out, h = cpu_layer.add_rms_norm(x, weight, 1e-5, residual)
     assert h is residual and torch.equal(h, expected_h)  # the sum, rounded as torch rounds, written in place
+    assert out.shape == x.shape and out.dtype == dtype
     assert torch.equal(expected_h, x + kept)
     exact = h.double() * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + 1e-5)
     exact = exact.to(dtype).double() * weight.double()  # normalized, rounded to dtype, then scaled
     bound = 2 * (2**-23 if dtype == torch.float32 else 2**-7) * exact.abs().max()  # two units in the last place
     assert (out.double() - exact).abs().max() <= bound and (expected.double() - exact).abs().max() <= bound
+    if dtype == torch.bfloat16:  # the normalized value rounded before the weight scales it, as torch does:
+        assert (out != expected).float().mean() < 0.01  # only a last-bit fp32 difference can change a bf16
     alone, same = cpu_layer.add_rms_norm(x, weight, 1e-5)  # no residual: x is the stream
     reference_alone = reference.add_rms_norm(x, weight, 1e-5)[0].double()
     assert same is x and (alone.double() - reference_alone).abs().max() <= 2 * bound
@@ -55,18 +58,68 @@ def test_rotary_kv_write_equals_the_reference_bit_for_bit(dtype, rows, heads, kv
     assert int(caches[2].isnan().any(-1).any(-1).sum()) == blocks * block_size - rows
 
 
-def test_what_the_c_code_does_not_cover_runs_the_reference():
-    qkv, cos, sin = torch.randn(2, 3 * 16, dtype=torch.float16), torch.randn(2, 16), torch.randn(2, 16)
-    caches = [torch.zeros(2, 4, 1, 16, dtype=torch.float16) for _ in range(2)]
-    slots = torch.tensor([0, 5])
-    q = cpu_layer.rotary_kv_write(qkv, cos.half(), sin.half(), slots, *caches)
-    assert torch.equal(q, reference.rotate(qkv[:, :16].view(2, 1, 16), cos.half()[:, None], sin.half()[:, None]))
+@pytest.fixture
+def reference_calls(monkeypatch):
+    """Records every fallback to the PyTorch definitions (and still runs them)."""
+    calls = []
+    for name in ("add_rms_norm", "rotary_kv_write"):
+        original = getattr(reference, name)
+        monkeypatch.setattr(reference, name, lambda *a, _f=original, _n=name: calls.append((_n, a)) or _f(*a))
+    return calls
+
+
+def rotary_problem(dtype=torch.float32, rows=2, heads=2, kv_heads=1, dim=16):
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim).to(dtype)
+    cos, sin = torch.randn(rows, dim).to(dtype), torch.randn(rows, dim).to(dtype)
+    caches = [torch.zeros(2, 4, kv_heads, dim, dtype=dtype) for _ in range(2)]
+    return qkv, cos, sin, torch.tensor([0, 5])[:rows], caches
+
+
+def test_the_c_path_runs_for_flat_fp32_and_bf16(reference_calls):
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv, cos, sin, slots, caches = rotary_problem(dtype)
+        cpu_layer.rotary_kv_write(qkv, cos, sin, slots, *caches)
+        x = torch.randn(2, 3, 8).to(dtype)  # any leading shape: rows are what precedes the last dim
+        out, h = cpu_layer.add_rms_norm(x, torch.ones(8, dtype=dtype), 1e-6, torch.zeros(2, 3, 8, dtype=dtype))
+        assert torch.equal(h, x) and out.shape == x.shape
+        normed = (x.double() * x.double().pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()).to(dtype)
+        assert torch.allclose(out.double(), normed.double(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    assert reference_calls == []
+
+
+def test_what_the_c_code_does_not_cover_runs_the_reference(reference_calls):
+    qkv, cos, sin, slots, caches = rotary_problem()
     scale = torch.tensor([0.1])
+    cases = {
+        "fp16": (qkv.half(), cos.half(), sin.half(), slots, *(c.half() for c in caches)),
+        "mixed dtypes": (qkv, cos.bfloat16(), sin, slots, *caches),
+        "strided cos": (qkv, torch.randn(2, 32)[:, ::2], sin, slots, *caches),
+        "int32 slots": (qkv, cos, sin, slots.int(), *caches),
+        "strided slots": (qkv, cos, sin, torch.tensor([0, 9, 5])[::2], *caches),
+        "k scale": (qkv, cos, sin, slots, *caches, scale, None),
+        "v scale": (qkv, cos, sin, slots, *caches, None, scale),
+    }
+    for name, args in cases.items():
+        reference_calls.clear()
+        cpu_layer.rotary_kv_write(*args)
+        assert [call[0] for call in reference_calls] == ["rotary_kv_write"], name
+        passed = (*args, None, None)[:8]  # the scales default to None
+        assert all(a is b for a, b in zip(reference_calls[0][1], passed, strict=True)), name
+    # an int8 cache: both scales reach the reference, which quantizes K and V with them
     int8 = [torch.zeros(2, 4, 1, 16, dtype=torch.int8) for _ in range(2)]
-    cpu_layer.rotary_kv_write(qkv.float(), cos, sin, slots, *int8, scale, scale)
-    assert torch.equal(
-        int8[1].view(-1, 1, 16)[slots], reference.quantized_kv(qkv[:, 32:].float().view(2, 1, 16), scale, torch.int8)
-    )
+    k_scale, v_scale = torch.tensor([0.1]), torch.tensor([0.05])
+    cpu_layer.rotary_kv_write(qkv, cos, sin, slots, *int8, k_scale, v_scale)
+    k = reference.rotate(qkv[:, 32:48].view(2, 1, 16), cos[:, None], sin[:, None])
+    assert torch.equal(int8[0].view(-1, 1, 16)[slots], reference.quantized_kv(k, k_scale, torch.int8))
+    assert torch.equal(int8[1].view(-1, 1, 16)[slots], reference.quantized_kv(qkv[:, 48:].view(2, 1, 16), v_scale,
+                                                                                  torch.int8))  # fmt: skip
+    # the norm: a strided x, a strided residual, an fp16 stream, a weight of another dtype
+    x, residual, weight = torch.randn(2, 8), torch.randn(2, 8), torch.rand(8) + 0.5
     strided = torch.randn(2, 16)[:, ::2]
-    out, h = cpu_layer.add_rms_norm(strided, torch.ones(8), 1e-6)
-    assert torch.equal(out, reference.add_rms_norm(strided, torch.ones(8), 1e-6)[0])
+    for name, args in {"strided x": (strided, weight, 1e-6, residual), "strided residual": (x, weight, 1e-6, strided),
+                       "fp16": (x.half(), weight.half(), 1e-6, residual.half()),
+                       "bf16 weight": (x, weight.bfloat16(), 1e-6, None)}.items():  # fmt: skip
+        reference_calls.clear()
+        out, h = cpu_layer.add_rms_norm(*args)
+        assert [call[0] for call in reference_calls] == ["add_rms_norm"], name
+        assert all(a is b for a, b in zip(reference_calls[0][1], args, strict=True)), name
