@@ -36,7 +36,7 @@ def cpu_kernels_available() -> bool:
 
 def backend(device: torch.device) -> str:
     """'reference', 'triton' or 'cpu': what runs for tensors on `device`."""
-    if os.environ.get("SLIMLM_KERNELS", "") == "reference":
+    if os.environ.get("SLIMLM_KERNELS") == "reference":
         return "reference"
     if device.type == "cuda":
         return "triton"

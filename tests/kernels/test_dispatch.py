@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import slimlm.kernels as kernels
-from slimlm.kernels import cpu_attention, cpu_gemm, reference
+from slimlm.kernels import cpu_attention, cpu_gemm, cpu_layer, reference
 from tests.kernels.problems import paged_problem, quantized_weight, relative_error
 
 
@@ -44,11 +44,15 @@ def test_select_names_what_runs_for_each_device(monkeypatch):
     assert (cpu.name, cpu.quant_matmul) == ("cpu", cpu_gemm.quant_matmul)
     assert cpu.paged_attention.func is cpu_attention.paged_attention
     assert cpu.paged_attention.keywords == {"native": True}
+    assert (cpu.add_rms_norm, cpu.rotary_kv_write) == (cpu_layer.add_rms_norm, cpu_layer.rotary_kv_write)
+    # no C layer operations on the GPU: their PyTorch definitions
+    assert (cuda.add_rms_norm, cuda.rotary_kv_write) == (reference.add_rms_norm, reference.rotary_kv_write)
     monkeypatch.setenv("SLIMLM_KERNELS", "reference")
     for device in ("cpu", "cuda"):
         ref = kernels.select(device)
         assert (ref.name, ref.quant_matmul, ref.paged_attention) == (
             "reference", reference.quant_matmul, reference.paged_attention)  # fmt: skip
+        assert (ref.add_rms_norm, ref.rotary_kv_write) == (reference.add_rms_norm, reference.rotary_kv_write)
     monkeypatch.setenv("SLIMLM_KERNELS", "triton")  # only "reference" overrides
     assert kernels.select("cpu").name == "cpu"
 
@@ -63,6 +67,7 @@ def test_without_the_c_library_the_cpu_runs_pytorch_and_says_so(monkeypatch):
         assert (chosen.name, chosen.quant_matmul) == ("cpu-pytorch", reference.quant_matmul)
         assert chosen.paged_attention.func is cpu_attention.paged_attention
         assert chosen.paged_attention.keywords == {"native": False}
+        assert (chosen.add_rms_norm, chosen.rotary_kv_write) == (reference.add_rms_norm, reference.rotary_kv_write)
     finally:
         monkeypatch.undo()
         kernels.cpu_kernels_available.cache_clear()
