@@ -35,10 +35,13 @@ def contiguous_attention(p, dtype=torch.float64) -> torch.Tensor:
     [([20, 7, 33], [4, 7, 1], 4, 2, torch.float32),  # a whole prompt, a chunk, a decode; GQA 2
      ([16, 1], [16, 1], 3, 3, torch.float16),  # block-aligned, a one-token sequence, MHA
      ([40, 9], [3, 2], 6, 2, torch.int8),  # scaled caches, GQA 3
-     ([17], [5], 2, 1, torch.float8_e4m3fn)],
+     ([17], [5], 2, 1, torch.float8_e4m3fn),
+     ([9, 5], [2, 5], 8, 4, torch.float32)],  # more KV heads than slots in a block (block_size 2 below)
 )  # fmt: skip
 def test_paged_attention_equals_attention_over_contiguous_kv(seq_lens, q_lens, heads, kv_heads, kv_dtype):
-    p = paged_problem(seq_lens, q_lens, heads, kv_heads, 16, block_size=8, kv_dtype=kv_dtype, q_dtype=torch.float32)
+    block_size = 2 if kv_heads == 4 else 8
+    p = paged_problem(seq_lens, q_lens, heads, kv_heads, 16, block_size=block_size, kv_dtype=kv_dtype,
+                      q_dtype=torch.float32)  # fmt: skip
     expected = contiguous_attention(p)
     got = reference.paged_attention(*p.args(), dtype=torch.float64)
     assert got.dtype == torch.float64 and torch.allclose(got, expected, rtol=1e-10, atol=1e-12)
@@ -91,3 +94,47 @@ def test_cached_kv_reads_a_sequence_through_its_block_table():
     cache = torch.arange(4 * 2 * 1 * 1, dtype=torch.float32).reshape(4, 2, 1, 1)  # 4 blocks of 2 slots
     got = reference.cached_kv(cache, None, torch.tensor([3, 0, 2], dtype=torch.int32), 5, torch.float64)
     assert got.dtype == torch.float64 and got.flatten().tolist() == [6, 7, 0, 1, 4]
+
+
+def test_bf16_queries_over_a_scaled_cache_compute_in_bf16():
+    p = paged_problem([20, 7], [4, 1], 4, 2, 16, kv_dtype=torch.int8, q_dtype=torch.bfloat16)
+    got = reference.paged_attention(*p.args())
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.double(), contiguous_attention(p), atol=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_transformers_rmsnorm_after_the_residual_add(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x, residual = torch.randn(2, 3, 24).to(dtype), torch.randn(2, 3, 24).to(dtype)
+    norm = LlamaRMSNorm(24, eps=1e-5).to(dtype)
+    norm.weight.data = (torch.rand(24) + 0.5).to(dtype)
+    out, h = reference.add_rms_norm(x, norm.weight.data, 1e-5, residual)
+    assert torch.equal(h, x + residual) and out.dtype == dtype
+    assert torch.allclose(out.float(), norm(h).float(), rtol=1e-5 if dtype == torch.float32 else 1e-2)
+    alone, same = reference.add_rms_norm(x, norm.weight.data, 1e-5)
+    assert same is x and torch.allclose(alone.float(), norm(x).float(), rtol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_rotary_kv_write_rotates_q_and_k_and_quantizes_each_with_its_scale():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    heads, kv_heads, dim = 4, 2, 8
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim)
+    angle = torch.rand(3, dim // 2).repeat(1, 2)
+    cos, sin = angle.cos(), angle.sin()
+    signed_sin = torch.cat((-sin[:, : dim // 2], sin[:, dim // 2 :]), dim=-1)
+    caches = [torch.zeros(2, 4, kv_heads, dim, dtype=torch.int8) for _ in range(2)]
+    k_scale, v_scale = torch.tensor([0.02, 0.03]), torch.tensor([0.01, 0.05])
+    slots = torch.tensor([6, 0, 3])
+    q = reference.rotary_kv_write(qkv, cos, signed_sin, slots, *caches, k_scale, v_scale)
+    q_in = qkv[:, : heads * dim].view(1, 3, heads, dim).transpose(1, 2)  # transformers' [B, H, T, D]
+    k_in = qkv[:, heads * dim : (heads + kv_heads) * dim].view(1, 3, kv_heads, dim).transpose(1, 2)
+    q_hf, k_hf = apply_rotary_pos_emb(q_in, k_in, cos[None], sin[None])
+    assert torch.allclose(q, q_hf[0].transpose(0, 1), atol=1e-6)
+    k_stored = caches[0].view(-1, kv_heads, dim)[slots]
+    assert torch.equal(k_stored, reference.quantized_kv(k_hf[0].transpose(0, 1), k_scale, torch.int8))
+    v = qkv[:, (heads + kv_heads) * dim :].view(3, kv_heads, dim)
+    assert torch.equal(caches[1].view(-1, kv_heads, dim)[slots], reference.quantized_kv(v, v_scale, torch.int8))
+    assert int((caches[0] != 0).any(-1).any(-1).sum()) <= 3  # nothing written outside the three slots
