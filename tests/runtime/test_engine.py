@@ -1,5 +1,7 @@
 """The engine on a tiny random Llama: parity with transformers, batching, prefix sharing, bad input."""
 
+import time
+
 import pytest
 import torch
 
@@ -229,3 +231,17 @@ def test_incremental_text_equals_a_full_decode_and_stop_strings_cut_it(tiny_llam
     cut = llm.generate([prompts[0]], SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True,
                                                     stop=[stop]))[0].outputs[0]  # fmt: skip
     assert cut.finish_reason == "stop" and cut.text == text[: text.find(stop)]
+
+
+def test_a_new_request_is_waiting_prefilling_and_stamped_on_arrival(tiny_llama, prompts):
+    engine = LLM(str(tiny_llama), prefix_caching=False).engine
+    before = time.perf_counter()
+    engine.add_request(prompts[0][:2], SamplingParams(max_tokens=2, temperature=0))
+    stats = engine.stats()
+    assert (stats.waiting, stats.running, stats.prefilling) == (1, 0, 1)  # its first token is still to compute
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    final = outputs[-1]
+    assert before <= final.arrival <= final.outputs[0].first_token_time
+    assert final.num_cached_tokens == 0  # no prefix cache: nothing was served from it
