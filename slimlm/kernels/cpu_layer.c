@@ -86,3 +86,88 @@ void slimlm_rotary_kv_write(const void *qkv, int64_t rows, int64_t heads, int64_
                kv_heads * dim * elem);
     }
 }
+
+#ifdef __AVX512BF16__  // the whole-layer decode runs on the bf16 dot-product GEMM (cpu_gemm.c)
+#include <stdlib.h>
+
+int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
+                             const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
+                             void *y, int64_t y_cols, int y_bf16, int64_t code_rows, int nthreads);
+int slimlm_quant_matmul_f32_split(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes,
+                                  const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
+                                  float *y, int64_t y_cols, int nthreads);
+void slimlm_quant_matmul(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes,
+                         const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group, float *y,
+                         int nthreads);
+int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache, int bf16, const int32_t *tables,
+                        int64_t width, const int32_t *seq_lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
+                        int64_t block_size, float scale, float *out, int nthreads);
+
+// One packed linear, as cpu_gemm.quant_matmul would call it for this many rows (the loop chosen in Python)
+typedef struct {
+    const void *codes, *scales, *zeros;
+    int64_t blocks, group, bits, in_features, out_features, code_rows;
+    int64_t loop;  // 0: bf16 x and y; 1: fp32 split into bf16 planes; 2: the fused fp32 loop (padded y)
+} Linear;
+
+static int linear(const Linear *w, const void *x, int64_t m, void *y, float *padded, int nthreads) {
+    if (w->loop == 0)
+        return slimlm_quant_matmul_bf16((int)w->bits, x, m, w->in_features, w->codes, w->scales, w->zeros, w->blocks,
+                                        w->group, y, w->out_features, 1, w->code_rows, nthreads);
+    if (w->loop == 1)
+        return slimlm_quant_matmul_f32_split((int)w->bits, x, m, w->in_features, w->codes, w->scales, w->zeros,
+                                             w->blocks, w->group, y, w->out_features, nthreads);
+    slimlm_quant_matmul((int)w->bits, x, m, w->in_features, w->codes, w->scales, w->zeros, w->blocks, w->group,
+                        padded, nthreads);
+    for (int64_t r = 0; r < m; r++)  // drop the padding features
+        memcpy((float *)y + r * w->out_features, padded + r * w->blocks * 64, sizeof(float) * w->out_features);
+    return 0;
+}
+
+// silu(gate) · up for gu = [gate | up] per row, each op rounded as torch rounds it in the dtype
+static void silu_mul(const void *gu, void *out, int64_t rows, int64_t width, int bf16) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < width; i++) {
+            const float g = load(gu, r * 2 * width + i, bf16), u = load(gu, r * 2 * width + width + i, bf16);
+            store(out, r * width + i, rounded(g / (1.0f + expf(-g)), bf16) * u, bf16);
+        }
+}
+
+// A whole decoder layer for `rows` decoding sequences (one new token each), the calls the model's modules make
+// in the same order: add + norm, q/k/v, rotary + KV write, paged attention, o, add + norm, gate/up, SiLU·up,
+// down. x [rows, hidden] is the previous layer's output; residual the stream (updated in place; NULL for the
+// first layer, whose stream is x itself); the layer's output goes to out. w: qkv, o, gate_up, down.
+// Returns 0, or -1 when out of memory.
+int slimlm_decode_layer(void *x, void *residual, const void *norm1, const void *norm2, float eps, const Linear *w,
+                        const void *cos, const void *sin, const int64_t *slots, void *k_cache, void *v_cache,
+                        const int32_t *tables, int64_t width, const int32_t *seq_lens, int64_t rows, int64_t heads,
+                        int64_t kv_heads, int64_t dim, int64_t block_size, float scale, void *out, int bf16,
+                        int nthreads) {
+    const int64_t hidden = w[1].out_features, inter = w[3].in_features, elem = bf16 ? 2 : 4;
+    const int64_t widest = w[0].blocks > w[2].blocks ? w[0].blocks : w[2].blocks;
+    char *h = malloc(rows * hidden * elem), *qkv = malloc(rows * w[0].out_features * elem);
+    char *q = malloc(rows * heads * dim * elem), *attn = malloc(rows * heads * dim * elem);
+    char *gu = malloc(rows * w[2].out_features * elem), *act = malloc(rows * inter * elem);
+    float *qf = malloc(sizeof(float) * rows * heads * dim * 2), *padded = malloc(sizeof(float) * rows * widest * 64);
+    int status = -1;
+    if (!h || !qkv || !q || !attn || !gu || !act || !qf || !padded) goto done;
+    slimlm_add_rms_norm(x, residual, norm1, h, rows, hidden, eps, bf16, nthreads);
+    if (!residual) residual = x;
+    if (linear(&w[0], h, rows, qkv, padded, nthreads)) goto done;
+    slimlm_rotary_kv_write(qkv, rows, heads, kv_heads, dim, cos, sin, slots, k_cache, v_cache, q, bf16);
+    float *of = qf + rows * heads * dim;  // the attention kernel reads and writes fp32
+    for (int64_t i = 0; i < rows * heads * dim; i++) qf[i] = load(q, i, bf16);
+    if (slimlm_paged_decode(qf, k_cache, v_cache, bf16, tables, width, seq_lens, rows, heads, kv_heads, dim,
+                            block_size, scale, of, nthreads))
+        goto done;
+    for (int64_t i = 0; i < rows * heads * dim; i++) store(attn, i, of[i], bf16);
+    if (linear(&w[1], attn, rows, out, padded, nthreads)) goto done;
+    slimlm_add_rms_norm(out, residual, norm2, h, rows, hidden, eps, bf16, nthreads);
+    if (linear(&w[2], h, rows, gu, padded, nthreads)) goto done;
+    silu_mul(gu, act, rows, inter, bf16);
+    status = linear(&w[3], act, rows, out, padded, nthreads);
+done:
+    free(h), free(qkv), free(q), free(attn), free(gu), free(act), free(qf), free(padded);
+    return status;
+}
+#endif

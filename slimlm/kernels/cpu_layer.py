@@ -1,13 +1,20 @@
 """A decoder layer's small operations in one C call each (cpu_layer.c): the residual add with its RMSNorm, and
 the rotary embedding with the KV-cache write. Same contracts as reference.add_rms_norm and
 reference.rotary_kv_write, which run instead for what the C code does not cover (fp16, quantized KV caches,
-tensors that are not laid out flat)."""
+tensors that are not laid out flat).
+
+And a whole decoder layer in one call for decode steps (DecodeLayer): the same kernels in the same order as
+the model's modules call them, without the ~40 Python-level calls a layer costs otherwise.
+"""
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
-from slimlm.kernels import cpu_library, reference
+from slimlm.kernels import cpu_gemm, cpu_library, reference
+from slimlm.kernels.packed import PackedWeight
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -51,3 +58,66 @@ def rotary_kv_write(
         k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(), int(qkv.dtype == torch.bfloat16),
     )  # fmt: skip
     return q
+
+
+class _Linear(ctypes.Structure):  # cpu_layer.c's Linear
+    _fields_ = [(name, ctypes.c_void_p) for name in ("codes", "scales", "zeros")] + [
+        (name, ctypes.c_int64) for name in ("blocks", "group", "bits", "in_features", "out_features", "code_rows",
+                                            "loop")]  # fmt: skip
+
+
+LOOPS = {"bf16-codes": 0, "bf16-weights": 0, "fp32-split": 1, "fused": 2}  # cpu_gemm.path -> the C loop
+
+
+class DecodeLayer:
+    """One decoder layer's decode step as a single C call: RMSNorm weights, the four packed linears (joined
+    q/k/v, o, joined gate/up, down) and the attention shape, bound once; called with one token per sequence."""
+
+    def __init__(self, norms: tuple[torch.Tensor, torch.Tensor], eps: float, linears: list[PackedWeight],
+                 heads: int, kv_heads: int, head_dim: int) -> None:  # fmt: skip
+        self.norms, self.eps, self.linears = norms, eps, linears
+        self.heads, self.kv_heads, self.head_dim, self.scale = heads, kv_heads, head_dim, head_dim**-0.5
+        self._plans: dict[tuple[int, torch.dtype], ctypes.Array | None] = {}
+
+    @staticmethod
+    def applies(dtype: torch.dtype, linears: list[PackedWeight | None], head_dim: int, group: int) -> bool:
+        """Whether a layer of this dtype, these linears and this attention shape can run as one call here."""
+        return (cpu_library.available() and hasattr(cpu_library.load(), "slimlm_decode_layer") and dtype in DTYPES
+                and all(w is not None and w.perm is None for w in linears)
+                and head_dim % 16 == 0 and head_dim <= 256 and group <= 16)  # fmt: skip
+
+    def _plan(self, rows: int, dtype: torch.dtype) -> ctypes.Array | None:
+        """The four linears as the C code takes them, with the GEMM loop cpu_gemm picks for this many rows."""
+        key = (rows, dtype)
+        if key not in self._plans:
+            loops = [LOOPS.get(cpu_gemm.path(rows, dtype, w)) for w in self.linears]
+            bf16 = dtype == torch.bfloat16  # bf16 x runs the bf16 loops only, fp32 x the others
+            if not all(loop is not None and (loop == 0) == bf16 for loop in loops):
+                self._plans[key] = None
+            else:
+                self._plans[key] = (_Linear * 4)(*(
+                    _Linear(*w.kernel_args[:3], w.codes.shape[0], w.group_size, w.bits, w.in_features, w.out_features,
+                            cpu_gemm.CODE_MAX_ROWS[w.bits], loop)
+                    for w, loop in zip(self.linears, loops, strict=True)))  # fmt: skip
+        return self._plans[key]
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, signed_sin: torch.Tensor,
+                 slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """(the layer's output, the residual stream) for x [S, hidden], one token per sequence; None when these
+        tensors are not what the C code takes (the caller runs the modules instead)."""
+        plan = self._plan(x.shape[0], x.dtype)
+        if plan is None or k_cache.dtype != x.dtype or not (x.is_contiguous() and k_cache.is_contiguous()):
+            return None
+        residual_ptr = None if residual is None else residual.data_ptr()
+        out = torch.empty_like(x)
+        status = cpu_library.load().slimlm_decode_layer(
+            x.data_ptr(), residual_ptr, self.norms[0].data_ptr(), self.norms[1].data_ptr(), self.eps, plan,
+            cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), x.shape[0], self.heads,
+            self.kv_heads, self.head_dim, k_cache.shape[1], self.scale, out.data_ptr(),
+            int(x.dtype == torch.bfloat16), torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            raise MemoryError("the decode layer could not allocate its buffers")
+        return out, x if residual is None else residual

@@ -1,9 +1,14 @@
 import pytest
 import torch
 
+from slimlm.formats.quantized import QuantArgs
 from slimlm.kernels import cpu_gemm, cpu_library
+from slimlm.runtime.loader import load_model
 from slimlm.runtime.model import Linear, fuse
 from tests.kernels.problems import quantized_weight
+
+needs_bf16_gemm = pytest.mark.skipif(not (cpu_library.available() and cpu_library.has_bf16_gemm()),
+                                     reason="one call per layer runs on the AVX-512 BF16 GEMM")  # fmt: skip
 
 
 def packed_linear(n: int, k: int, bits: int = 4, group: int = 32, seed: int = 0, perm=None) -> Linear:
@@ -67,3 +72,91 @@ def test_the_loaded_model_runs_joined_projections(tiny_llama):
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert attn.qkv == [attn.qkv_proj] and mlp.gate_up == [mlp.gate_up_proj]
     assert not hasattr(attn, "q_proj") and not hasattr(mlp, "up_proj")  # the parts' weights are gone
+
+
+# ---- a whole layer per call for decode steps (kernels/cpu_layer.py DecodeLayer) ---------------------------
+
+
+@pytest.fixture(scope="module")
+def joinable_w4(tmp_path_factory):
+    """A tiny Llama whose q/k/v and gate/up join (widths in whole 64-feature blocks), quantized RTN W4 g32."""
+    from tests.conftest import make_text, make_tiny_llama
+    from tests.runtime.test_loader import quantize
+
+    src = make_tiny_llama(tmp_path_factory.mktemp("joinable") / "m", hidden=128, intermediate=128, layers=3)
+    (src.parent / "calib.txt").write_text(make_text(50))
+    return quantize(src, src.parent / "w4", "rtn", QuantArgs(4, 32, False))
+
+
+def decode_step(model, rows: int, kv_dtype: torch.dtype, seed: int = 0):
+    from slimlm.eval.bench import _step_inputs
+
+    g = torch.Generator().manual_seed(seed)
+    attn = model.model.layers[0].self_attn
+    cache = torch.randn(len(model.model.layers), 2, rows * 8, 16, attn.kv_heads, attn.head_dim, generator=g)
+    return torch.randint(0, 100, (rows,), generator=g), _step_inputs(rows, 40, 16), cache.to(kv_dtype)
+
+
+def forward(model, ids, step, cache):
+    with torch.inference_mode():
+        return model.logits(model(ids, step, cache))
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("rows", [1, 3, 12])  # fp32 at 12 rows: the fused loop, not the split one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_per_layer_equals_the_modules(joinable_w4, dtype, rows):
+    model = load_model(joinable_w4, dtype, "cpu", 128, "auto")
+    assert model.decode_layers is not None and len(model.decode_layers) == 3
+    ids, step, cache = decode_step(model, rows, dtype)
+    fused_cache, modules_cache = cache.clone(), cache.clone()
+    fused = forward(model, ids, step, fused_cache)
+    layers, model.decode_layers = model.decode_layers, None
+    modules = forward(model, ids, step, modules_cache)
+    model.decode_layers = layers
+    if dtype == torch.bfloat16:  # the same kernels in the same order: bit for bit
+        assert torch.equal(fused, modules) and torch.equal(fused_cache, modules_cache)
+    else:  # SiLU's exp: C's expf against torch's vectorized one, a last-bit difference
+        assert torch.allclose(fused, modules, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(fused_cache, modules_cache, rtol=1e-5, atol=1e-6)
+    written = step.slots  # the new tokens' K/V went where the modules put them, nothing else moved
+    untouched = torch.ones(cache.shape[2] * 16, dtype=torch.bool)
+    untouched[written] = False
+    flat = fused_cache.flatten(2, 3)
+    assert torch.equal(flat[:, :, untouched], cache.flatten(2, 3)[:, :, untouched])
+
+
+@needs_bf16_gemm
+def test_steps_the_one_call_layers_do_not_cover_run_the_modules(joinable_w4, tiny_llama):
+    model = load_model(joinable_w4, torch.float32, "cpu", 128, "auto")
+
+    class Refuse:
+        def __call__(self, *args):
+            raise AssertionError("a one-call layer ran")
+
+    layers, model.decode_layers = model.decode_layers, [Refuse()] * 3
+    ids, step, cache = decode_step(model, 2, torch.float32)
+    prefill = type(step)(step.positions, step.slots, step.block_tables, step.seq_lens,
+                         torch.tensor([0, 2], dtype=torch.int32), [2])  # fmt: skip
+    forward(model, ids, prefill, cache)  # a two-token chunk of one sequence: the modules
+    model.decode_layers = layers
+    ids, step, cache = decode_step(model, 2, torch.int8)  # a cache of another dtype: each layer declines
+    for layer in layers:
+        assert layer(torch.zeros(2, 128), None, *([torch.zeros(1)] * 2), step.slots, cache[0, 0], cache[0, 1],
+                     step.block_tables, step.seq_lens) is None  # fmt: skip
+    assert load_model(tiny_llama, torch.float32, "cpu", 128, "auto").decode_layers is None  # float linears
+
+
+@needs_bf16_gemm
+def test_greedy_generation_is_the_same_with_one_call_layers(joinable_w4):
+    from slimlm.runtime.llm import LLM
+    from slimlm.runtime.sampling import SamplingParams
+
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(str(joinable_w4), dtype=dtype)
+        prompts = [[5, 9, 13], [7] * 20, list(range(3, 40))]
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        assert llm.engine.runner.model.decode_layers is not None
+        fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        llm.engine.runner.model.decode_layers = None
+        assert fused == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
