@@ -202,10 +202,9 @@ class Engine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+        output = self.outputs.output(request, detokenize=True, finished=True)  # also forgets its text state
         if report:
-            self._finished_outside_step.append(self.outputs.output(request, detokenize=True, finished=True))
-        else:
-            self.outputs.output(request, detokenize=False, finished=True)  # forgets its text state
+            self._finished_outside_step.append(output)
         del self.requests[request_id]
 
     def has_unfinished(self) -> bool:

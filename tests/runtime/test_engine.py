@@ -245,3 +245,50 @@ def test_a_new_request_is_waiting_prefilling_and_stamped_on_arrival(tiny_llama, 
     final = outputs[-1]
     assert before <= final.arrival <= final.outputs[0].first_token_time
     assert final.num_cached_tokens == 0  # no prefix cache: nothing was served from it
+
+
+def test_abort_reports_once_with_the_text_so_far_and_frees_the_blocks(tiny_llama, prompts):
+    engine = LLM(str(tiny_llama)).engine
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    reported = engine.add_request(prompts[1], params)
+    silent = engine.add_request(prompts[2], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, n=2))
+    waiting = engine.add_request(prompts[3], params)
+    for _ in range(3):
+        engine.step()
+    engine.abort(waiting)  # still in the queue or running: either way gone
+    engine.abort(reported)
+    engine.abort(silent, report=False)
+    engine.abort("no-such-request")  # ignored
+    assert engine.requests == {} and engine.blocks.num_free == engine.runner.num_blocks
+    assert engine.has_unfinished()  # the reports are still to come
+    outputs = engine.step()
+    assert [o.request_id for o in outputs] == [waiting, reported] and all(o.finished for o in outputs)
+    done = outputs[1].outputs[0]
+    assert done.finish_reason == "abort" and len(done.token_ids) >= 1
+    assert done.text == engine.tokenizer.decode(done.token_ids, skip_special_tokens=True)
+    assert not engine.has_unfinished() and engine.step() == []
+    engine.abort(reported)  # a finished request: nothing more to report
+    assert engine.step() == []
+
+
+def test_stats_describe_the_queue_and_the_pool(tiny_llama, prompts):
+    engine = LLM(str(tiny_llama), max_num_batched_tokens=16).engine
+    empty = engine.stats()
+    assert (empty.waiting, empty.running, empty.prefilling, empty.mean_context) == (0, 0, 0, 0.0)
+    assert empty.free_blocks == empty.total_blocks == engine.runner.num_blocks
+    assert empty.kv_bytes_per_token == engine.runner.kv_bytes_per_token > 0
+    assert empty.weight_bytes == engine.runner.weight_bytes() > 0
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    engine.add_request(prompts[0], params)  # 3 tokens: one step computes it
+    engine.step()
+    one = engine.stats()
+    assert (one.running, one.mean_context) == (1, engine.scheduler.running[0].num_tokens)
+    engine.add_request(prompts[4], params)  # 31 tokens: in 16-token chunks, beside the first one's decode
+    engine.step()
+    s = engine.stats()
+    seqs = [*engine.scheduler.waiting, *engine.scheduler.running]
+    assert (s.waiting, s.running) == (len(engine.scheduler.waiting), len(engine.scheduler.running)) and s.running >= 1
+    assert s.prefilling == sum(q.num_computed < q.num_tokens - 1 for q in seqs) >= 1  # the long prompt is not done
+    running = engine.scheduler.running
+    assert s.mean_context == sum(q.num_tokens for q in running) / len(running)
+    assert s.free_blocks == engine.blocks.num_free < s.total_blocks

@@ -119,3 +119,35 @@ def test_greedy_speculation_is_exact_under_preemption_and_parallel_samples(sharp
     draft = spec.engine.proposer  # its pool: every block is free or held by a shadow still alive
     held = {b for shadow in draft.shadows.values() for b in shadow.block_table}
     assert draft.blocks.num_free + len(held) == draft.runner.num_blocks
+
+
+def test_drafts_respect_the_token_budget_max_tokens_and_the_context(sharp_pair, monkeypatch):
+    """Self-drafting (every draft accepted) under a tight step budget, short max_tokens and a context the
+    prompts nearly fill: each step stays within the budget, no output passes max_tokens or the context, and
+    the tokens equal plain greedy decoding."""
+    target = str(sharp_pair[0])
+    spec = LLM(target, speculative=target, num_speculative_tokens=4, max_num_batched_tokens=8, max_model_len=40)
+    base = LLM(target, max_model_len=40)
+    step_tokens = []
+    run = spec.engine.runner.run
+    monkeypatch.setattr(spec.engine.runner, "run", lambda batch, rows: step_tokens.append(
+        sum(item.num_tokens for item in batch.items)) or run(batch, rows))  # fmt: skip
+    asked = []  # (tokens so far, outputs so far, max_tokens, tokens drafted) for every proposal
+    propose = spec.engine.proposer.propose
+    monkeypatch.setattr(spec.engine.proposer, "propose", lambda seqs, room: [
+        asked.append((s.num_tokens, len(s.output_ids), s.params.max_tokens, len(p.tokens))) or p
+        for s, p in zip(seqs, propose(seqs, room), strict=True)])  # fmt: skip
+    prompts = [p[:30] for p in _prompts(base, 4)]
+    for max_tokens in (1, 5, 20):  # 20: the 40-token context ends generation first
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        want = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+        outs = spec.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        for o, p in zip(outs, prompts, strict=True):
+            c = o.outputs[0]
+            assert len(c.token_ids) == min(max_tokens, 40 - len(p))
+            assert c.num_accepted == c.num_drafted <= len(c.token_ids) - 1  # the first token is never drafted
+    assert max(step_tokens) <= 8 and spec.engine.blocks.num_free == spec.engine.runner.num_blocks
+    # never a draft that could not be emitted: verification adds one token of its own after the drafts
+    assert asked and all(out + k + 1 <= most and tokens + k + 1 <= 40 for tokens, out, most, k in asked)
+    assert sum(o.outputs[0].num_drafted for o in outs) > 0
