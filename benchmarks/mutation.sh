@@ -80,7 +80,7 @@ for line in open(results):
         mutant, state = line.rsplit(":", 1)
         status[mutant.strip()] = state.strip()
 counts = collections.Counter(status.values())
-killed = counts.get("killed", 0)
+killed = counts.get("killed", 0) + counts.get("segfault", 0)  # a crash of the tests detects the mutant too
 scored = sum(counts.values()) - counts.get("skipped", 0)
 lines = [f"{module}: {killed}/{scored} mutants killed ({killed / max(1, scored):.0%}) in {seconds} s",
          "  " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
