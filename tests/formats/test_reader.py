@@ -45,6 +45,16 @@ def expected_shapes():
               "layers.0.o_proj.weight": (64, 32), "lm_head.weight": (40, 64)}  # fmt: skip
 
 
+def refusal_after(d, change) -> str:
+    """read_checkpoint's one-line refusal once `change` has edited the checkpoint's tensors."""
+    tensors = shards.read(d)
+    change(tensors)
+    shards.write(d, tensors)
+    with pytest.raises(SlimlmError) as e:
+        reader.read_checkpoint(d)
+    return one_line(e)
+
+
 def one_line(e: pytest.ExceptionInfo) -> str:
     msg = str(e.value)
     assert "\n" not in msg
@@ -146,22 +156,14 @@ def test_a_gptq_checkpoint_is_read_with_its_own_reader(tmp_path):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_a_tensor_that_is_not_finite_is_named(tmp_path, where, bad):
     d, _ = quantized_checkpoint(tmp_path / "q")
-    t = shards.read(d)
-    t[where].view(-1)[-1] = bad
-    shards.write(d, t)
-    with pytest.raises(SlimlmError) as e:
-        reader.read_checkpoint(d)
-    assert one_line(e) == f"{d}: tensor {where} holds NaN or Inf; the checkpoint is broken"
+    message = refusal_after(d, lambda t: t[where].view(-1).__setitem__(-1, bad))
+    assert message == f"{d}: tensor {where} holds NaN or Inf; the checkpoint is broken"
 
 
 def test_a_broken_quantized_linear_is_named_with_the_directory(tmp_path):
     d, _ = quantized_checkpoint(tmp_path / "q")
-    t = shards.read(d)
-    del t["layers.0.o_proj.weight_scale"]
-    shards.write(d, t)
-    with pytest.raises(SlimlmError) as e:
-        reader.read_checkpoint(d)
-    assert one_line(e) == f"{d}: the checkpoint has no layers.0.o_proj.weight_scale"
+    message = refusal_after(d, lambda t: t.pop("layers.0.o_proj.weight_scale"))
+    assert message == f"{d}: the checkpoint has no layers.0.o_proj.weight_scale"
 
 
 def test_missing_unexpected_and_misshapen_tensors_are_named(tmp_path):
