@@ -292,3 +292,45 @@ def test_stats_describe_the_queue_and_the_pool(tiny_llama, prompts):
     running = engine.scheduler.running
     assert s.mean_context == sum(q.num_tokens for q in running) / len(running)
     assert s.free_blocks == engine.blocks.num_free < s.total_blocks
+
+
+def test_each_bad_request_is_refused_with_what_is_wrong(tiny_llama, prompts):
+    engine = LLM(str(tiny_llama), max_model_len=64).engine
+    vocab = engine.vocab_size
+    cases = [
+        ([], {}, "the prompt is empty"),
+        ("", {}, "the prompt is empty"),
+        ([1, vocab], {}, f"prompt token {vocab} is not a token id in 0..{vocab - 1}"),
+        ([1, -1], {}, f"prompt token -1 is not a token id in 0..{vocab - 1}"),
+        ([1, 2.0], {}, f"prompt token 2.0 is not a token id in 0..{vocab - 1}"),
+        ([1, True], {}, f"prompt token True is not a token id in 0..{vocab - 1}"),
+        (3, {}, "a prompt is a string or a list of token ids, got int"),
+        ("caf\udce9", {}, "the prompt is not valid text (character 3 is not UTF-8)"),
+        ([5] * 64, {}, "the prompt has 64 tokens; the model's context holds 64, and one must be generated"),
+        ([5] * 4, {"params": SamplingParams(prompt_logprobs=0, prompt_logprobs_from=4)},
+         "prompt_logprobs_from 4 is past the prompt's last token (position 3)"),
+        ([5] * 4, {"params": {"temperature": 0}}, "sampling parameters must be a SamplingParams, got dict"),
+    ]  # fmt: skip
+    for prompt, kwargs, message in cases:
+        with pytest.raises(SlimlmError) as e:
+            engine.add_request(prompt, **kwargs)
+        assert str(e.value) == message
+    assert not engine.has_unfinished()  # nothing refused was queued
+    engine.add_request([0, vocab - 1] + [5] * 61, request_id="r")  # the extreme ids and 63 tokens: accepted
+    with pytest.raises(SlimlmError) as e:
+        engine.add_request([5], request_id="r")
+    assert str(e.value) == "request id 'r' is already in use"
+    text = " ".join(make_text(1).split()[:6])
+    engine.add_request(text, request_id="text")  # a text prompt is its tokenizer's ids
+    assert engine.requests["text"].prompt_ids == engine.tokenizer.encode(text)
+
+
+def test_the_samples_of_one_seeded_request_are_not_copies(tiny_llama, prompts):
+    llm = LLM(str(tiny_llama))
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, n=3)
+    samples = [c.token_ids for c in llm.generate([prompts[2]], params)[0].outputs]
+    assert len({tuple(s) for s in samples}) == 3  # each sample has its own stream of the seed
+    again = [c.token_ids for c in llm.generate([prompts[2]], params)[0].outputs]
+    assert again == samples
+    lone = llm.generate([prompts[2]], SamplingParams(max_tokens=12, temperature=1.0, seed=7))[0].outputs[0]
+    assert lone.token_ids == samples[0]  # the first sample is the request's seed itself

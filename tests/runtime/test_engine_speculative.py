@@ -132,11 +132,7 @@ def test_drafts_respect_the_token_budget_max_tokens_and_the_context(sharp_pair, 
     run = spec.engine.runner.run
     monkeypatch.setattr(spec.engine.runner, "run", lambda batch, rows: step_tokens.append(
         sum(item.num_tokens for item in batch.items)) or run(batch, rows))  # fmt: skip
-    asked = []  # (tokens so far, outputs so far, max_tokens, tokens drafted) for every proposal
-    propose = spec.engine.proposer.propose
-    monkeypatch.setattr(spec.engine.proposer, "propose", lambda seqs, room: [
-        asked.append((s.num_tokens, len(s.output_ids), s.params.max_tokens, len(p.tokens))) or p
-        for s, p in zip(seqs, propose(seqs, room), strict=True)])  # fmt: skip
+    asked = spy_on_proposals(spec, monkeypatch)
     prompts = [p[:30] for p in _prompts(base, 4)]
     for max_tokens in (1, 5, 20):  # 20: the 40-token context ends generation first
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -148,6 +144,60 @@ def test_drafts_respect_the_token_budget_max_tokens_and_the_context(sharp_pair, 
             assert len(c.token_ids) == min(max_tokens, 40 - len(p))
             assert c.num_accepted == c.num_drafted <= len(c.token_ids) - 1  # the first token is never drafted
     assert max(step_tokens) <= 8 and spec.engine.blocks.num_free == spec.engine.runner.num_blocks
-    # never a draft that could not be emitted: verification adds one token of its own after the drafts
-    assert asked and all(out + k + 1 <= most and tokens + k + 1 <= 40 for tokens, out, most, k in asked)
+    # as many drafts as can be emitted, no more: verification adds one token of its own after the drafts
+    assert asked and all(k == max(0, min(4, most - out - 1, 40 - tokens - 1)) for tokens, _, out, most, k in asked)
+    assert all(out >= 1 and computed == tokens - 1 for tokens, computed, out, _, _ in asked)  # decoding ones only
     assert sum(o.outputs[0].num_drafted for o in outs) > 0
+    asked.clear()
+    prompt = (prompts[0] * 2)[:17]  # prefilled in chunks of 8, 8 and 1: the last chunk is not a decode
+    spec.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert asked and all(out >= 1 for _, _, out, _, _ in asked)
+    tight = LLM(target, speculative=target, num_speculative_tokens=4, max_num_batched_tokens=2, max_model_len=40)
+    out = tight.generate([prompts[0][:5]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert out.outputs[0].num_drafted > 0  # one token of budget left beside the decode: one draft
+    # sampling: the sequence's own generator decides, so a seed reproduces whatever the global RNG did
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)
+    torch.manual_seed(0)
+    first = spec.generate(prompts[:2], params)
+    torch.manual_seed(1)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts[:2], params)] == [o.outputs[0].token_ids
+                                                                                    for o in first]  # fmt: skip
+
+
+def spy_on_proposals(llm: LLM, monkeypatch) -> list[tuple[int, int, int, int, int]]:
+    """(tokens, computed tokens, outputs, max_tokens, tokens drafted) of every proposal, as it is asked."""
+    asked = []
+    propose = llm.engine.proposer.propose
+    monkeypatch.setattr(llm.engine.proposer, "propose", lambda seqs, room: [
+        asked.append((s.num_tokens, s.num_computed, len(s.output_ids), s.params.max_tokens, len(p.tokens))) or p
+        for s, p in zip(seqs, propose(seqs, room), strict=True)])  # fmt: skip
+    return asked
+
+
+@pytest.mark.parametrize("draft", ["target", "other"])  # every draft accepted; some rejected
+def test_after_each_speculative_step_the_cache_holds_every_token_but_the_last(sharp_pair, draft, monkeypatch):
+    """and just the blocks those need; the tokens' log-probabilities are the target's (plain decoding's)."""
+    target = str(sharp_pair[0])
+    base = LLM(target)
+    spec = LLM(target, speculative=str(sharp_pair[draft == "other"]), num_speculative_tokens=3)
+    engine, block_size = spec.engine, spec.engine.config.block_size
+    step = engine.step
+
+    def checked_step(*args, **kwargs):
+        outputs = step(*args, **kwargs)
+        for seq in engine.scheduler.running:
+            if seq.output_ids:
+                assert seq.num_computed == seq.num_tokens - 1
+                assert len(seq.block_table) == -(-seq.num_computed // block_size)
+        return outputs
+
+    monkeypatch.setattr(engine, "step", checked_step)
+    prompts = _prompts(base, 4)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
+    want, got = base.generate(prompts, params), spec.generate(prompts, params)
+    for w, g in zip(want, got, strict=True):
+        a, b = w.outputs[0], g.outputs[0]
+        assert a.token_ids == b.token_ids and torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
+                                                             atol=1e-4)  # fmt: skip
+        assert [[t for t, _ in top] for top in a.top_logprobs] == [[t for t, _ in top] for top in b.top_logprobs]
+    assert sum(o.outputs[0].num_drafted for o in got) > 0
