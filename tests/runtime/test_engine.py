@@ -334,3 +334,12 @@ def test_the_samples_of_one_seeded_request_are_not_copies(tiny_llama, prompts):
     assert again == samples
     lone = llm.generate([prompts[2]], SamplingParams(max_tokens=12, temperature=1.0, seed=7))[0].outputs[0]
     assert lone.token_ids == samples[0]  # the first sample is the request's seed itself
+
+
+def test_prompt_top_logprobs_gather_over_every_chunk(tiny_llama, hf, prompts):
+    llm = LLM(str(tiny_llama), max_num_batched_tokens=16)  # a 60-token prompt: four chunks
+    out = llm.generate([prompts[6]], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    assert len(out.prompt_logprobs) == len(out.prompt_top_logprobs) == len(prompts[6]) - 1
+    expected = hf_logprobs(hf, prompts[6])
+    assert torch.allclose(torch.tensor(out.prompt_logprobs), expected, atol=1e-4)
+    assert all(len(top) == 2 and top[0][1] >= top[1][1] for top in out.prompt_top_logprobs)
