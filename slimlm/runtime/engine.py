@@ -355,7 +355,7 @@ class Engine:
     def _fork_if_first(self, seq: Sequence) -> list[Sequence]:
         """At the end of its prompt, a request with n > 1 splits into n sequences sharing the prompt's blocks."""
         request = self.requests[seq.request_id]
-        if seq.params.n == 1 or seq.output_ids or len(request.seqs) > 1:
+        if seq.params.n == 1 or seq.output_ids:  # forked already: every sequence has sampled since
             return [seq]
         children = [self._new_sequence(request, i, list(seq.token_ids)) for i in range(1, seq.params.n)]
         for child in children:

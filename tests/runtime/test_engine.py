@@ -1,11 +1,15 @@
 """The engine on a tiny random Llama: parity with transformers, batching, prefix sharing, bad input."""
 
+import json
+import re
+import shutil
 import time
 
 import pytest
 import torch
 
 from slimlm import SlimlmError
+from slimlm.runtime.engine import Engine, EngineConfig
 from slimlm.runtime.llm import LLM
 from slimlm.runtime.sampling import SamplingParams
 from tests.conftest import make_text
@@ -343,3 +347,129 @@ def test_prompt_top_logprobs_gather_over_every_chunk(tiny_llama, hf, prompts):
     expected = hf_logprobs(hf, prompts[6])
     assert torch.allclose(torch.tensor(out.prompt_logprobs), expected, atol=1e-4)
     assert all(len(top) == 2 and top[0][1] >= top[1][1] for top in out.prompt_top_logprobs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(dtype="fp64"), "dtype 'fp64' is not one of float32, bfloat16, float16"),
+        (dict(kv_cache_dtype=8), "kv_cache_dtype 8 is not one of auto, fp8, int8, float32, bfloat16, float16"),
+        (dict(block_size=24), "block_size must be a power of two, got 24"),
+        (dict(block_size=0), "block_size must be a positive integer, got 0"),
+        (dict(speculative=""), "speculative must be 'ngram', a draft model or None, got ''"),
+        (dict(speculative=3), "speculative must be 'ngram', a draft model or None, got 3"),
+        (dict(num_speculative_tokens=17), "num_speculative_tokens must be an integer in 1..block_size (16), got 17"),
+        (dict(max_model_len=0, max_num_seqs=-1), "max_num_seqs must be a positive integer, got -1; "
+                                                 "max_model_len must be a positive integer or None, got 0"),
+    ],
+)  # fmt: skip
+def test_engine_config_refusals_name_every_problem(kwargs, message):
+    with pytest.raises(SlimlmError) as e:
+        EngineConfig(**kwargs)
+    assert str(e.value) == "invalid engine config: " + message
+
+
+def test_engine_config_limits_are_inclusive():
+    EngineConfig(block_size=4, num_speculative_tokens=4, max_num_seqs=1, max_num_batched_tokens=1)
+    EngineConfig(block_size=1, num_speculative_tokens=1, speculative="ngram")
+
+
+def edited_model(tiny_llama, tmp_path, **changes):
+    d = tmp_path / "edited"
+    shutil.copytree(tiny_llama, d)
+    config = json.loads((d / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def test_the_engine_reads_context_and_eos_from_the_config(tiny_llama, tmp_path):
+    window = edited_model(tiny_llama, tmp_path, sliding_window=64)
+    assert Engine(str(window)).max_model_len == 64  # within the window, attention is full attention
+    shutil.rmtree(window)
+    off = edited_model(tiny_llama, tmp_path, sliding_window=64, use_sliding_window=False)
+    assert Engine(str(off)).max_model_len == 512
+    shutil.rmtree(off)
+    eos = edited_model(tiny_llama, tmp_path, eos_token_id=[1, 2], max_position_embeddings=None)
+    engine = Engine(str(eos))
+    assert engine.eos_ids == {1, 2} and engine.max_model_len == 2048  # transformers' default context
+    shutil.rmtree(eos)
+    none = edited_model(tiny_llama, tmp_path, eos_token_id=None)
+    assert Engine(str(none)).eos_ids == {Engine(str(tiny_llama)).tokenizer.eos_token_id}
+
+
+def test_the_engine_builds_what_its_config_asks(tiny_llama):
+    engine = Engine(str(tiny_llama), EngineConfig(dtype="bfloat16", prefix_caching=False, max_model_len=100))
+    assert engine.runner.model.model.norm.weight.dtype == torch.bfloat16
+    assert engine.blocks.prefix_caching is False and engine.max_model_len == 100
+    assert engine.capacity == engine.runner.num_blocks * 16
+    per_token = Engine(str(tiny_llama), EngineConfig(max_model_len=100)).runner.kv_bytes_per_token  # fp32
+    with pytest.raises(SlimlmError) as e:
+        Engine(str(tiny_llama), EngineConfig(kv_cache_memory=200_000))  # max_model_len 512
+    pool, need = 200_000 / 2**20, 512 * per_token / 2**20
+    assert re.fullmatch(rf"the KV cache pool \({pool:.1f} MiB\) holds \d+ tokens, fewer than one sequence of "
+                        rf"max_model_len 512; give it at least {need:.1f} MiB \(--kv-cache-memory\) or lower "
+                        "max_model_len", str(e.value)), str(e.value)  # fmt: skip
+
+
+def test_each_sample_of_a_seeded_request_is_the_lone_request_of_seed_plus_its_index(tiny_llama, prompts):
+    llm = LLM(str(tiny_llama))
+
+    def sample(seed: int, n: int = 1) -> list[list[int]]:
+        params = SamplingParams(max_tokens=8, temperature=1.0, seed=seed, n=n)
+        return [c.token_ids for c in llm.generate([prompts[1]], params)[0].outputs]
+
+    assert sample(5, n=3) == [sample(5)[0], sample(6)[0], sample(7)[0]]
+    assert sample(2**63 - 1, n=2)[1] == sample(0)[0]  # seeds wrap at 2^63
+
+
+def test_streamed_steps_carry_text_token_times_and_top_logprobs(tiny_llama, prompts):
+    engine = LLM(str(tiny_llama)).engine
+    engine.add_request(prompts[2], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    partial = [o for o in outputs if not o.finished and len(o.outputs[0].token_ids) >= 3]
+    assert partial and all(o.outputs[0].text for o in partial)  # unfinished outputs carry their text so far
+    c = outputs[-1].outputs[0]
+    assert len(c.top_logprobs) == len(c.token_ids) == len(c.token_times) == 6
+    assert all(isinstance(t, float) for t in c.token_times) and c.token_times == sorted(c.token_times)
+    assert all(top[0][0] == token for top, token in zip(c.top_logprobs, c.token_ids, strict=True))  # greedy
+
+
+def test_an_eos_token_stops_the_sequence_unless_ignored(tiny_llama, prompts):
+    engine = LLM(str(tiny_llama)).engine
+    free = LLM(str(tiny_llama)).generate([prompts[0]], GREEDY)[0].outputs[0].token_ids
+    engine.eos_ids = {free[2]}
+    first = free.index(free[2])
+    out = LLM.__new__(LLM)
+    out.engine = engine
+    stopped = out.generate([prompts[0]], GREEDY)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free[: first + 1]
+    ignored = out.generate([prompts[0]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert ignored.finish_reason == "length" and ignored.token_ids == free
+
+
+def test_every_step_leaves_each_sequence_with_its_tokens_but_the_last_in_the_cache(tiny_llama, prompts, monkeypatch):
+    engine = LLM(str(tiny_llama), max_num_batched_tokens=16).engine
+    step = engine.step
+
+    def checked_step(*args, **kwargs):
+        outputs = step(*args, **kwargs)
+        for seq in engine.scheduler.running:
+            assert seq.num_computed == seq.num_tokens - 1 if seq.output_ids else seq.num_computed < seq.num_tokens
+            assert len(seq.block_table) == -(-seq.num_computed // 16)
+        return outputs
+
+    monkeypatch.setattr(engine, "step", checked_step)
+    for p in prompts[:5]:
+        engine.add_request(p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    finished = {o.request_id: o for o in outputs if o.finished}
+    assert len(finished) == 5 and all(len(o.prompt_logprobs) == len(o.prompt_token_ids) - 1 for o in finished.values())
