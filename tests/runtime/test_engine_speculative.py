@@ -162,6 +162,9 @@ def test_drafts_respect_the_token_budget_max_tokens_and_the_context(sharp_pair, 
     torch.manual_seed(1)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts[:2], params)] == [o.outputs[0].token_ids
                                                                                     for o in first]  # fmt: skip
+    # the target drafting for itself, sampled: min(1, q/p) = 1, so every draft is accepted (a rule that took
+    # the drafts as certain would still be exact, but accept each with probability q only)
+    assert all(o.outputs[0].num_accepted == o.outputs[0].num_drafted > 0 for o in first)
 
 
 def spy_on_proposals(llm: LLM, monkeypatch) -> list[tuple[int, int, int, int, int]]:
