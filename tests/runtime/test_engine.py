@@ -62,15 +62,18 @@ def test_preemption_really_happens_with_a_tiny_pool(tiny_llama, prompts):
     llm = LLM(str(tiny_llama), max_num_batched_tokens=16, kv_cache_memory=12 * 16 * 2 * 2 * 2 * 16 * 4,
               max_model_len=192)
     engine = llm.engine
-    for p in prompts:
-        engine.add_request(p, GREEDY)
-    preempted = 0
+    for p in prompts:  # prompt log-probabilities too: a preempted prompt is recomputed, not scored again
+        engine.add_request(p, SamplingParams(max_tokens=12, temperature=0, prompt_logprobs=0))
+    preempted, outputs = 0, []
     while engine.has_unfinished():
         seqs = [s for r in engine.requests.values() for s in r.seqs]
-        engine.step()
+        outputs += engine.step()
         preempted = max(preempted, sum(s.num_preemptions for s in seqs))
     assert preempted > 0
     assert engine.blocks.num_free == engine.runner.num_blocks
+    finished = [o for o in outputs if o.finished]
+    assert len(finished) == len(prompts)
+    assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) - 1 for o in finished)
 
 
 def test_prompt_logprobs_equal_transformers(tiny_llama, hf, prompts):
@@ -354,6 +357,7 @@ def test_prompt_top_logprobs_gather_over_every_chunk(tiny_llama, hf, prompts):
     [
         (dict(dtype="fp64"), "dtype 'fp64' is not one of float32, bfloat16, float16"),
         (dict(kv_cache_dtype=8), "kv_cache_dtype 8 is not one of auto, fp8, int8, float32, bfloat16, float16"),
+        (dict(kv_cache_dtype="fp4"), "kv_cache_dtype 'fp4' is not one of auto, fp8, int8, float32, bfloat16, float16"),
         (dict(block_size=24), "block_size must be a power of two, got 24"),
         (dict(block_size=0), "block_size must be a positive integer, got 0"),
         (dict(speculative=""), "speculative must be 'ngram', a draft model or None, got ''"),
@@ -403,8 +407,10 @@ def test_the_engine_reads_context_and_eos_from_the_config(tiny_llama, tmp_path):
 
 
 def test_the_engine_builds_what_its_config_asks(tiny_llama):
-    engine = Engine(str(tiny_llama), EngineConfig(dtype="bfloat16", prefix_caching=False, max_model_len=100))
+    engine = Engine(str(tiny_llama), EngineConfig(dtype="bfloat16", prefix_caching=False, max_model_len=100,
+                                                  kv_cache_dtype="float32"))  # fmt: skip
     assert engine.runner.model.model.norm.weight.dtype == torch.bfloat16
+    assert engine.runner.kv_cache.dtype == torch.float32
     assert engine.blocks.prefix_caching is False and engine.max_model_len == 100
     assert engine.capacity == engine.runner.num_blocks * 16
     per_token = Engine(str(tiny_llama), EngineConfig(max_model_len=100)).runner.kv_bytes_per_token  # fp32

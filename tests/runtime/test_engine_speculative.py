@@ -203,4 +203,5 @@ def test_after_each_speculative_step_the_cache_holds_every_token_but_the_last(sh
         assert a.token_ids == b.token_ids and torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
                                                              atol=1e-4)  # fmt: skip
         assert [[t for t, _ in top] for top in a.top_logprobs] == [[t for t, _ in top] for top in b.top_logprobs]
+        assert all(isinstance(t, float) for t in b.token_times) and b.token_times == sorted(b.token_times)
     assert sum(o.outputs[0].num_drafted for o in got) > 0
