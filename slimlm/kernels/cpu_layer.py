@@ -96,8 +96,7 @@ class DecodeLayer:
                 self._plans[key] = None
             else:
                 self._plans[key] = (_Linear * 4)(*(
-                    _Linear(*w.kernel_args[:3], w.codes.shape[0], w.group_size, w.bits, w.in_features, w.out_features,
-                            cpu_gemm.CODE_MAX_ROWS[w.bits], loop)
+                    _Linear(*w.kernel_args, w.bits, w.in_features, w.out_features, cpu_gemm.CODE_MAX_ROWS[w.bits], loop)
                     for w, loop in zip(self.linears, loops, strict=True)))  # fmt: skip
         return self._plans[key]
 
@@ -107,7 +106,10 @@ class DecodeLayer:
         """(the layer's output, the residual stream) for x [S, hidden], one token per sequence; None when these
         tensors are not what the C code takes (the caller runs the modules instead)."""
         plan = self._plan(x.shape[0], x.dtype)
-        if plan is None or k_cache.dtype != x.dtype or not (x.is_contiguous() and k_cache.is_contiguous()):
+        floats = [x, cos, signed_sin, k_cache, v_cache] + ([] if residual is None else [residual])
+        indices = ((slots, torch.int64), (block_tables, torch.int32), (seq_lens, torch.int32))
+        if (plan is None or any(t.dtype != x.dtype or not t.is_contiguous() for t in floats)
+                or any(t.dtype != dtype or not t.is_contiguous() for t, dtype in indices)):  # fmt: skip
             return None
         residual_ptr = None if residual is None else residual.data_ptr()
         out = torch.empty_like(x)

@@ -144,6 +144,9 @@ def test_steps_the_one_call_layers_do_not_cover_run_the_modules(joinable_w4, tin
     for layer in layers:
         assert layer(torch.zeros(2, 128), None, *([torch.zeros(1)] * 2), step.slots, cache[0, 0], cache[0, 1],
                      step.block_tables, step.seq_lens) is None  # fmt: skip
+    ids, step, cache = decode_step(model, 2, torch.float32)  # int64 block tables: read as int32 they would lie
+    assert layers[0](torch.zeros(2, 128), None, torch.zeros(2, 32), torch.zeros(2, 32), step.slots, cache[0, 0],
+                     cache[0, 1], step.block_tables.long(), step.seq_lens) is None  # fmt: skip
     assert load_model(tiny_llama, torch.float32, "cpu", 128, "auto").decode_layers is None  # float linears
 
 
