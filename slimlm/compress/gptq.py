@@ -181,18 +181,39 @@ class GPTQ:
 
     def apply(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> StepResult:
         self._last["x"] = None  # the float pass is over: stop holding its last activation
+        # Linears that share a Hessian (q/k/v, gate/up) are quantized as one stacked matrix: GPTQ treats
+        # every output row on its own given H, so the codes are the same and the column loop runs once.
+        sharing: dict[int, list[str]] = {}
+        for name in linears:
+            sharing.setdefault(id(self.hessians[name]), []).append(name)
         out = {}
-        for name, m in linears.items():
-            acc = self.hessians[name]
-            if acc.tokens < m.in_features and not self.warned:
+        for names in sharing.values():
+            acc, mods = self.hessians[names[0]], [linears[n] for n in names]
+            if acc.tokens < mods[0].in_features and not self.warned:
                 warnings.warn(
-                    f"GPTQ: {acc.tokens} calibration tokens for {m.in_features} input features: the Hessian is "
-                    "rank-deficient and error compensation is unreliable; use more --num-samples or --seq-len",
+                    f"GPTQ: {acc.tokens} calibration tokens for {mods[0].in_features} input features: the Hessian "
+                    "is rank-deficient and error compensation is unreliable; use more --num-samples or --seq-len",
                     stacklevel=2,
                 )
                 self.warned = True
-            q = gptq_quantize(m.weight.data, acc.H, self.args, self.damp, self.act_order, name)
-            q.scale = q.scale.to(m.weight.dtype)
-            out[name] = q
+            for name, m in zip(names, mods, strict=True):
+                if not torch.isfinite(m.weight).all():
+                    raise SlimlmError(f"non-finite values (NaN/Inf) in the weights of {name}")
+            W = torch.cat([m.weight.data for m in mods])
+            q = gptq_quantize(W, acc.H, self.args, self.damp, self.act_order, ", ".join(names))
+            parts = _split_rows(q, [m.out_features for m in mods])
+            for name, m, part in zip(names, mods, parts, strict=True):
+                part.scale = part.scale.to(m.weight.dtype)
+                out[name] = part
         self.hessians = {}
-        return StepResult(quantized=out)
+        return StepResult(quantized={name: out[name] for name in linears})
+
+
+def _split_rows(q: QuantizedWeight, sizes: list[int]) -> list[QuantizedWeight]:
+    """The stacked result cut back into each linear's rows, each in storage of its own (safetensors refuses
+    tensors that share memory)."""
+    zeros = [None] * len(sizes) if q.zero is None else [z.clone() for z in q.zero.split(sizes)]
+    return [
+        QuantizedWeight(c.clone(), s.clone(), z, q.args, None if q.g_idx is None else q.g_idx.clone())
+        for c, s, z in zip(q.codes.split(sizes), q.scale.split(sizes), zeros, strict=True)
+    ]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
+from collections.abc import Callable
 
 
 def _glibc():
@@ -25,3 +27,22 @@ def return_freed_memory() -> None:
     gc.collect()
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+def objects_alive_now_frozen(fn: Callable) -> Callable:
+    """Run `fn` with the objects alive at its start (model, libraries) out of the garbage collector's scans.
+
+    A full collection walks every tracked object: with transformers loaded that is ~0.3 s per layer, for
+    objects that outlive the run anyway. Frozen, each collection only walks what the run created since.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        gc.collect()
+        gc.freeze()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.unfreeze()
+
+    return wrapper

@@ -26,7 +26,7 @@ from torch import nn
 from tqdm import tqdm
 
 from slimlm import SlimlmError, arch
-from slimlm.compress.memory import return_freed_memory
+from slimlm.compress.memory import objects_alive_now_frozen, return_freed_memory
 from slimlm.compress.offload import LazyWeights
 from slimlm.formats.quantized import QuantArgs, QuantizedWeight
 
@@ -162,6 +162,7 @@ def _on_cpu(q: QuantizedWeight) -> QuantizedWeight:
 
 
 @torch.no_grad()
+@objects_alive_now_frozen
 def run(
     model: nn.Module,
     steps: list[Step],

@@ -370,5 +370,34 @@ def test_the_step_keeps_the_weight_dtype_and_names_the_failing_linear(tiny_llama
     assert {q.scale.dtype for q in out.values()} == {torch.bfloat16}
     step, layer, linears = one_layer_step(tiny_llama, 8)
     linears["l.mlp.up_proj"].weight.data[0, 0] = float("inf")
-    with pytest.raises(SlimlmError, match=r"weights or calibration activations of l\.mlp\.up_proj$"):
+    with pytest.raises(SlimlmError, match=r"^non-finite values \(NaN/Inf\) in the weights of l\.mlp\.up_proj$"):
         step.apply(layer, linears)
+
+
+@pytest.mark.parametrize(("args", "act_order"), [(QuantArgs(4, 64, True), "weight"), (QuantArgs(3, 32, False), "group"),
+                                                 (QuantArgs(4, -1, True), None)])  # fmt: skip
+def test_linears_sharing_a_hessian_get_the_codes_each_would_get_alone(args, act_order):
+    """The step stacks linears that share a Hessian into one GPTQ run (rows are independent given H):
+    each must come out as gptq_quantize would quantize it alone, across several column blocks."""
+    torch.manual_seed(0)
+    x = torch.randn(700, 320) @ torch.randn(320, 320)  # correlated inputs: the updates matter
+    acc = HessianAccumulator(320, torch.device("cpu"))
+    acc.add(x)
+    linears = {"a": torch.nn.Linear(320, 96, bias=False), "b": torch.nn.Linear(320, 40, bias=False),
+               "c": torch.nn.Linear(320, 24, bias=False)}  # fmt: skip
+    other = HessianAccumulator(320, torch.device("cpu"))
+    other.add(torch.randn(700, 320))
+    step = GPTQ(args, act_order=act_order)
+    step.hessians = {"a": acc, "b": other, "c": acc}
+    out = step.apply(torch.nn.Module(), linears).quantized
+    assert list(out) == ["a", "b", "c"]
+    for name, H in (("a", acc.H), ("b", other.H), ("c", acc.H)):
+        alone = gptq_quantize(linears[name].weight.data, H, args, 0.01, act_order)
+        got = out[name]
+        assert torch.equal(got.codes, alone.codes) and torch.equal(got.scale, alone.scale)
+        assert (got.zero is None) == args.sym and (args.sym or torch.equal(got.zero, alone.zero))
+        assert (got.g_idx is None) == (alone.g_idx is None)
+        assert alone.g_idx is None or torch.equal(got.g_idx, alone.g_idx)
+    storages = {t.untyped_storage().data_ptr() for q in out.values() for t in (q.codes, q.scale, q.zero, q.g_idx)
+                if t is not None}  # fmt: skip
+    assert len(storages) == sum(t is not None for q in out.values() for t in (q.codes, q.scale, q.zero, q.g_idx))
