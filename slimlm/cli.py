@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--search-batches", type=int, default=2, help="calibration batches used by the scale search")
     p.add_argument("--grid", type=int, default=20, help="scale exponents tried per group of linears (α = i/grid)")
     p.add_argument("--no-clip", dest="clip", action="store_false", help="skip the weight-clipping search")
+    p.add_argument("--search-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="dtype the scale search runs the blocks in; auto: bf16 for an fp32 model where bf16 "
+                   "products are fast (AVX-512 BF16/AMX CPUs, GPUs), else the model's")  # fmt: skip
     p.add_argument("--then", choices=["rtn", "gptq"], default="rtn",
                    help="how the AWQ-scaled weights are quantized: rtn (AWQ's own, default) or gptq")
     _add_gptq_args(p)
@@ -575,7 +578,8 @@ def cmd_awq(a: argparse.Namespace) -> None:
     args = _weight_args(a)
     quantizer = GPTQ(args, damp=a.damp, act_order=a.act_order) if a.then == "gptq" else RTN(args)
     name = ("awq" if a.then == "rtn" else f"awq+{a.then}") + "+kv" * (a.kv_dtype is not None)
-    steps = [AWQ(args, search_batches=a.search_batches, clip=a.clip, grid=a.grid), quantizer, *_kv_steps(a)]
+    awq = AWQ(args, search_batches=a.search_batches, clip=a.clip, grid=a.grid, search_dtype=a.search_dtype)
+    steps = [awq, quantizer, *_kv_steps(a)]
     _quantize_and_report(name, steps, args, a)
 
 

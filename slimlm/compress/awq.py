@@ -14,13 +14,15 @@ AWQ is a transform: it leaves float weights that are easier to quantize, and the
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
-from slimlm import SlimlmError, arch
+from slimlm import SlimlmError, arch, devices
 from slimlm.arch import Mapping
 from slimlm.compress.pipeline import StepResult
 from slimlm.compress.quantize import compute_qparams, quantize, quantize_rtn
@@ -31,6 +33,7 @@ CLIP_GRID = 20
 CLIP_MAX_SHRINK = 0.5
 CLIP_TOKENS = 1024
 CLIP_CHUNK_ELEMENTS = 64 * 1024 * 1024  # bounds the [rows, tokens, groups] products of the clipping search
+SEARCH_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def layer_mappings(layer: nn.Module) -> list[Mapping]:
@@ -71,17 +74,22 @@ class AWQ:
 
     needs_data = True
 
-    def __init__(self, args: QuantArgs, search_batches: int = 2, clip: bool = True, grid: int = GRID):
+    def __init__(self, args: QuantArgs, search_batches: int = 2, clip: bool = True, grid: int = GRID,
+                 search_dtype: str = "auto"):  # fmt: skip
+        if search_dtype not in SEARCH_DTYPES:
+            raise SlimlmError(f"--search-dtype {search_dtype!r} is not one of {', '.join(SEARCH_DTYPES)}")
         if not (type(search_batches) is int and search_batches > 0):
             raise SlimlmError(f"--search-batches {search_batches!r} must be a positive integer (2 is the default)")
         if not (type(grid) is int and grid > 0):
             raise SlimlmError(f"--grid {grid!r} must be a positive integer ({GRID} is the default)")
         self.args, self.search_batches, self.clip, self.grid = args, search_batches, clip, grid
+        self.search_dtype = search_dtype
         self.stats: dict[str, _Stats] = {}
         self.block_inputs: dict[str, list[tuple[tuple, dict]]] = {}
 
     def arguments(self) -> dict[str, Any]:
-        return {"search_batches": self.search_batches, "clip": self.clip, "grid": self.grid}
+        return {"search_batches": self.search_batches, "clip": self.clip, "grid": self.grid,
+                "search_dtype": self.search_dtype}  # fmt: skip
 
     def observe(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> list[Any]:
         self.stats = {}
@@ -128,13 +136,26 @@ class AWQ:
             outs.append(y[0] if isinstance(y, tuple) else y)
         return outs
 
+    def _dtype_for_search(self, weight: torch.Tensor) -> torch.dtype:
+        """auto: an fp32 layer is searched in bf16 where bf16 products are fast (the search only ranks the α;
+        the fold, the clipping and the quantization stay in the layer's dtype)."""
+        if self.search_dtype != "auto":
+            return SEARCH_DTYPES[self.search_dtype]
+        fast = weight.dtype == torch.float32 and devices.fast_bf16_matmul(weight.device)
+        return torch.bfloat16 if fast else weight.dtype
+
     def _search_scale(self, layer: nn.Module, m: Mapping) -> torch.Tensor:
         block = layer.get_submodule(m.block)
-        inputs = self.block_inputs[m.block]
-        stats = self.stats[m.linears[0]]
-        x_mean = stats.abs_sum / stats.tokens
         mods = [layer.get_submodule(n) for n in m.linears]
         originals = [mod.weight.data.clone() for mod in mods]
+        dtype = self._dtype_for_search(originals[0])
+        if dtype != originals[0].dtype:  # a copy in the search dtype: the layer itself is left as it is
+            block = copy.deepcopy(block).to(dtype)
+            mods = [block.get_submodule(n[len(m.block) + 1 :]) for n in m.linears]
+        cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+        inputs = tree_map(cast, self.block_inputs[m.block])
+        stats = self.stats[m.linears[0]]
+        x_mean = stats.abs_sum / stats.tokens
         ref = self._block_output(block, inputs)
         best, best_s = float("inf"), torch.ones_like(x_mean)
         for i in range(self.grid):
@@ -142,13 +163,13 @@ class AWQ:
             s = s / (s.max() * s.min()).sqrt()
             for mod, w in zip(mods, originals, strict=True):
                 scaled = w.float() * s[None, :]
-                mod.weight.data = (quantize_rtn(scaled, self.args).dequantize() / s[None, :]).to(w.dtype)
+                mod.weight.data = (quantize_rtn(scaled, self.args).dequantize() / s[None, :]).to(dtype)
             out = self._block_output(block, inputs)
             loss = sum(((o - r).float().pow(2).mean() for o, r in zip(out, ref, strict=True)), 0.0)
             if loss.item() < best:
                 best, best_s = loss.item(), s
         for mod, w in zip(mods, originals, strict=True):
-            mod.weight.data = w
+            mod.weight.data = w.to(dtype)
         return best_s.to(originals[0].dtype)
 
     def _clip(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

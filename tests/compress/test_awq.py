@@ -1,5 +1,8 @@
+import copy
+
 import pytest
 import torch
+from torch.utils._pytree import tree_map
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from slimlm import SlimlmError
@@ -102,7 +105,7 @@ def observed(awq: AWQ, model: LlamaForCausalLM, batches: int, tokens: int = 40) 
     handles = awq.observe(layer, {})
     with torch.no_grad():
         for b in range(batches):
-            model(torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(b)))
+            model(torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(b)), use_cache=False)
     for h in handles:
         h.remove()
     return layer
@@ -110,7 +113,7 @@ def observed(awq: AWQ, model: LlamaForCausalLM, batches: int, tokens: int = 40) 
 
 def test_observe_counts_every_token_keeps_a_subsample_and_the_first_block_inputs():
     awq = AWQ(QuantArgs(4, 32, False))
-    assert awq.arguments() == {"search_batches": 2, "clip": True, "grid": 20}  # the documented defaults
+    assert awq.arguments() == {"search_batches": 2, "clip": True, "grid": 20, "search_dtype": "auto"}  # defaults
     observed(awq, tiny(4), batches=3, tokens=50)
     stats = awq.stats["self_attn.q_proj"]
     assert stats.tokens == 3 * 50
@@ -143,42 +146,60 @@ def test_a_block_that_returns_a_tensor_is_compared_whole():
     assert torch.equal(out, block(x))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_scale_is_the_grid_power_with_the_least_block_error(dtype):
+@pytest.mark.parametrize(("dtype", "search"), [(torch.float32, "float32"), (torch.bfloat16, "auto"),
+                                               (torch.float32, "bfloat16"), (torch.bfloat16, "float32")])  # fmt: skip
+def test_the_scale_is_the_grid_power_with_the_least_block_error(dtype, search):
     """The paper's search, written out: s = s_x^α normalised by √(max·min), α = i/grid, the α whose
-    fake-quantized q/k/v give the smallest error of the attention block's output. The layer's own dtype
-    is kept, and the weights are put back."""
+    fake-quantized q/k/v give the smallest error of the attention block's output, the block run in the
+    search dtype. The layer's own dtype is kept, and its weights are left as they were."""
     from slimlm.compress.quantize import quantize_rtn
 
     args, grid = QuantArgs(4, 32, False), 6
-    awq = AWQ(args, grid=grid)
+    awq = AWQ(args, grid=grid, search_dtype=search)
     model = tiny(4).to(dtype)
     layer = observed(awq, model, batches=2)
     mapping = next(m for m in layer_mappings(layer) if m.block == "self_attn")
-    mods = [layer.get_submodule(n) for n in mapping.linears]
-    originals = [m.weight.data.clone() for m in mods]
+    originals = [layer.get_submodule(n).weight.data.clone() for n in mapping.linears]
+    search_dtype = dtype if search == "auto" else getattr(torch, search)
+    block = copy.deepcopy(layer.self_attn).to(search_dtype)
+    mods = [block.get_submodule(n.split(".")[1]) for n in mapping.linears]
     stats = awq.stats[mapping.linears[0]]
     x_mean = stats.abs_sum / stats.tokens
     assert (x_mean < 1).any()  # powers of small means stay small: no floor but 1e-4 may lift them
-    inputs = awq.block_inputs["self_attn"]
+    inputs = tree_map(lambda t: t.to(search_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                      awq.block_inputs["self_attn"])  # fmt: skip
     with torch.no_grad():
-        ref = [layer.self_attn(*a, **k)[0] for a, k in inputs]
+        ref = [block(*a, **k)[0] for a, k in inputs]
         losses, scales = [], []
         for i in range(grid):
             s = x_mean.pow(i / grid).clamp(min=1e-4)
             s = s / (s.max() * s.min()).sqrt()
             for mod, w in zip(mods, originals, strict=True):
-                mod.weight.data = (quantize_rtn(w.float() * s, args).dequantize() / s).to(dtype)
-            out = [layer.self_attn(*a, **k)[0] for a, k in inputs]
+                mod.weight.data = (quantize_rtn(w.float() * s, args).dequantize() / s).to(search_dtype)
+            out = [block(*a, **k)[0] for a, k in inputs]
             losses.append(sum((o - r).float().pow(2).mean() for o, r in zip(out, ref, strict=True)).item())
             scales.append(s)
-        for mod, w in zip(mods, originals, strict=True):
-            mod.weight.data = w
         found = awq._search_scale(layer, mapping)
     assert found.dtype == dtype
     assert torch.equal(found, scales[losses.index(min(losses))].to(dtype))
     assert losses.index(min(losses)) > 0  # the outliers make some α > 0 win
-    assert all(torch.equal(m.weight.data, w) for m, w in zip(mods, originals, strict=True))
+    assert all(torch.equal(layer.get_submodule(n).weight.data, w) for n, w in zip(mapping.linears, originals,
+                                                                                  strict=True))  # fmt: skip
+
+
+def test_auto_searches_an_fp32_layer_in_bf16_only_where_bf16_is_fast(monkeypatch):
+    from slimlm import devices
+
+    awq = AWQ(QuantArgs(4, 32))
+    w32, w16 = torch.zeros(2, 2), torch.zeros(2, 2, dtype=torch.bfloat16)
+    monkeypatch.setattr(devices, "fast_bf16_matmul", lambda device: True)
+    assert (awq._dtype_for_search(w32), awq._dtype_for_search(w16)) == (torch.bfloat16, torch.bfloat16)
+    monkeypatch.setattr(devices, "fast_bf16_matmul", lambda device: False)
+    assert (awq._dtype_for_search(w32), awq._dtype_for_search(w16)) == (torch.float32, torch.bfloat16)
+    assert AWQ(QuantArgs(4, 32), search_dtype="float32")._dtype_for_search(w16) == torch.float32
+    with pytest.raises(SlimlmError) as e:
+        AWQ(QuantArgs(4, 32), search_dtype="fp8")
+    assert str(e.value) == "--search-dtype 'fp8' is not one of auto, float32, bfloat16"
 
 
 def reference_clip(w: torch.Tensor, x: torch.Tensor, args: QuantArgs) -> torch.Tensor:
