@@ -1,0 +1,31 @@
+import builtins
+import io
+
+import pytest
+import torch
+
+from slimlm import SlimlmError, devices
+
+
+def test_resolve_device_names_what_is_wrong():
+    assert devices.resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(SlimlmError, match="--device 'nope' is not a device; use cpu or cuda"):
+        devices.resolve_device("nope")
+
+
+@pytest.mark.parametrize(("flags", "fast"), [("fpu avx512f avx512_bf16 sse", True), ("fpu amx_bf16 avx2", True),
+                                             ("fpu avx512f avx512bw avx2", False), ("", False)])  # fmt: skip
+def test_bf16_counts_as_fast_on_cpus_with_bf16_dot_products_only(monkeypatch, flags, fast):
+    cpuinfo = f"processor\t: 0\nmodel name\t: x\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: fpu\n"
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda p, *a, **k: io.StringIO(cpuinfo) if p == "/proc/cpuinfo"
+                        else real_open(p, *a, **k))  # fmt: skip
+    assert devices.fast_bf16_matmul(torch.device("cpu")) is fast
+
+
+def test_bf16_is_slow_where_the_cpu_flags_cannot_be_read(monkeypatch):
+    def refuse(*_a, **_k):
+        raise OSError("no /proc here")
+
+    monkeypatch.setattr(builtins, "open", refuse)
+    assert devices.fast_bf16_matmul(torch.device("cpu")) is False
