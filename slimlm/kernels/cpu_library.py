@@ -21,7 +21,7 @@ from slimlm import SlimlmError, cache_dir
 
 SOURCES = [*(Path(__file__).with_name(f"{kernel}{isa}.c") for kernel in ("cpu_gemm", "cpu_attention")
              for isa in ("", "_avx2")), Path(__file__).with_name("cpu_layer.c")]  # fmt: skip
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 
 i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 DEQUANTIZE = [c_int, i64, ptr, ptr, ptr, i64, i64, i64, ptr, c_int]
@@ -37,15 +37,18 @@ SIGNATURES = {  # name: (argument types, return type)
 }
 
 
-def library_path() -> Path:
+def library_path(march: str = "native") -> Path:
     """Where the built library lives: keyed by sources and flags, so an edit rebuilds it."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode())
+    flags = " ".join([*FLAGS, f"-march={march}"])
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + flags.encode())
     return cache_dir() / "kernels" / digest.hexdigest()[:16] / "libslimlm_cpu.so"
 
 
 @functools.cache
-def load() -> ctypes.CDLL:
-    path = library_path()
+def load(march: str = "native") -> ctypes.CDLL:
+    """The library built for this CPU. Another gcc -march (e.g. haswell: the AVX2 kernels) lets the tests run
+    the other ISAs' kernels on a CPU that also has them; the product always uses "native"."""
+    path = library_path(march)
     if not path.exists():
         compiler = os.environ.get("CC", "gcc")
         if shutil.which(compiler) is None:
@@ -53,7 +56,7 @@ def load() -> ctypes.CDLL:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             built = Path(tmp) / path.name
-            command = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"]
+            command = [compiler, *FLAGS, f"-march={march}", *map(str, SOURCES), "-o", str(built), "-lm"]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
                 raise SlimlmError(f"building the CPU kernels failed: {result.stderr.strip().splitlines()[-1]}")

@@ -110,3 +110,51 @@ def test_bf16_rows_take_any_path_within_bf16_error(poisoned, m):
     out = cpu_gemm.quant_matmul(x, w)
     assert out.dtype == torch.bfloat16
     assert relative_error(out, reference.quant_matmul(x.double(), w)) < 1e-2  # bf16 has 8 mantissa bits
+
+
+# The other ISAs' builds run on this CPU too (an AVX-512 BF16 CPU executes AVX-512F and AVX2 code): the
+# dispatch and the kernels a CPU without BF16, or without AVX-512, would run are checked here as well.
+OTHER_ISAS = {"skylake-avx512": (512, False), "haswell": (256, False)}
+
+
+@pytest.fixture(params=list(OTHER_ISAS))
+def other_isa(request, monkeypatch):
+    if not cpu_library.has_bf16_gemm():
+        pytest.skip("needs a CPU that runs every build (AVX-512 BF16)")
+    lib = cpu_library.load(request.param)
+    monkeypatch.setattr(cpu_library, "load", lambda: lib)
+    monkeypatch.setattr(cpu_library, "vector_bits", lambda: lib.slimlm_vector_bits())
+    monkeypatch.setattr(cpu_library, "has_bf16_gemm", lambda: hasattr(lib, "slimlm_quant_matmul_bf16"))
+    return request.param
+
+
+def test_other_isa_builds_are_what_they_say(other_isa):
+    bits, bf16 = OTHER_ISAS[other_isa]
+    assert (cpu_library.vector_bits(), cpu_library.has_bf16_gemm()) == (bits, bf16)
+
+
+def test_the_loop_for_each_row_count_on_cpus_without_bf16(other_isa):
+    _, w = quantized_weight(64, 128, 4, 64, False)
+    if other_isa == "haswell":  # AVX2: fp32 slices above FUSED_MAX_ROWS_AVX2 rows, for either dtype of x
+        limit = cpu_gemm.FUSED_MAX_ROWS_AVX2
+        for dtype in (torch.float32, torch.bfloat16):
+            assert [cpu_gemm.path(m, dtype, w) for m in (1, limit, limit + 1)] == ["fused", "fused", "dequant-slices"]
+    else:  # AVX-512 without BF16: bf16 slices above FUSED_MAX_ROWS_BF16 bf16 rows; fp32 rows always fused
+        limit = cpu_gemm.FUSED_MAX_ROWS_BF16
+        assert [cpu_gemm.path(m, torch.bfloat16, w) for m in (1, limit, limit + 1)] == ["fused", "fused",
+                                                                                         "dequant-slices"]  # fmt: skip
+        assert cpu_gemm.path(500, torch.float32, w) == "fused"
+    _, odd = quantized_weight(64, 270, 4, -1, True)  # the bf16 dot products need even widths; these loops do not
+    assert cpu_gemm.path(1, torch.float32, odd) == "fused"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [3, 17, 40])
+def test_cpus_without_bf16_match_the_reference_on_every_loop(poisoned, other_isa, dtype, m):
+    """1100 outputs: more than SLICE_BLOCKS blocks, so the slices include a ragged last one; act-order too."""
+    _, w = quantized_weight(1100, 128, 4, 64, sym=False, act_order=True, seed=m)
+    x = torch.randn(m, 128).to(dtype)
+    out = cpu_gemm.quant_matmul(x, w)
+    assert out.shape == (m, 1100) and out.dtype == dtype
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16 x gives a bf16 result; fp32 accumulates in fp32
+    assert relative_error(out, reference.quant_matmul(x.double(), w)) < tolerance
