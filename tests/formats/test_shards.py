@@ -1,7 +1,9 @@
 import json
 
+import pytest
 import torch
 
+from slimlm import SlimlmError
 from slimlm.formats import shards
 
 
@@ -40,3 +42,81 @@ def test_a_write_flushes_what_has_gathered_before_the_limit_is_passed(tmp_path):
         writer.add({name: t})
         assert writer.pending_bytes <= 3000
     assert len(writer.finish()) == 4  # two tensors of 1 KiB fit under 3000 bytes
+
+
+def test_write_is_one_file_below_the_limit_and_sha256_covers_every_file_in_order(tmp_path):
+    assert shards.write(tmp_path, tensors(2)) == ["model.safetensors"]
+    path = tmp_path / "model.safetensors"
+    assert shards.total_size(tmp_path) == path.stat().st_size
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"x" * (5 << 20))  # more than one 4 MiB chunk
+    import hashlib
+
+    assert shards.sha256(path, other) == hashlib.sha256(path.read_bytes() + other.read_bytes()).hexdigest()
+    assert shards.sha256(other, path) != shards.sha256(path, other)
+
+
+def test_weight_files_from_the_index_else_model_safetensors_else_every_safetensors(tmp_path):
+    for name in ("b.safetensors", "a.safetensors"):
+        (tmp_path / name).write_bytes(b"")
+    assert shards.weight_files(tmp_path) == [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert shards.weight_files(tmp_path) == [tmp_path / "model.safetensors"]
+    index = {"weight_map": {"x": "m-2.safetensors", "y": "m-1.safetensors", "z": "m-2.safetensors"}}
+    (tmp_path / shards.INDEX).write_text(json.dumps(index))
+    assert shards.weight_files(tmp_path) == [tmp_path / "m-1.safetensors", tmp_path / "m-2.safetensors"]
+
+
+@pytest.mark.parametrize("index", ["{not json", '{"metadata": {}}', '{"weight_map": 3}', "[1]", b"\xff\xfe"])
+def test_a_corrupt_index_is_named(tmp_path, index):
+    path = tmp_path / shards.INDEX
+    path.write_bytes(index if isinstance(index, bytes) else index.encode())
+    with pytest.raises(SlimlmError) as e:
+        shards.weight_files(tmp_path)
+    assert str(e.value) == f"{path} is corrupt; re-create or re-download the checkpoint"
+
+
+def test_a_directory_without_safetensors_says_pickles_are_not_loaded(tmp_path):
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(SlimlmError) as e:
+        shards.weight_files(tmp_path)
+    assert str(e.value) == f"{tmp_path} has no .safetensors weights (pickle .bin files are not loaded, for safety)"
+
+
+def layout_error(path) -> str:
+    with pytest.raises(SlimlmError) as e:
+        shards.check_layout(path)
+    return str(e.value)
+
+
+def test_check_layout_accepts_an_intact_file_and_names_each_kind_of_damage(tmp_path):
+    shards.write(tmp_path, tensors(2))
+    path = tmp_path / "model.safetensors"
+    shards.check_layout(path)
+    data = path.read_bytes()
+    bad, fix = f"{path} is truncated or corrupt", "re-create or re-download it"
+    path.write_bytes(data[:-1])
+    assert layout_error(path) == f"{bad} (expected {len(data)} bytes, found {len(data) - 1}); {fix}"
+    path.write_bytes(data + b"\0")
+    assert layout_error(path) == f"{bad} (expected {len(data)} bytes, found {len(data) + 1}); {fix}"
+    path.write_bytes(data[:5])
+    assert layout_error(path) == f"{bad} (file is 5 bytes); re-create or re-download it"
+    n = int.from_bytes(data[:8], "little")
+    path.write_bytes(data[: 8 + n - 1])
+    assert layout_error(path) == (f"{bad} (header length {n} exceeds file size {8 + n - 1}); re-create or re-download "
+                                  "it")  # fmt: skip
+    path.write_bytes(data[:8] + b"\xff" + data[9:])
+    assert layout_error(path) == f"{bad} (unreadable header); re-create or re-download it"
+    path.unlink()
+    assert layout_error(path) == f"cannot read {path}: No such file or directory"
+
+
+def test_an_empty_safetensors_file_has_no_data_after_its_header(tmp_path):
+    shards.write(tmp_path, {})
+    shards.check_layout(tmp_path / "model.safetensors")
+
+
+def test_read_names_a_file_it_cannot_open(tmp_path):
+    (tmp_path / "model.safetensors").mkdir()
+    with pytest.raises(SlimlmError, match=rf"^cannot read {tmp_path}/model\.safetensors: "):
+        shards.read(tmp_path)
