@@ -1,3 +1,4 @@
+import hashlib
 import json
 
 import pytest
@@ -50,8 +51,6 @@ def test_write_is_one_file_below_the_limit_and_sha256_covers_every_file_in_order
     assert shards.total_size(tmp_path) == path.stat().st_size
     other = tmp_path / "other.bin"
     other.write_bytes(b"x" * (5 << 20))  # more than one 4 MiB chunk
-    import hashlib
-
     assert shards.sha256(path, other) == hashlib.sha256(path.read_bytes() + other.read_bytes()).hexdigest()
     assert shards.sha256(other, path) != shards.sha256(path, other)
 
