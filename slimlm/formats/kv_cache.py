@@ -39,7 +39,7 @@ def kv_dtype_of(kv_scheme: dict) -> str:
     if bits != 8 or kind not in ("float", "int"):
         raise SlimlmError(f"kv_cache_scheme num_bits={bits} type={kind} is not supported; slimlm serves 8-bit "
                           "float (fp8 e4m3) or int KV caches")  # fmt: skip
-    if strategy not in STRATEGIES or kv_scheme.get("dynamic", False) or not kv_scheme.get("symmetric", True):
+    if strategy not in STRATEGIES or kv_scheme.get("dynamic") or not kv_scheme.get("symmetric", True):
         raise SlimlmError(f"kv_cache_scheme strategy={strategy} dynamic={kv_scheme.get('dynamic')} "
                           f"symmetric={kv_scheme.get('symmetric')} is not supported; slimlm serves static symmetric "
                           f"scales, strategy {' or '.join(STRATEGIES)}")  # fmt: skip
