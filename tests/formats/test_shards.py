@@ -3,6 +3,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from slimlm import SlimlmError
 from slimlm.formats import shards
@@ -115,7 +116,27 @@ def test_an_empty_safetensors_file_has_no_data_after_its_header(tmp_path):
     shards.check_layout(tmp_path / "model.safetensors")
 
 
-def test_read_names_a_file_it_cannot_open(tmp_path):
-    (tmp_path / "model.safetensors").mkdir()
-    with pytest.raises(SlimlmError, match=rf"^cannot read {tmp_path}/model\.safetensors: "):
+def test_read_names_a_file_it_cannot_open_and_why(tmp_path):
+    (tmp_path / "model.safetensors").mkdir()  # safetensors cannot map a directory: ENODEV
+    with pytest.raises(SlimlmError) as e:
         shards.read(tmp_path)
+    assert str(e.value) == f"cannot read {tmp_path}/model.safetensors: No such device (os error 19)"
+
+
+def test_shards_carry_the_pt_format_tag_and_the_index_is_indented_json(tmp_path):
+    """transformers refuses safetensors files whose metadata lacks format=pt."""
+    writer = shards.ShardWriter(tmp_path, max_bytes=1024)
+    writer.add(tensors(2))
+    files = writer.finish()
+    for name in files:
+        with safe_open(tmp_path / name, framework="pt") as f:
+            assert f.metadata() == {"format": "pt"}
+    text = (tmp_path / shards.INDEX).read_text()
+    assert text == json.dumps(json.loads(text), indent=2) + "\n"
+
+
+def test_a_header_length_past_2_63_is_too_long_not_negative(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\xff" * 8 + b"{}")
+    assert layout_error(path) == (f"{path} is truncated or corrupt (header length {2**64 - 1} exceeds file size 10); "
+                                  "re-create or re-download it")  # fmt: skip
