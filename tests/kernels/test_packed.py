@@ -28,9 +28,22 @@ def test_four_bit_codes_take_half_a_byte():
 
 
 def test_unsupported_bits_and_ragged_groups_are_refused():
-    with pytest.raises(SlimlmError, match="3-bit"):
+    with pytest.raises(SlimlmError) as e:
         packed.pack(quantize_rtn(torch.randn(64, 64), QuantArgs(3, 32, True)))
+    assert str(e.value) == "no quantized kernel for 3-bit weights; kernels cover (4, 8) bits"
     q = quantize_rtn(torch.randn(64, 64), QuantArgs(4, 32, True))
     q.g_idx = torch.zeros(64, dtype=torch.int32)  # every column in group 0: not equal groups
-    with pytest.raises(SlimlmError, match="equal groups"):
+    with pytest.raises(SlimlmError) as e:
         packed.pack(q)
+    assert str(e.value) == "g_idx does not split the input columns into equal groups; cannot repack this weight"
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_to_a_device_keeps_every_field(act_order):
+    _, p = quantized_weight(70, 128, 4, 64, sym=False, act_order=act_order)
+    moved = p.to("cpu")
+    for field in ("codes", "scales", "zeros", "perm"):
+        a, b = getattr(p, field), getattr(moved, field)
+        assert (a is None and b is None) or (b.device.type == "cpu" and torch.equal(a, b))
+    assert (moved.bits, moved.group_size, moved.out_features) == (p.bits, p.group_size, p.out_features) == (4, 64, 70)
+    assert (moved.perm is None) == (not act_order)
