@@ -2,6 +2,9 @@
 target is the old complete state or the new complete one, the next run leaves no temp dir behind, and
 nothing beside the target changed."""
 
+import ctypes
+import errno
+import fcntl
 import json
 import os
 import random
@@ -12,7 +15,8 @@ import time
 
 import pytest
 
-from slimlm.formats import manifest
+from slimlm import SlimlmError
+from slimlm.formats import atomic, manifest
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
 
@@ -90,3 +94,135 @@ def test_killed_asset_fetch_leaves_nothing_half_done(tmp_path, seed):
     assert not entry.exists() or (entry / "COMPLETE").exists()
     finish(["assets", "fetch", "wiki"], env)
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["wiki"]
+
+
+# In-process checks of the same module: what --out refuses before any work, and the commit itself.
+def refusal(out, overwrite=False, sources=()) -> str:
+    with pytest.raises(SlimlmError) as e:
+        atomic.check_output(out, overwrite, sources)
+    return str(e.value)
+
+
+def test_out_refusals_name_the_directory_and_the_fix(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert refusal(tmp_path) == f"--out {tmp_path} is the current directory or one of its parents; name a new directory"
+    assert refusal(tmp_path.parent).startswith(f"--out {tmp_path.parent} is the current directory or one of its")
+    src = tmp_path / "models" / "src"
+    src.mkdir(parents=True)
+    for out in (src, src.parent):
+        message = f"--out {out} is or contains the source model {src}; name another directory"
+        assert refusal(out, sources=[src]) == message
+    file = tmp_path / "file"
+    file.write_text("x")
+    assert refusal(file, True) == f"--out {file} exists and is not a directory; name a directory"
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    assert refusal(ckpt) == f"output directory {ckpt} exists; pass --overwrite to replace it"
+    assert atomic.check_output(ckpt, True) == ckpt
+    (ckpt / "sub").mkdir()
+    assert refusal(ckpt, True) == (
+        f"--out {ckpt} is a non-empty directory that is not a checkpoint (no config.json/slimlm.json, or it has "
+        "subdirectories); slimlm replaces only checkpoints: name another directory")  # fmt: skip
+    assert refusal(tmp_path / "file" / "x") == (f"cannot write --out {tmp_path / 'file' / 'x'}: {tmp_path / 'file'} "
+                                                "is not a writable directory")  # fmt: skip
+
+
+def test_a_temp_dir_another_run_holds_makes_out_busy_and_a_dead_runs_is_cleared(tmp_path):
+    out = tmp_path / "q"
+    held = tmp_path / ".q.tmp-held"
+    held.mkdir()
+    fd = os.open(held, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert refusal(out) == (f"another slimlm run is writing {out} now (.q.tmp-held); wait for it or name another "
+                                "--out")  # fmt: skip
+    finally:
+        os.close(fd)
+    with atomic.atomic_dir(out) as tmp:  # the holder is gone: its temp dir is stale and removed
+        (tmp / "config.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
+
+
+@pytest.mark.parametrize(("entries", "expected"), [((), True), (("config.json",), True), (("slimlm.json", "w"), True),
+                                                   (("notes.txt",), False),
+                                                   (("config.json", "sub/"), False)])  # fmt: skip
+def test_replaceable_means_empty_or_a_checkpoint_without_subdirectories(tmp_path, entries, expected):
+    for e in entries:
+        (tmp_path / e.rstrip("/")).mkdir() if e.endswith("/") else (tmp_path / e).write_text("")
+    assert atomic.replaceable(tmp_path) is expected
+
+
+def test_a_write_replaces_the_old_checkpoint_with_mkdirs_permissions(tmp_path):
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / "config.json").write_text("old")
+    (out / "old-only").write_text("")
+    umask = os.umask(0o022)
+    try:
+        with atomic.atomic_dir(out, overwrite=True) as tmp:
+            assert tmp.parent == tmp_path and tmp.name.startswith(".q.tmp-")
+            (tmp / "config.json").write_text("new")
+            os.chmod(tmp / "config.json", 0o600)
+    finally:
+        os.umask(umask)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"] and (out / "config.json").read_text() == "new"
+    assert (out.stat().st_mode & 0o777, (out / "config.json").stat().st_mode & 0o777) == (0o755, 0o644)
+
+
+def test_a_failed_write_leaves_the_old_one_and_removes_the_parents_it_made(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"), atomic.atomic_dir(tmp_path / "a" / "b" / "q") as tmp:
+        (tmp / "config.json").write_text("{}")
+        raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_out_that_appears_during_the_write_is_not_replaced(tmp_path):
+    out = tmp_path / "q"
+    with pytest.raises(SlimlmError) as e, atomic.atomic_dir(out) as tmp:
+        (tmp / "config.json").write_text("mine")
+        out.mkdir()
+        (out / "config.json").write_text("theirs")
+    assert str(e.value) == f"{out} appeared while this run was writing it (another run?); nothing was replaced"
+    assert (out / "config.json").read_text() == "theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
+
+
+class NoExchange:
+    """A libc whose renameat2 fails with `err`, as on filesystems without RENAME_EXCHANGE."""
+
+    def __init__(self, err: int):
+        self.err = err
+
+    def renameat2(self, *args):
+        ctypes.set_errno(self.err)
+        return -1
+
+
+def test_without_an_atomic_exchange_the_commit_falls_back_to_two_renames(tmp_path, monkeypatch):
+    monkeypatch.setattr(atomic, "_libc", NoExchange(errno.EINVAL))
+    out = tmp_path / "q"
+    for version in ("old", "new"):
+        with atomic.atomic_dir(out, overwrite=True) as tmp:
+            (tmp / "config.json").write_text(version)
+    assert (out / "config.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
+
+
+def test_an_exchange_that_fails_otherwise_is_an_error_and_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / "config.json").write_text("old")
+    monkeypatch.setattr(atomic, "_libc", NoExchange(errno.EACCES))
+    with pytest.raises(PermissionError), atomic.atomic_dir(out, overwrite=True) as tmp:
+        (tmp / "config.json").write_text("new")
+    assert (out / "config.json").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
+
+
+def test_a_parent_that_cannot_be_made_is_named(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SlimlmError) as e, atomic.staging(tmp_path / "file" / "sub" / "q"):
+        pass
+    assert str(e.value) == f"cannot create {tmp_path / 'file' / 'sub'}: Not a directory"
