@@ -47,8 +47,8 @@ def test_gptq_format_refuses_kv_scales_and_a_second_scheme():
         writer.quantization_config("gptq", args, [], {}, named={"lm_head": QuantArgs(8, -1)})
     assert str(e.value) == ("--format gptq stores one scheme for every linear; use --format compressed-tensors for "
                             "an lm_head of other bits")  # fmt: skip
-    same = writer.quantization_config("gptq", args, [], {"act_order": "weight", "damp": 0.05}, named={"x": args})
-    assert same == gptq_v1.quantization_config(args, "weight", 0.05)
+    same = writer.quantization_config("gptq", args, [], {"act_order": "group", "damp": 0.05}, named={"x": args})
+    assert same == gptq_v1.quantization_config(args, "group", 0.05) and same["desc_act"] is True
 
 
 def test_compressed_tensors_config_carries_act_order_kv_scheme_and_named_schemes():
