@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from slimlm import SlimlmError
 from slimlm.kernels import cpu_gemm, cpu_library, reference
 from slimlm.kernels.packed import dequantize
 from tests.kernels.problems import quantized_weight, relative_error
@@ -158,3 +159,63 @@ def test_cpus_without_bf16_match_the_reference_on_every_loop(poisoned, other_isa
     assert out.shape == (m, 1100) and out.dtype == dtype
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16 x gives a bf16 result; fp32 accumulates in fp32
     assert relative_error(out, reference.quant_matmul(x.double(), w)) < tolerance
+
+
+class Spy:
+    """The C library, recording which slimlm_* function each call reaches (and optionally failing them)."""
+
+    def __init__(self, lib, status: int | None = None):
+        self.lib, self.status, self.calls = lib, status, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.lib, name)
+        if not name.startswith("slimlm_"):
+            return fn
+
+        def call(*args):
+            self.calls.append(name)
+            return fn(*args) if self.status is None else self.status
+
+        return call
+
+
+@needs_bf16
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quant_matmul_runs_the_loop_path_names(monkeypatch, bits):
+    """Every loop gives the right numbers, so only a spy shows which one ran: the one `path` names."""
+    _, w = quantized_weight(64, 128, bits, 64, False)
+    limit = cpu_gemm.CODE_MAX_ROWS[bits]
+    assert [cpu_gemm.path(m, torch.bfloat16, w) for m in (limit, limit + 1)] == ["bf16-codes", "bf16-weights"]
+    spy = Spy(cpu_library.load())
+    monkeypatch.setattr(cpu_library, "load", lambda: spy)
+    cases = [(1, torch.bfloat16, "slimlm_quant_matmul_bf16"), (limit + 1, torch.bfloat16, "slimlm_quant_matmul_bf16"),
+             (1, torch.float32, "slimlm_quant_matmul_f32_split"), (limit, torch.float32, "slimlm_quant_matmul")]
+    for rows, dtype, called in cases:  # fmt: skip
+        spy.calls = []
+        cpu_gemm.quant_matmul(torch.randn(rows, 128).to(dtype), w)
+        assert spy.calls == [called], (rows, dtype)
+
+
+@needs_bf16
+def test_a_failed_allocation_in_the_bf16_kernels_is_named(monkeypatch):
+    _, w = quantized_weight(64, 128, 4, 64, False)
+    failing = Spy(cpu_library.load(), status=-1)
+    monkeypatch.setattr(cpu_library, "load", lambda: failing)
+    with pytest.raises(SlimlmError) as e:
+        cpu_gemm.quant_matmul(torch.randn(3, 128).bfloat16(), w)
+    assert str(e.value) == "out of memory in the CPU quantized matmul (3×128 rows of x)"
+
+
+def test_cpus_without_bf16_run_the_loop_path_names_over_every_slice(poisoned, other_isa, monkeypatch):
+    """2112 outputs: 33 blocks, more than two slices of SLICE_BLOCKS."""
+    _, w = quantized_weight(2112, 128, 4, 64, sym=True)
+    spy = Spy(cpu_library.load())
+    monkeypatch.setattr(cpu_library, "load", lambda: spy)
+    for rows, dtype in ((2, torch.float32), (40, torch.bfloat16), (40, torch.float32)):
+        spy.calls = []
+        x = torch.randn(rows, 128).to(dtype)
+        out = cpu_gemm.quant_matmul(x, w)
+        slices = cpu_gemm.path(rows, dtype, w) == "dequant-slices"
+        assert set(spy.calls) == ({"slimlm_dequantize"} if slices else {"slimlm_quant_matmul"}), (rows, dtype)
+        tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        assert relative_error(out, reference.quant_matmul(x.double(), w)) < tolerance
