@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -226,3 +227,59 @@ def test_a_parent_that_cannot_be_made_is_named(tmp_path):
     with pytest.raises(SlimlmError) as e, atomic.staging(tmp_path / "file" / "sub" / "q"):
         pass
     assert str(e.value) == f"cannot create {tmp_path / 'file' / 'sub'}: Not a directory"
+
+
+def test_replacing_a_checkpoint_is_one_atomic_exchange_not_two_renames(tmp_path, monkeypatch):
+    """Two renames leave an instant with no checkpoint at all; the exchange never does."""
+    out = tmp_path / "q"
+    with atomic.atomic_dir(out) as tmp:  # nothing to replace: a plain rename
+        (tmp / "config.json").write_text("old")
+    renames = []
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (renames.append((a, b)), real(a, b))[1])
+    with atomic.atomic_dir(out, overwrite=True) as tmp:
+        (tmp / "config.json").write_text("new")
+    assert renames == [] and (out / "config.json").read_text() == "new"
+
+
+def test_the_fallback_parks_the_old_checkpoint_beside_the_target_under_a_temp_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(atomic, "_libc", NoExchange(errno.ENOSYS))
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / "config.json").write_text("old")
+    renames = []
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (renames.append((Path(a), Path(b))), real(a, b))[1])
+    with atomic.atomic_dir(out, overwrite=True) as tmp:
+        (tmp / "config.json").write_text("new")
+    (src, parked), (new, target) = renames
+    assert src == out and parked.name == "old" and parked.parent.parent == tmp_path
+    assert parked.parent.name.startswith(".q.tmp-") and new == tmp and target == out
+
+
+def test_a_failed_exchange_raises_the_os_error_for_the_target(tmp_path, monkeypatch):
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / "config.json").write_text("old")
+    monkeypatch.setattr(atomic, "_libc", NoExchange(errno.EACCES))
+    with pytest.raises(PermissionError) as e, atomic.atomic_dir(out, overwrite=True):
+        pass
+    assert (e.value.errno, e.value.strerror, e.value.filename) == (errno.EACCES, os.strerror(errno.EACCES), str(out))
+
+
+def test_a_temp_dir_that_cannot_be_opened_is_not_held(tmp_path):
+    assert atomic._held(tmp_path / "gone") is False
+
+
+def test_parents_made_meanwhile_by_another_run_are_passed_over(tmp_path, monkeypatch):
+    real = Path.mkdir
+
+    def racing_mkdir(self, *args, **kwargs):
+        if self.name == "a":  # another process makes it first
+            real(self, *args, **kwargs)
+            raise FileExistsError(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", racing_mkdir)
+    assert atomic._make_parents(tmp_path / "a" / "b" / "c") == [tmp_path / "a" / "b", tmp_path / "a" / "b" / "c"]
+    assert (tmp_path / "a" / "b" / "c").is_dir()
