@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from slimlm import SlimlmError
@@ -26,9 +28,15 @@ def fast_bf16_matmul(device: torch.device) -> bool:
     or AMX (measured here: 5.9× fp32's rate on one core). Elsewhere the CPU emulates bf16 far slower."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The first CPU's feature flags from /proc/cpuinfo, read once; empty where there is none (not Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:  # not Linux: assume the slow case
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return frozenset()

@@ -20,7 +20,11 @@ def test_bf16_counts_as_fast_on_cpus_with_bf16_dot_products_only(monkeypatch, fl
     real_open = builtins.open
     monkeypatch.setattr(builtins, "open", lambda p, *a, **k: io.StringIO(cpuinfo) if p == "/proc/cpuinfo"
                         else real_open(p, *a, **k))  # fmt: skip
-    assert devices.fast_bf16_matmul(torch.device("cpu")) is fast
+    devices.cpu_flags.cache_clear()
+    try:
+        assert devices.fast_bf16_matmul(torch.device("cpu")) is fast
+    finally:
+        devices.cpu_flags.cache_clear()
 
 
 def test_bf16_is_slow_where_the_cpu_flags_cannot_be_read(monkeypatch):
@@ -28,4 +32,8 @@ def test_bf16_is_slow_where_the_cpu_flags_cannot_be_read(monkeypatch):
         raise OSError("no /proc here")
 
     monkeypatch.setattr(builtins, "open", refuse)
-    assert devices.fast_bf16_matmul(torch.device("cpu")) is False
+    devices.cpu_flags.cache_clear()
+    try:
+        assert devices.fast_bf16_matmul(torch.device("cpu")) is False
+    finally:
+        devices.cpu_flags.cache_clear()
