@@ -37,10 +37,13 @@ SIGNATURES = {  # name: (argument types, return type)
 }
 
 
+def build_flags(march: str) -> list[str]:
+    return [*FLAGS, f"-march={march}"]
+
+
 def library_path(march: str = "native") -> Path:
     """Where the built library lives: keyed by sources and flags, so an edit rebuilds it."""
-    flags = " ".join([*FLAGS, f"-march={march}"])
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + flags.encode())
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(build_flags(march)).encode())
     return cache_dir() / "kernels" / digest.hexdigest()[:16] / "libslimlm_cpu.so"
 
 
@@ -56,7 +59,7 @@ def load(march: str = "native") -> ctypes.CDLL:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             built = Path(tmp) / path.name
-            command = [compiler, *FLAGS, f"-march={march}", *map(str, SOURCES), "-o", str(built), "-lm"]
+            command = [compiler, *build_flags(march), *map(str, SOURCES), "-o", str(built), "-lm"]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode != 0:
                 raise SlimlmError(f"building the CPU kernels failed: {result.stderr.strip().splitlines()[-1]}")
