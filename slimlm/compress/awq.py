@@ -168,8 +168,8 @@ class AWQ:
             loss = sum(((o - r).float().pow(2).mean() for o, r in zip(out, ref, strict=True)), 0.0)
             if loss.item() < best:
                 best, best_s = loss.item(), s
-        for mod, w in zip(mods, originals, strict=True):
-            mod.weight.data = w.to(dtype)
+        for name, w in zip(m.linears, originals, strict=True):  # the layer's own weights, as they were
+            layer.get_submodule(name).weight.data = w
         return best_s.to(originals[0].dtype)
 
     def _clip(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
