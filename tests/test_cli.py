@@ -304,3 +304,12 @@ def test_serve_names_a_port_it_cannot_bind(capsys, tiny_llama):
         port = taken.getsockname()[1]
         code, _, err = run_cli(capsys, "serve", str(tiny_llama), "--port", str(port), "--kv-cache-memory", "4M")
     assert_one_line_error(code, err, f"could not serve on 127.0.0.1:{port}: Address already in use")
+
+
+def test_an_awq_search_dtype_it_does_not_offer_is_refused(capsys, tiny_llama, out_dir):
+    with pytest.raises(SystemExit) as exc:
+        main(["awq", "--model", str(tiny_llama), "--search-dtype", "fp16", "--out", out_dir])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "--search-dtype: invalid choice: 'fp16' (choose from 'auto', 'float32', 'bfloat16')" in err.splitlines()[-1]
+    assert not os.path.exists(out_dir)
