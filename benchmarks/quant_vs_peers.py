@@ -44,6 +44,7 @@ def main() -> None:
     p.add_argument("--gptqmodel-python", help="python of a venv with gptqmodel==7.6.0")
     p.add_argument("--samples", type=int, default=32, help="calibration windows of --seq-len tokens")
     p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0, help="which calibration windows (results get a -seedN suffix)")
     p.add_argument("--ppl-tokens", type=int, default=16384)
     p.add_argument("--settings", default=",".join(SETTINGS))
     p.add_argument("--methods", default="rtn,gptq,gptq-act,awq,llmc-gptq,llmc-awq,gptqmodel")
@@ -75,7 +76,7 @@ def main() -> None:
         return
 
     model_dir = models.resolve("smollm2-135m")
-    calib_file = write_calibration(a.work, a.samples, a.seq_len)
+    calib_file = write_calibration(a.work, a.samples, a.seq_len, a.seed)
     base = perplexity(engine_for(str(model_dir), a.seq_len), "wiki", a.seq_len, a.ppl_tokens, progress=False)
     print(f"float baseline: wiki ppl {base['perplexity']:.3f} ({base['tokens_scored']} tokens)", flush=True)
 
@@ -100,12 +101,12 @@ def main() -> None:
     report(rows, base["perplexity"], a)
 
 
-def write_calibration(work: Path, samples: int, seq_len: int) -> Path:
+def write_calibration(work: Path, samples: int, seq_len: int, seed: int) -> Path:
     """The calibration windows every method gets, as token ids (what the peers read)."""
     work.mkdir(parents=True, exist_ok=True)
     calib_file = work / "calib.safetensors"
     tokenizer = models.load_tokenizer(models.resolve("smollm2-135m"))
-    save_file({"input_ids": data.calibration_windows("owt", tokenizer, samples, seq_len, 0)}, calib_file)
+    save_file({"input_ids": data.calibration_windows("owt", tokenizer, samples, seq_len, seed)}, calib_file)
     return calib_file
 
 
@@ -114,16 +115,18 @@ def quantize_jobs(setting: str, a: argparse.Namespace, calib_file: Path, model_d
     bits, gs, sym = SETTINGS[setting]
     qflags = ["--bits", str(bits), "--group-size", str(gs), "--sym" if sym else "--asym"]
     ours_common = ["--model", "smollm2-135m", "--calib", "owt", "--num-samples", str(a.samples),
-                   "--seq-len", str(a.seq_len), "--overwrite"]  # fmt: skip
+                   "--seq-len", str(a.seq_len), "--seed", str(a.seed), "--overwrite"]  # fmt: skip
     peer_common = ["--model", str(model_dir), "--calib", str(calib_file), "--bits", str(bits),
                    "--group-size", str(gs)] + ([] if sym else ["--asym"])  # fmt: skip
     ours = [sys.executable, "-m", "slimlm.cli"]
     jobs = {
         "rtn": [*ours, "rtn", *ours_common, *qflags],
         "gptq": [*ours, "gptq", *ours_common, *qflags],  # act-order by default
+        "gptq-fp32": [*ours, "gptq", *ours_common, *qflags, "--compute-dtype", "float32"],
         "gptq-noact": [*ours, "gptq", *ours_common, *qflags, "--no-act-order"],
         "gptq-act": [*ours, "gptq", *ours_common, *qflags, "--act-order"],
         "awq": [*ours, "awq", *ours_common, *qflags],
+        "awq-fp32": [*ours, "awq", *ours_common, *qflags, "--compute-dtype", "float32"],
         "awq-gptq": [*ours, "awq", *ours_common, *qflags, "--then", "gptq"],
         "awq-noclip-gptq": [*ours, "awq", *ours_common, *qflags, "--then", "gptq", "--no-clip"],
     }
@@ -165,11 +168,12 @@ def _base_ppl(logs: list[Path]) -> float:
 
 
 def report(rows: list[dict], base_ppl: float, a: argparse.Namespace) -> None:
-    peers = {"gptq": "llmc-gptq", "gptq-noact": "llmc-gptq", "gptq-act": "llmc-gptq", "awq": "llmc-awq",
-             "awq-gptq": "llmc-gptq", "awq-noclip-gptq": "llmc-gptq"}  # fmt: skip
+    peers = {"gptq": "llmc-gptq", "gptq-fp32": "llmc-gptq", "gptq-noact": "llmc-gptq", "gptq-act": "llmc-gptq",
+             "awq": "llmc-awq", "awq-fp32": "llmc-awq", "awq-gptq": "llmc-gptq",
+             "awq-noclip-gptq": "llmc-gptq"}  # fmt: skip
     by_key = {(r["setting"], r["method"]): r for r in rows}
     lines = [
-        f"SmolLM2-135M, calibration {a.samples}×{a.seq_len} owt tokens (same windows for all), "
+        f"SmolLM2-135M, calibration {a.samples}×{a.seq_len} owt tokens (seed {a.seed}, same windows for all), "
         f"wiki perplexity over {a.ppl_tokens} tokens (same windows for all), 2 CPU cores.",
         *([a.note] if a.note else []),
         "",
@@ -192,7 +196,8 @@ def report(rows: list[dict], base_ppl: float, a: argparse.Namespace) -> None:
             f"| {r['setting']} | {r['method']}{err} | {r['ppl']:.3f} | {inc:+.1%} | {secs} | {peak} | {ratio_q} | "
             f"{ratio_t} |"
         )
-    save_results("quant_vs_peers", "\n".join(lines), {"base_ppl": base_ppl, "rows": rows})
+    name = "quant_vs_peers" + f"-seed{a.seed}" * bool(a.seed)
+    save_results(name, "\n".join(lines), {"base_ppl": base_ppl, "rows": rows})
 
 
 def save_results(name: str, table: str, data: dict) -> None:

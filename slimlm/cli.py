@@ -29,6 +29,9 @@ def _add_calibration(p: argparse.ArgumentParser, positional_model: bool = False)
     p.add_argument("--ppl", metavar="SOURCE", help="measure perplexity on SOURCE before and after (e.g. wiki)")
     p.add_argument("--ppl-tokens", type=positive_int, default=16384, help="tokens scored by --ppl")
     _add_device(p)
+    p.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="dtype the calibration passes run in (the weights are quantized from their stored "
+                   "values); auto: bf16 for an fp32 model where bf16 products are fast, else the model's")  # fmt: skip
 
 
 def _add_device(p: argparse.ArgumentParser) -> None:
@@ -605,6 +608,7 @@ def _quantize_and_report(name: str, steps: list, args, a: argparse.Namespace, re
         device=a.device,
         report_error=report_error,
         checks=[lambda: data.check_source(a.ppl)] if a.ppl else [],
+        compute_dtype=a.compute_dtype,
     )
     if not a.ppl:
         print(f"checkpoint: {out}")

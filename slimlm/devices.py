@@ -32,6 +32,20 @@ def fast_bf16_matmul(device: torch.device) -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def compute_dtype(choice: str, stored: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype calibration passes run in. auto: bf16 for fp32 weights where bf16 products are fast, else the
+    weights' own dtype. Only activations and products change: the weights are quantized from their stored
+    values."""
+    if choice not in COMPUTE_DTYPES:
+        raise SlimlmError(f"--compute-dtype {choice!r} is not one of {', '.join(COMPUTE_DTYPES)}")
+    if choice != "auto":
+        return COMPUTE_DTYPES[choice]
+    return torch.bfloat16 if stored == torch.float32 and fast_bf16_matmul(device) else stored
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The first CPU's feature flags from /proc/cpuinfo, read once; empty where there is none (not Linux)."""

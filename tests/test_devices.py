@@ -37,3 +37,20 @@ def test_bf16_is_slow_where_the_cpu_flags_cannot_be_read(monkeypatch):
         assert devices.fast_bf16_matmul(torch.device("cpu")) is False
     finally:
         devices.cpu_flags.cache_clear()
+
+
+@pytest.mark.parametrize(("fast", "stored", "want"), [
+    (True, torch.float32, torch.bfloat16), (True, torch.bfloat16, torch.bfloat16), (True, torch.float16, torch.float16),
+    (False, torch.float32, torch.float32), (False, torch.bfloat16, torch.bfloat16),
+])  # fmt: skip
+def test_auto_computes_fp32_models_in_bf16_only_where_bf16_is_fast(monkeypatch, fast, stored, want):
+    monkeypatch.setattr(devices, "fast_bf16_matmul", lambda _dev: fast)
+    assert devices.compute_dtype("auto", stored, torch.device("cpu")) == want
+    assert devices.compute_dtype("float32", stored, torch.device("cpu")) == torch.float32
+    assert devices.compute_dtype("bfloat16", stored, torch.device("cpu")) == torch.bfloat16
+
+
+def test_an_unknown_compute_dtype_is_named():
+    with pytest.raises(SlimlmError) as e:
+        devices.compute_dtype("fp8", torch.float32, torch.device("cpu"))
+    assert str(e.value) == "--compute-dtype 'fp8' is not one of auto, float32, bfloat16"

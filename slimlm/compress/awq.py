@@ -20,11 +20,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from slimlm import SlimlmError, arch, devices
 from slimlm.arch import Mapping
-from slimlm.compress.pipeline import StepResult
+from slimlm.compress.pipeline import StepResult, cast_floats
 from slimlm.compress.quantize import compute_qparams, quantize, quantize_rtn
 from slimlm.formats.quantized import QuantArgs
 
@@ -33,7 +32,6 @@ CLIP_GRID = 20
 CLIP_MAX_SHRINK = 0.5
 CLIP_TOKENS = 1024
 CLIP_CHUNK_ELEMENTS = 64 * 1024 * 1024  # bounds the [rows, tokens, groups] products of the clipping search
-SEARCH_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def layer_mappings(layer: nn.Module) -> list[Mapping]:
@@ -76,8 +74,8 @@ class AWQ:
 
     def __init__(self, args: QuantArgs, search_batches: int = 2, clip: bool = True, grid: int = GRID,
                  search_dtype: str = "auto"):  # fmt: skip
-        if search_dtype not in SEARCH_DTYPES:
-            raise SlimlmError(f"--search-dtype {search_dtype!r} is not one of {', '.join(SEARCH_DTYPES)}")
+        if search_dtype not in devices.COMPUTE_DTYPES:
+            raise SlimlmError(f"--search-dtype {search_dtype!r} is not one of {', '.join(devices.COMPUTE_DTYPES)}")
         if not (type(search_batches) is int and search_batches > 0):
             raise SlimlmError(f"--search-batches {search_batches!r} must be a positive integer (2 is the default)")
         if not (type(grid) is int and grid > 0):
@@ -137,12 +135,9 @@ class AWQ:
         return outs
 
     def _dtype_for_search(self, weight: torch.Tensor) -> torch.dtype:
-        """auto: an fp32 layer is searched in bf16 where bf16 products are fast (the search only ranks the α;
-        the fold, the clipping and the quantization stay in the layer's dtype)."""
-        if self.search_dtype != "auto":
-            return SEARCH_DTYPES[self.search_dtype]
-        fast = weight.dtype == torch.float32 and devices.fast_bf16_matmul(weight.device)
-        return torch.bfloat16 if fast else weight.dtype
+        """The search only ranks the α, so auto runs it in bf16 where that is fast; the fold, the clipping and
+        the quantization stay in the layer's dtype."""
+        return devices.compute_dtype(self.search_dtype, weight.dtype, weight.device)
 
     def _search_scale(self, layer: nn.Module, m: Mapping) -> torch.Tensor:
         block = layer.get_submodule(m.block)
@@ -152,8 +147,7 @@ class AWQ:
         if dtype != originals[0].dtype:  # a copy in the search dtype: the layer itself is left as it is
             block = copy.deepcopy(block).to(dtype)
             mods = [block.get_submodule(n[len(m.block) + 1 :]) for n in m.linears]
-        cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
-        inputs = tree_map(cast, self.block_inputs[m.block])
+        inputs = cast_floats(self.block_inputs[m.block], dtype)
         stats = self.stats[m.linears[0]]
         x_mean = stats.abs_sum / stats.tokens
         ref = self._block_output(block, inputs)
@@ -173,17 +167,19 @@ class AWQ:
         return best_s.to(originals[0].dtype)
 
     def _clip(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Per group, the shrink of the weight range (1.0 … 0.5) that best preserves x·wᵀ within the group."""
+        """Per group, the shrink of the weight range (1.0 … 0.5) that best preserves x·wᵀ within the group.
+        The products run in the search dtype: they only rank the shrinks."""
         rows = max(1, CLIP_CHUNK_ELEMENTS // (x.shape[0] * w.shape[1]))
-        return torch.cat([self._clip_rows(w[r : r + rows], x) for r in range(0, w.shape[0], rows)])
+        gs = w.shape[1] if self.args.group_size == -1 else self.args.group_size
+        xg = x.to(self._dtype_for_search(w)).reshape(x.shape[0], -1, gs)
+        return torch.cat([self._clip_rows(w[r : r + rows], xg) for r in range(0, w.shape[0], rows)])
 
-    def _clip_rows(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _clip_rows(self, w: torch.Tensor, xg: torch.Tensor) -> torch.Tensor:
+        """xg: the tokens [tokens, G, gs], in the dtype the products run in."""
         args = self.args
         out_f, in_f = w.shape
-        gs = in_f if args.group_size == -1 else args.group_size
+        gs = xg.shape[-1]
         wg = w.float().reshape(out_f, -1, gs)  # [out, G, gs]
-        xg = x.float().reshape(x.shape[0], -1, gs)  # [tokens, G, gs]
-        ref = torch.einsum("ogk,tgk->otg", wg, xg)
         amax = wg.abs().amax(dim=-1, keepdim=True)
         best_err = torch.full((out_f, wg.shape[1]), float("inf"), device=w.device)
         best_max = amax.clone()
@@ -192,7 +188,8 @@ class AWQ:
             clipped = wg.clamp(-cur, cur).reshape(out_f, in_f)
             scale, zero = compute_qparams(clipped, args)
             deq = quantize(clipped, scale, zero, args).dequantize().reshape(out_f, -1, gs)
-            err = (torch.einsum("ogk,tgk->otg", deq, xg) - ref).pow(2).mean(dim=1)  # [out, G]
+            # x·(ŵ − w)ᵀ rather than x·ŵᵀ − x·wᵀ: no cancellation, so bf16 products rank the shrinks as well
+            err = torch.einsum("ogk,tgk->otg", (deq - wg).to(xg.dtype), xg).float().pow(2).mean(dim=1)  # [out, G]
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_max = torch.where(better[..., None], cur, best_max)

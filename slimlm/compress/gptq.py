@@ -9,7 +9,6 @@ update to the remaining columns is one matrix product per block ("lazy batch upd
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
@@ -33,12 +32,14 @@ class HessianAccumulator:
         self.tokens = 0
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).float()
+        # bf16 activations (a bf16 compute dtype) are multiplied in bf16, which accumulates in fp32 and rounds
+        # each batch's sum once; fp16 ones go to fp32 first (sums of squares overflow fp16's range).
+        x = x.reshape(-1, x.shape[-1])
+        x = x if x.dtype == torch.bfloat16 else x.float()
         n = x.shape[0]
         self.H *= self.tokens / (self.tokens + n)
         self.tokens += n
-        x = x * math.sqrt(2 / self.tokens)
-        self.H += x.T @ x
+        self.H += (x.T @ x).float() * (2 / self.tokens)
 
 
 def gptq_quantize(

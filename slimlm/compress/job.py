@@ -9,10 +9,9 @@ from pathlib import Path
 
 import torch
 
-from slimlm import SlimlmError, arch, data, models
+from slimlm import SlimlmError, arch, data, devices, models
 from slimlm.compress import offload, pipeline
 from slimlm.compress.quantize import quantize_rtn
-from slimlm.devices import resolve_device
 from slimlm.formats import atomic, gptq_v1, kv_cache, shards, writer
 from slimlm.formats.quantized import SUPPORTED_GROUP_SIZES, QuantArgs, QuantizedWeight
 
@@ -23,6 +22,10 @@ def default_group_size(model_dir: Path) -> int:
     models.check_architecture(config, model_dir)  # sizes checked without hashing the weights (the job does)
     dims = set(arch.linear_input_dims(config).values())
     return next((g for g in sorted(SUPPORTED_GROUP_SIZES, reverse=True) if g > 0 and all(d % g == 0 for d in dims)), -1)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _check_lm_head(model: torch.nn.Module, args: QuantArgs) -> None:
@@ -52,10 +55,11 @@ def quantize_weights(
     device: str | None = None,
     report_error: bool = True,
     checks: list = (),
+    compute_dtype: str = "auto",
 ) -> Path:
     """`args` None: the weights are left as they are (a KV-cache step alone; a quantized source keeps its
     packed weights bit for bit). `checks`: callables run after the inputs are validated and before any work
-    (e.g. the --ppl source)."""
+    (e.g. the --ppl source). `compute_dtype`: what the calibration passes run in (devices.compute_dtype)."""
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     steps = steps if isinstance(steps, list) else [steps]
     for name, value in (("--num-samples", num_samples), ("--seq-len", seq_len), ("--batch-size", batch_size)):
@@ -71,7 +75,8 @@ def quantize_weights(
     head_args = None if lm_head_bits is None else replace(args, bits=lm_head_bits)
     own = {"lm_head": head_args} if head_args else {}
     writer.quantization_config(fmt, args, [], method_args, own)  # a bad --format fails here, not after calibration
-    dev = resolve_device(device)
+    dev = devices.resolve_device(device)
+    devices.compute_dtype(compute_dtype, torch.float32, dev)  # a bad --compute-dtype fails before any work
     model_dir = models.resolve(model_spec)
     source_config = models.check(model_dir)
     source_qcfg = source_config.get("quantization_config")
@@ -102,9 +107,11 @@ def quantize_weights(
             _check_lm_head(model, args)
         start = time.time()
         samples = None
+        passes = devices.compute_dtype(compute_dtype, next(model.parameters()).dtype, dev)
         if with_data:
             samples = data.calibration_windows(calib, tokenizer, num_samples, seq_len, seed)
-            log(f"[{method_name}] {model_dir.name}: {len(samples)}×{seq_len} calibration tokens from '{calib}', {dev}")
+            log(f"[{method_name}] {model_dir.name}: {len(samples)}×{seq_len} calibration tokens from '{calib}', {dev}, "
+                f"passes in {_name(passes)}")
         else:
             log(f"[{method_name}] {model_dir.name}: no calibration data needed, on {dev}")
         # Each finished layer goes to disk in the checkpoint's own format at once (shards.ShardWriter), so
@@ -121,7 +128,7 @@ def quantize_weights(
             shard_writer.add(writer.quantized_tensors(quantized, tensors, fmt))
 
         result = pipeline.run(model, steps, samples, ignore, batch_size, progress, weights, dev, report_error,
-                              on_layer=write_layer)  # fmt: skip
+                              on_layer=write_layer, compute_dtype=passes)  # fmt: skip
         seconds = time.time() - start
         if weights is None:
             in_layers = arch.LAYERS + "."
@@ -140,8 +147,8 @@ def quantize_weights(
             "method": method_name,
             "arguments": {**(asdict(args) if args else {}), "ignore": list(ignore),
                           "lm_head_bits": lm_head_bits, **method_args},
-            "calibration": {"source": calib, "num_samples": num_samples, "seq_len": seq_len, "seed": seed}
-            if with_data else None,
+            "calibration": {"source": calib, "num_samples": num_samples, "seq_len": seq_len, "seed": seed,
+                            "compute_dtype": _name(passes)} if with_data else None,
             "source_model": {"spec": model_spec, "path": str(model_dir),
                              "sha256": shards.sha256(*shards.weight_files(model_dir))},
             "source_size_bytes": shards.total_size(model_dir),

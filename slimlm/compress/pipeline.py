@@ -9,11 +9,15 @@
    calibrated on inputs that already carry the earlier layers' compression error.
 
 A run where no step needs data (RTN) skips the passes unless the per-layer error report is asked for.
+The passes may run in a compute dtype other than the stored one (bf16 for an fp32 model where bf16 products
+are fast): they go through a copy of the layer in that dtype, while the steps change and quantize the layer's
+own weights.
 Only one decoder layer and the calibration activations are live on the compute device at a time.
 """
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import re
 import time
@@ -23,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 from tqdm import tqdm
 
 from slimlm import SlimlmError, arch
@@ -128,6 +133,16 @@ def capture_first_layer_inputs(model: nn.Module, calib: torch.Tensor, batch_size
     return caught
 
 
+def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """The floating-point tensors anywhere in a nested structure cast to dtype; everything else as it is."""
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
+def _in_dtype(layer: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The layer as the passes run it: itself, or a copy in the compute dtype."""
+    return layer if next(layer.parameters()).dtype == dtype else copy.deepcopy(layer).to(dtype)
+
+
 def _run_layer(layer: nn.Module, inputs: list[LayerInputs]) -> list[torch.Tensor]:
     outs = []
     for x in inputs:
@@ -174,12 +189,14 @@ def run(
     device: torch.device | str = "cpu",
     report_error: bool = True,
     on_layer: Callable[[dict[str, QuantizedWeight], dict[str, torch.Tensor]], None] | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> Result:
     """Compress every decoder layer of `model` in place, running `steps` on each layer in order.
 
     With `weights`, the decoder layers start empty (meta) and each is read from disk onto `device` just
     before it is compressed and dropped right after. `calib` may be None when no step needs data and no
-    error report is wanted.
+    error report is wanted. `compute_dtype` (default: the stored one) is the dtype the batches go through
+    the layers in.
 
     Each finished layer's quantized weights and tensors to store (the layer's unquantized ones: norms,
     biases, ignored linears; and the steps' extra ones) go to `on_layer` when given, which is how a job
@@ -187,7 +204,9 @@ def run(
     """
     with_data = report_error or any(s.needs_data for s in steps)
     inputs = capture_first_layer_inputs(model, calib, batch_size) if with_data else []
-    dtype = inputs[0].hidden.dtype if inputs else torch.float32
+    dtype = inputs[0].hidden.dtype if inputs else torch.float32  # the stored weights'
+    compute_dtype = compute_dtype or dtype
+    inputs = [LayerInputs(x.hidden.to(compute_dtype), cast_floats(x.kwargs, compute_dtype)) for x in inputs]
     layers = decoder_layers(model)
     all_linears = quantizable_linears(model, ignore)
     quantized: dict[str, QuantizedWeight] = {}
@@ -199,19 +218,22 @@ def run(
         start = time.time()
         if weights is not None:
             weights.materialize(layers[i], f"{arch.LAYERS}.{i}", dtype, device)
-        layer = layers[i]
-        linears = {n: m for n, m in all_linears.items() if n.startswith(f"{arch.LAYERS}.{i}.")}
+        layer, prefix = layers[i], f"{arch.LAYERS}.{i}."
+        linears = {n: m for n, m in all_linears.items() if n.startswith(prefix)}
         done: dict[str, QuantizedWeight] = {}
         layer_tensors: dict[str, torch.Tensor] = {}
         ref = None
         for step in steps:
             if step.needs_data or (report_error and ref is None):
-                handles = step.observe(layer, linears) if step.needs_data else []
+                runner = _in_dtype(layer, compute_dtype)
+                same = {n: runner.get_submodule(n[len(prefix) :]) for n in linears}
+                handles = step.observe(runner, same) if step.needs_data else []
                 try:
-                    outs = _run_layer(layer, inputs)
+                    outs = _run_layer(runner, inputs)
                 finally:
                     for h in handles:
                         h.remove()
+                del runner, same  # a copy at most: the next pass copies the layer as the step leaves it
                 if ref is None:
                     _check_finite(outs, f"the float outputs of decoder layer {i}")
                     ref = outs
@@ -225,7 +247,7 @@ def run(
             config_patch.update(result.config_patch)
         entry = {"layer": i}
         if with_data:
-            out = _run_layer(layer, inputs)
+            out = _run_layer(_in_dtype(layer, compute_dtype), inputs)
             _check_finite(out, f"the compressed outputs of decoder layer {i}")
             if report_error:
                 entry.update(_output_error(out, ref))

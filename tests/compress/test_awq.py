@@ -204,7 +204,8 @@ def test_auto_searches_an_fp32_layer_in_bf16_only_where_bf16_is_fast(monkeypatch
 
 def reference_clip(w: torch.Tensor, x: torch.Tensor, args: QuantArgs) -> torch.Tensor:
     """Per row and group, one at a time: the range shrink 1, 0.95, …, 0.5 (the first best) whose quantized
-    group keeps x_g · w_g closest, in mean squared error over the tokens."""
+    group keeps x_g · w_g closest, in mean squared error over the tokens (of x_g · (ŵ_g − w_g), the same
+    difference without the cancellation)."""
     from slimlm.compress.quantize import quantize_rtn
 
     gs = w.shape[1] if args.group_size == -1 else args.group_size
@@ -218,7 +219,7 @@ def reference_clip(w: torch.Tensor, x: torch.Tensor, args: QuantArgs) -> torch.T
                 bound = wg.abs().max() * (1 - i / 20)
                 clipped = wg.clamp(-bound, bound)
                 deq = quantize_rtn(clipped[None], one).dequantize()[0]
-                err = ((xg @ deq - xg @ wg) ** 2).mean().item()
+                err = ((xg @ (deq - wg)) ** 2).mean().item()
                 if err < best:
                     best, best_w = err, clipped
             out[o, g0 : g0 + gs] = best_w
@@ -233,10 +234,15 @@ def test_clipping_is_the_per_group_search_of_the_reference(args, monkeypatch):
     w, x = torch.randn(80, 64, generator=g), torch.randn(32, 64, generator=g)  # more rows than inputs
     w[0, 0], x[:, 0] = 20.0, 0.0  # an outlier no token sees: the largest shrink allowed (0.5) is best
     x[:, 48:] = 0.0  # a group no token sees (with groups of 32): every shrink ties, the first (none) is kept
-    awq = AWQ(args)
+    awq = AWQ(args, search_dtype="float32")
     expected = reference_clip(w, x, args)
     assert torch.allclose(awq._clip(w, x), expected, atol=1e-6)
     assert not torch.equal(expected, w)  # some group is clipped
+    # Products in bf16 rank the shrinks as fp32 ones do but for near ties
+    gs = 64 if args.group_size == -1 else args.group_size
+    in_bf16 = AWQ(args, search_dtype="bfloat16")._clip(w, x)
+    assert (in_bf16 == expected).reshape(80, -1, gs).all(-1).float().mean() > 0.9
+    assert torch.equal(in_bf16[0], expected[0])  # the unseen outlier's group gets the largest shrink
     monkeypatch.setattr(awq_module, "CLIP_CHUNK_ELEMENTS", 2 * 32 * 64)  # two rows at a time
     assert torch.allclose(awq._clip(w, x), expected, atol=1e-6)
     assert awq._clip(w.bfloat16(), x).dtype == torch.bfloat16

@@ -53,6 +53,20 @@ def test_hessian_accumulator_is_2xxt_over_n():
     torch.testing.assert_close(hessian(x), 2 * x.T @ x / 300, rtol=1e-4, atol=1e-5)
 
 
+def test_hessian_of_bf16_activations_is_multiplied_in_bf16_and_kept_in_fp32():
+    x = torch.randn(300, 16).bfloat16()
+    exact = 2 * x.double().T @ x.double() / 300
+    H = hessian(x)
+    assert H.dtype == torch.float32
+    torch.testing.assert_close(H.double(), exact, rtol=1e-2, atol=1e-2)
+    assert not torch.allclose(H.double(), exact, rtol=1e-5, atol=1e-5)  # rounded once per batch: bf16 products
+
+
+def test_hessian_of_fp16_activations_does_not_overflow():
+    x = (300 * torch.randn(300, 16)).half()  # a sum of squares far past fp16's 65504
+    torch.testing.assert_close(hessian(x).double(), 2 * x.double().T @ x.double() / 300, rtol=1e-4, atol=1e-2)
+
+
 @pytest.mark.parametrize("args", [QuantArgs(4, 32, True), QuantArgs(3, 64, False), QuantArgs(4, -1, False)], ids=str)
 def test_identity_hessian_reduces_to_rtn(args):
     """With uncorrelated unit inputs there is no error to compensate: GPTQ must equal round-to-nearest."""

@@ -67,8 +67,9 @@ def test_peak_memory_does_not_grow_with_the_number_of_layers(tmp_path):
     few, layer_bytes = peak_growth(tmp_path, 2)
     many, _ = peak_growth(tmp_path, 10)
     # Live at the peak, whatever the depth: one float layer as read, its dequantized copy, the quantizer's
-    # temporaries and at most one small shard waiting to be written (measured: 3.9 layers at 2 and at 10
-    # layers, 4 MB apart). Holding every layer's int8 codes until the end, as before, adds a quarter of a
-    # layer per layer: two layers' worth between 2 and 10.
+    # temporaries, at most one small shard waiting to be written and, where bf16 is fast, the layer's bf16
+    # copy the passes run through (measured: 3.9 layers with fp32 passes, 4.4 with bf16 ones). Holding every
+    # layer's int8 codes until the end, as before, adds a quarter of a layer per layer: two layers' worth
+    # between 2 and 10.
     assert many < few + layer_bytes / 2, (few / 1e6, many / 1e6, layer_bytes / 1e6)
-    assert few < 4.5 * layer_bytes, (few / 1e6, layer_bytes / 1e6)
+    assert few < 5 * layer_bytes, (few / 1e6, layer_bytes / 1e6)

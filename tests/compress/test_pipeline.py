@@ -122,3 +122,41 @@ def test_rtn_without_data_gives_the_same_codes(model, tiny_llama):
     assert all("relative_error" not in r for r in without.report)
     for name, q in with_data.quantized.items():
         assert torch.equal(without.quantized[name].codes, q.codes)
+
+
+class Probe(Identity):
+    """Records the dtype of what each linear receives in the pass and of the weights each step is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[torch.dtype] = set()
+        self.weights: set[torch.dtype] = set()
+
+    def observe(self, layer, linears):
+        self.weights.update(m.weight.dtype for m in linears.values())
+        return [m.register_forward_pre_hook(lambda _m, a: self.seen.add(a[0].dtype)) for m in linears.values()]
+
+    def apply(self, layer, linears):
+        self.weights.update(m.weight.dtype for m in linears.values())
+        self.weights.update(p.dtype for p in layer.parameters())
+        return pipeline.StepResult()
+
+
+def test_passes_run_in_the_compute_dtype_while_the_weights_stay_as_stored(model, tiny_llama):
+    calib = torch.randint(0, model.config.vocab_size, (4, 16))
+    probe = Probe()
+    result = pipeline.run(model, [probe, RTN(QuantArgs(4, 32))], calib, progress=False, compute_dtype=torch.bfloat16)
+    # The hooks sit on the bf16 copy the batches run through; apply() gets the layer's own fp32 weights.
+    assert probe.seen == {torch.bfloat16} and probe.weights == {torch.bfloat16, torch.float32}
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(t.dtype == torch.float32 for t in result.float_tensors.values())
+    # RTN reads no data: the codes come from the stored fp32 weights, as with fp32 passes.
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    fp32 = pipeline.run(fresh, [RTN(QuantArgs(4, 32))], calib, progress=False)
+    for name, q in fp32.quantized.items():
+        assert torch.equal(result.quantized[name].codes, q.codes) and torch.equal(result.quantized[name].scale, q.scale)
+    # The error report compares bf16 outputs with bf16 outputs: close to the fp32 one, not the same.
+    errors = [r["relative_error"] for r in result.report]
+    assert errors == pytest.approx([r["relative_error"] for r in fp32.report], rel=0.2) and errors != [
+        r["relative_error"] for r in fp32.report
+    ]
