@@ -54,3 +54,24 @@ def test_an_unknown_compute_dtype_is_named():
     with pytest.raises(SlimlmError) as e:
         devices.compute_dtype("fp8", torch.float32, torch.device("cpu"))
     assert str(e.value) == "--compute-dtype 'fp8' is not one of auto, float32, bfloat16"
+
+
+def test_fp32_products_from_bf16_pieces_keep_fp32_accuracy():
+    """1 + 2⁻¹⁰ has no bf16 value (bf16 keeps 8 significant bits): one bf16 rounding would make every product
+    below exactly 512, the bf16 pieces must give 512·(1 + 2⁻¹⁰)² as fp32 does."""
+    x = torch.full((512, 64), 1 + 2**-10)
+    exact = 512 * (1 + 2**-10) ** 2
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    with devices.fp32_products_from_bf16_pieces(torch.device("cpu")):
+        inside = torch.backends.mkldnn.matmul.fp32_precision
+        product = x.T @ x
+    assert torch.backends.mkldnn.matmul.fp32_precision == before  # put back
+    assert inside == ("bf16" if devices.fast_bf16_matmul(torch.device("cpu")) else before)
+    torch.testing.assert_close(product, torch.full((64, 64), exact), rtol=1e-6, atol=0)
+
+
+def test_fp32_products_are_left_alone_where_bf16_is_slow(monkeypatch):
+    monkeypatch.setattr(devices, "fast_bf16_matmul", lambda _dev: False)
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    with devices.fp32_products_from_bf16_pieces(torch.device("cpu")):
+        assert torch.backends.mkldnn.matmul.fp32_precision == before

@@ -9,13 +9,14 @@ update to the remaining columns is one matrix product per block ("lazy batch upd
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-from slimlm import SlimlmError
+from slimlm import SlimlmError, devices
 from slimlm.compress.pipeline import StepResult
 from slimlm.compress.quantize import compute_qparams
 from slimlm.formats.quantized import QuantArgs, QuantizedWeight
@@ -32,14 +33,15 @@ class HessianAccumulator:
         self.tokens = 0
 
     def add(self, x: torch.Tensor) -> None:
-        # bf16 activations (a bf16 compute dtype) are multiplied in bf16, which accumulates in fp32 and rounds
-        # each batch's sum once; fp16 ones go to fp32 first (sums of squares overflow fp16's range).
-        x = x.reshape(-1, x.shape[-1])
-        x = x if x.dtype == torch.bfloat16 else x.float()
+        # In fp32 whatever the activations' dtype: a bf16 product rounds every entry of H to 8 bits, which
+        # measurably hurt (wiki ppl +2% over three calibration seeds); the fast path keeps fp32's accuracy.
+        x = x.reshape(-1, x.shape[-1]).float()
         n = x.shape[0]
         self.H *= self.tokens / (self.tokens + n)
         self.tokens += n
-        self.H += (x.T @ x).float() * (2 / self.tokens)
+        x = x * math.sqrt(2 / self.tokens)
+        with devices.fp32_products_from_bf16_pieces(x.device):
+            self.H += x.T @ x
 
 
 def gptq_quantize(
