@@ -88,37 +88,45 @@ def gptq_quantize(
     zero = None if args.sym else torch.zeros(out_features, n_groups, dtype=torch.int8, device=W.device)
     if static is not None:
         scale, zero = static[0].clone(), None if static[1] is None else static[1].clone()
-    codes = torch.zeros(out_features, in_features, dtype=torch.int8, device=W.device)
+    # The block's columns are worked on as rows ([columns, out]): each column GPTQ reads, rounds and updates
+    # is contiguous, and so is each column of codes written.
+    codes = torch.zeros(in_features, out_features, dtype=torch.int8, device=W.device)
 
     group_list = group_of.tolist()  # one host copy, not one per column
     for i1 in range(0, in_features, BLOCK):
         i2 = min(i1 + BLOCK, in_features)
-        W1 = W[:, i1:i2].clone()
+        W1 = W[:, i1:i2].T.contiguous()
         E1 = torch.zeros_like(W1)
         U1 = U[i1:i2, i1:i2]
+        diag = U1.diagonal().tolist()
         for i in range(i2 - i1):
             j = i1 + i
             g = group_list[j]
             if static is None and j % gs == 0:
                 # A group never straddles blocks (128 is a multiple of every group size); W1 holds its
                 # columns with all the error compensation applied so far.
-                s, z = compute_qparams(W1[:, i : i + gs], QuantArgs(args.bits, -1, args.sym))
+                s, z = compute_qparams(W1[i : i + gs].T, QuantArgs(args.bits, -1, args.sym))
                 scale[:, g] = s[:, 0]
                 if zero is not None:
                     zero[:, g] = z[:, 0]
-            w = W1[:, i]
-            zg = 0 if zero is None else zero[:, g].float()
-            c = torch.clamp(torch.round(w / scale[:, g]) + zg, args.qmin, args.qmax)
-            codes[:, j] = c.to(torch.int8)
-            q = (c - zg) * scale[:, g]
-            err = (w - q) / U1[i, i]
-            W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
-            E1[:, i] = err
-        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+            if j == i1 or g != group_list[j - 1] or (static is None and j % gs == 0):
+                sg = scale[:, g].contiguous()  # the qparams of the column's group, read once per group
+                zg = None if zero is None else zero[:, g].float()
+            w = W1[i]
+            c = torch.round(w / sg)
+            if zg is not None:
+                c += zg
+            c.clamp_(args.qmin, args.qmax)
+            codes[j] = c
+            q = (c if zg is None else c - zg) * sg
+            err = (w - q) / diag[i]
+            W1[i:] -= U1[i, i:, None] * err[None, :]
+            E1[i] = err
+        W[:, i2:] -= E1.T @ U[i1:i2, i2:]
 
     inv = torch.argsort(perm)
     g_idx = group_of[inv].to(torch.int32) if act_order == "group" and static is None else None
-    result = QuantizedWeight(codes[:, inv].contiguous(), scale, zero, args, g_idx)
+    result = QuantizedWeight(codes[inv].T.contiguous(), scale, zero, args, g_idx)
     if not torch.isfinite(result.dequantize()).all():
         raise SlimlmError(f"GPTQ produced non-finite weights for {name}; try a larger --damp")
     return result
