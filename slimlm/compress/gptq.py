@@ -34,7 +34,8 @@ class HessianAccumulator:
 
     def add(self, x: torch.Tensor) -> None:
         # In fp32 whatever the activations' dtype: a bf16 product rounds every entry of H to 8 bits, which
-        # measurably hurt (wiki ppl +2% over three calibration seeds); the fast path keeps fp32's accuracy.
+        # hurt (wiki ppl +1.1% on average, worse on each of three calibration seeds; see
+        # benchmarks/results/gptq-hessian-dtype-2026-12-02.md); the bf16 pieces keep fp32's accuracy.
         x = x.reshape(-1, x.shape[-1]).float()
         n = x.shape[0]
         self.H *= self.tokens / (self.tokens + n)
