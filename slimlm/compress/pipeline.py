@@ -233,7 +233,7 @@ def run(
                 finally:
                     for h in handles:
                         h.remove()
-                del runner, same  # a copy at most: the next pass copies the layer as the step leaves it
+                del runner, same  # the copy goes: the next pass copies the layer as this step leaves it
                 if ref is None:
                     _check_finite(outs, f"the float outputs of decoder layer {i}")
                     ref = outs
