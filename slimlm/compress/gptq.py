@@ -110,7 +110,7 @@ def gptq_quantize(
                 scale[:, g] = s[:, 0]
                 if zero is not None:
                     zero[:, g] = z[:, 0]
-            if j == i1 or g != group_list[j - 1] or (static is None and j % gs == 0):
+            if j == 0 or g != group_list[j - 1]:  # static qparams never change; dynamic ones were just set
                 sg = scale[:, g].contiguous()  # the qparams of the column's group, read once per group
                 zg = None if zero is None else zero[:, g].float()
             w = W1[i]

@@ -366,6 +366,24 @@ def one_layer_step(tiny_llama, tokens: int, dtype=torch.float32):
     return step, layer, linears
 
 
+def test_a_linear_alone_warns_with_its_own_width(tiny_llama):
+    step, layer, linears = one_layer_step(tiny_llama, 8)
+    down = {"l.mlp.down_proj": linears["l.mlp.down_proj"]}  # the first group the step sees has one linear
+    with pytest.warns(UserWarning) as caught:
+        step.apply(layer, down)
+    assert str(caught[0].message).startswith(f"GPTQ: 8 calibration tokens for {down['l.mlp.down_proj'].in_features} "
+                                             "input features")  # fmt: skip
+
+
+def test_stacked_linears_are_named_together_when_gptq_fails(tiny_llama):
+    step, layer, linears = one_layer_step(tiny_llama, 64)
+    qkv = step.hessians["l.self_attn.q_proj"]
+    qkv.H = -torch.eye(qkv.H.shape[0])  # no damping makes it positive definite
+    with pytest.raises(SlimlmError, match=r"^l\.self_attn\.q_proj, l\.self_attn\.k_proj, l\.self_attn\.v_proj: "
+                                          r"the Hessian stays singular"):  # fmt: skip
+        step.apply(layer, linears)
+
+
 def test_as_many_tokens_as_input_features_do_not_warn(tiny_llama):
     """n tokens of width n can give a full-rank Hessian: the rank-deficiency warning starts below that."""
     widest = max(m.in_features for m in AutoModelForCausalLM.from_pretrained(tiny_llama).modules()
