@@ -14,7 +14,6 @@ AWQ is a transform: it leaves float weights that are easier to quantize, and the
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +22,7 @@ from torch import nn
 
 from slimlm import SlimlmError, arch, devices
 from slimlm.arch import Mapping
-from slimlm.compress.pipeline import StepResult, cast_floats
+from slimlm.compress.pipeline import StepResult, cast_floats, in_dtype
 from slimlm.compress.quantize import compute_qparams, quantize, quantize_rtn
 from slimlm.formats.quantized import QuantArgs
 
@@ -140,13 +139,10 @@ class AWQ:
         return devices.compute_dtype(self.search_dtype, weight.dtype, weight.device)
 
     def _search_scale(self, layer: nn.Module, m: Mapping) -> torch.Tensor:
-        block = layer.get_submodule(m.block)
-        mods = [layer.get_submodule(n) for n in m.linears]
-        originals = [mod.weight.data.clone() for mod in mods]
+        originals = [layer.get_submodule(n).weight.data.clone() for n in m.linears]
         dtype = self._dtype_for_search(originals[0])
-        if dtype != originals[0].dtype:  # a copy in the search dtype: the layer itself is left as it is
-            block = copy.deepcopy(block).to(dtype)
-            mods = [block.get_submodule(n[len(m.block) + 1 :]) for n in m.linears]
+        block = in_dtype(layer.get_submodule(m.block), dtype)
+        mods = [block.get_submodule(n[len(m.block) + 1 :]) for n in m.linears]
         inputs = cast_floats(self.block_inputs[m.block], dtype)
         stats = self.stats[m.linears[0]]
         x_mean = stats.abs_sum / stats.tokens

@@ -138,9 +138,9 @@ def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
-def _in_dtype(layer: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """The layer as the passes run it: itself, or a copy in the compute dtype."""
-    return layer if next(layer.parameters()).dtype == dtype else copy.deepcopy(layer).to(dtype)
+def in_dtype(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The module to run in `dtype`: itself, or a copy in that dtype (the original is left as it is)."""
+    return module if next(module.parameters()).dtype == dtype else copy.deepcopy(module).to(dtype)
 
 
 def _run_layer(layer: nn.Module, inputs: list[LayerInputs]) -> list[torch.Tensor]:
@@ -225,7 +225,7 @@ def run(
         ref = None
         for step in steps:
             if step.needs_data or (report_error and ref is None):
-                runner = _in_dtype(layer, compute_dtype)
+                runner = in_dtype(layer, compute_dtype)
                 same = {n: runner.get_submodule(n[len(prefix) :]) for n in linears}
                 handles = step.observe(runner, same) if step.needs_data else []
                 try:
@@ -247,7 +247,7 @@ def run(
             config_patch.update(result.config_patch)
         entry = {"layer": i}
         if with_data:
-            out = _run_layer(_in_dtype(layer, compute_dtype), inputs)
+            out = _run_layer(in_dtype(layer, compute_dtype), inputs)
             _check_finite(out, f"the compressed outputs of decoder layer {i}")
             if report_error:
                 entry.update(_output_error(out, ref))
