@@ -6,7 +6,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from slimlm import devices
 from slimlm.cli import main
 from tests.conftest import transformers_logits_error
 
@@ -150,7 +152,8 @@ def test_console_script_exit_code_and_message(tmp_path):
 @pytest.mark.parametrize(
     "command,flags",
     [("gptq", ["--act-order"]), ("gptq", ["--no-act-order", "--format", "gptq"]),
-     ("awq", ["--search-batches", "1"]), ("awq+gptq", ["--search-batches", "1", "--then", "gptq"])],
+     ("gptq", ["--compute-dtype", "float32"]), ("awq", ["--search-batches", "1"]),
+     ("awq+gptq", ["--search-batches", "1", "--then", "gptq"])],
 )
 def test_gptq_and_awq_commands(capsys, tiny_llama, calib_txt, tmp_path, command, flags):
     out = tmp_path / "q"
@@ -161,6 +164,8 @@ def test_gptq_and_awq_commands(capsys, tiny_llama, calib_txt, tmp_path, command,
     meta = json.loads((out / "slimlm.json").read_text())
     assert meta["method"] == command and len(meta["layers"]) == 2
     assert meta["arguments"].get("act_order", "weight") == (None if "--no-act-order" in flags else "weight")
+    auto = "bfloat16" if devices.fast_bf16_matmul(torch.device("cpu")) else "float32"
+    assert meta["calibration"]["compute_dtype"] == ("float32" if "--compute-dtype" in flags else auto)
     code, _, err = run_cli(capsys, "eval", str(out), "--ppl", str(calib_txt), "--seq-len", "32", "--max-tokens", "128")
     assert code == 0, err
 
@@ -304,6 +309,15 @@ def test_serve_names_a_port_it_cannot_bind(capsys, tiny_llama):
         port = taken.getsockname()[1]
         code, _, err = run_cli(capsys, "serve", str(tiny_llama), "--port", str(port), "--kv-cache-memory", "4M")
     assert_one_line_error(code, err, f"could not serve on 127.0.0.1:{port}: Address already in use")
+
+
+def test_a_compute_dtype_it_does_not_offer_is_refused(capsys, tiny_llama, out_dir):
+    with pytest.raises(SystemExit) as exc:
+        main(["gptq", "--model", str(tiny_llama), "--compute-dtype", "fp16", "--out", out_dir])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "--compute-dtype: invalid choice: 'fp16' (choose from 'auto', 'float32', 'bfloat16')" in err.splitlines()[-1]
+    assert not os.path.exists(out_dir)
 
 
 def test_an_awq_search_dtype_it_does_not_offer_is_refused(capsys, tiny_llama, out_dir):
