@@ -1,0 +1,102 @@
+"""GPTQ with bf16 calibration passes: which Hessian product keeps the quality, over calibration seeds.
+
+For each seed, `compress gptq` W4 g64 sym on the default model in four variants, and the wiki perplexity of each
+(the float model's is printed first; fp32 passes are the baseline of each seed):
+    fp32      fp32 passes, the Hessian multiplied in fp32
+    bf16-H    bf16 passes, the Hessian multiplied in bf16 (each batch's product rounded to 8 bits, summed in fp32)
+    pieces    bf16 passes, the Hessian from bf16 pieces at fp32 accuracy (the default where bf16 is fast)
+    pieces-x3 fp32 passes, every fp32 product from bf16 pieces
+The variants patch HessianAccumulator.add and torch's oneDNN precision in this process only.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/gptq_hessian_dtype.py [--seeds 0,1,2] [--work /tmp/gptq-hessian]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from slimlm import cli, models
+from slimlm.compress import gptq
+from slimlm.eval.perplexity import engine_for, perplexity
+
+ADD = gptq.HessianAccumulator.add
+
+
+def bf16_product_add(self, x: torch.Tensor) -> None:
+    x = x.reshape(-1, x.shape[-1]).bfloat16()
+    n = x.shape[0]
+    self.H *= self.tokens / (self.tokens + n)
+    self.tokens += n
+    self.H += (x.T @ x).float() * (2 / self.tokens)
+
+
+def fp32_add(self, x: torch.Tensor) -> None:
+    settings = torch.backends.mkldnn.matmul
+    before, settings.fp32_precision = settings.fp32_precision, "none"
+    try:
+        x = x.reshape(-1, x.shape[-1]).float()
+        n = x.shape[0]
+        self.H *= self.tokens / (self.tokens + n)
+        self.tokens += n
+        x = x * math.sqrt(2 / self.tokens)
+        self.H += x.T @ x
+    finally:
+        settings.fp32_precision = before
+
+
+VARIANTS = {  # name: (--compute-dtype, HessianAccumulator.add, oneDNN fp32 precision for the whole run)
+    "fp32": ("float32", fp32_add, "none"),
+    "bf16-H": ("bfloat16", bf16_product_add, "none"),
+    "pieces": ("bfloat16", ADD, "none"),
+    "pieces-x3": ("float32", ADD, "bf16"),
+}
+
+
+def run(variant: str, seed: int, out: Path) -> tuple[float, float]:
+    dtype, add, precision = VARIANTS[variant]
+    gptq.HessianAccumulator.add = add
+    torch.backends.mkldnn.matmul.fp32_precision = precision
+    try:
+        start = time.time()
+        code = cli.main(["gptq", "--model", "smollm2-135m", "--calib", "owt", "--num-samples", "32", "--seq-len", "512",
+                         "--seed", str(seed), "--bits", "4", "--group-size", "64", "--sym", "--compute-dtype", dtype,
+                         "--out", str(out), "--overwrite"])  # fmt: skip
+        seconds = time.time() - start
+    finally:
+        gptq.HessianAccumulator.add = ADD
+        torch.backends.mkldnn.matmul.fp32_precision = "none"
+    if code:
+        raise SystemExit(f"{variant} seed {seed}: compress gptq exited {code}")
+    return seconds, perplexity(engine_for(str(out), 512), "wiki", 512, 16384, progress=False)["perplexity"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "gptq-hessian")
+    a = p.parse_args()
+    torch.set_num_threads(2)
+    base = perplexity(engine_for(str(models.resolve("smollm2-135m")), 512), "wiki", 512, 16384, progress=False)
+    print(f"float model: wiki ppl {base['perplexity']:.3f}", flush=True)
+    ppl: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for seed in map(int, a.seeds.split(",")):
+        for variant in VARIANTS:
+            seconds, value = run(variant, seed, a.work / f"{variant}-{seed}")
+            ppl[variant].append(value)
+            print(f"seed {seed} {variant:10s} {seconds:6.1f} s  wiki ppl {value:.3f}", flush=True)
+    print(f"\n{'variant':10s} {'mean ppl':>9s} {'vs fp32':>8s}  per seed")
+    fp32 = statistics.mean(ppl["fp32"])
+    for variant, values in ppl.items():
+        mean = statistics.mean(values)
+        print(f"{variant:10s} {mean:9.3f} {mean / fp32 - 1:+8.2%}  " + " ".join(f"{v:.3f}" for v in values))
+
+
+if __name__ == "__main__":
+    main()
