@@ -311,19 +311,11 @@ def test_serve_names_a_port_it_cannot_bind(capsys, tiny_llama):
     assert_one_line_error(code, err, f"could not serve on 127.0.0.1:{port}: Address already in use")
 
 
-def test_a_compute_dtype_it_does_not_offer_is_refused(capsys, tiny_llama, out_dir):
+@pytest.mark.parametrize("command,flag", [("gptq", "--compute-dtype"), ("awq", "--search-dtype")])
+def test_a_dtype_it_does_not_offer_is_refused(capsys, tiny_llama, out_dir, command, flag):
     with pytest.raises(SystemExit) as exc:
-        main(["gptq", "--model", str(tiny_llama), "--compute-dtype", "fp16", "--out", out_dir])
+        main([command, "--model", str(tiny_llama), flag, "fp16", "--out", out_dir])
     err = capsys.readouterr().err
     assert exc.value.code == 2
-    assert "--compute-dtype: invalid choice: 'fp16' (choose from 'auto', 'float32', 'bfloat16')" in err.splitlines()[-1]
-    assert not os.path.exists(out_dir)
-
-
-def test_an_awq_search_dtype_it_does_not_offer_is_refused(capsys, tiny_llama, out_dir):
-    with pytest.raises(SystemExit) as exc:
-        main(["awq", "--model", str(tiny_llama), "--search-dtype", "fp16", "--out", out_dir])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2
-    assert "--search-dtype: invalid choice: 'fp16' (choose from 'auto', 'float32', 'bfloat16')" in err.splitlines()[-1]
+    assert f"{flag}: invalid choice: 'fp16' (choose from 'auto', 'float32', 'bfloat16')" in err.splitlines()[-1]
     assert not os.path.exists(out_dir)
