@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 import signal
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from slimlm import SlimlmError, assets, cache_dir
@@ -727,8 +730,25 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: temp dirs are removed on the way out
+def _interrupt(owner: int, signum, frame) -> None:
+    """SIGTERM unwinds like Ctrl-C: temp dirs are removed on the way out. A child forked meanwhile (lm-eval's
+    bootstrap pool) inherits the handler; there SIGTERM must end the process as usual, or the parent's
+    Pool.terminate() waits forever for a child that caught it (seen: a CI run that never finished)."""
+    if os.getpid() != owner:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Within: SIGTERM raises KeyboardInterrupt in this process (and only in it); the handler before is put back."""
+    previous = signal.signal(signal.SIGTERM, functools.partial(_interrupt, os.getpid()))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -738,7 +758,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         a = build_parser().parse_args(argv)
     warnings.formatwarning = _one_line_warning
-    signal.signal(signal.SIGTERM, _interrupt)
+    with sigterm_unwinds():
+        return _run(a)
+
+
+def _run(a: argparse.Namespace) -> int:
+    """The command, its failures as one line and an exit code."""
     try:
         COMMANDS[a.command](a)
     except SlimlmError as e:

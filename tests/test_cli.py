@@ -118,6 +118,32 @@ def test_eval_tasks_writes_lm_evals_results_and_the_runtimes(capsys, tiny_llama,
     assert results["slimlm"]["perplexity"] is None and "slimlm_piqa" in printed
 
 
+# A command that forks a child and sends it SIGTERM, as Pool.terminate() does to lm-eval's bootstrap pool.
+FORK_THEN_TERMINATE = """
+import os, signal, sys, time
+from slimlm import cli
+def command(a):
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    os.kill(pid, signal.SIGTERM)
+    _, status = os.waitpid(pid, 0)
+    print("child", "killed" if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM else "survived")
+cli.COMMANDS["lm-eval"] = command
+before = signal.getsignal(signal.SIGTERM)
+cli.main(["lm-eval"])
+print("handler", "restored" if signal.getsignal(signal.SIGTERM) is before else "left")
+"""
+
+
+def test_sigterm_ends_a_forked_child_and_the_handler_is_put_back():
+    """Only the CLI's own process unwinds on SIGTERM: a child that caught it instead would survive
+    Pool.terminate(), and the parent would wait for it forever (a CI run hung in lm-eval's bootstrap)."""
+    run = subprocess.run([sys.executable, "-c", FORK_THEN_TERMINATE], capture_output=True, text=True, timeout=60)
+    assert run.stdout.split() == ["child", "killed", "handler", "restored"], run.stdout + run.stderr
+
+
 def test_an_interrupted_eval_writes_nothing_and_leaves_nothing_queued(capsys, tiny_llama, tmp_path, monkeypatch):
     from slimlm.eval import batch
 

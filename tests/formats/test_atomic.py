@@ -25,15 +25,14 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
 # A checkpoint write as the CLI does one (atomic_dir, shards, manifest, the CLI's SIGTERM handler), of 32 MB
 # so that kills land inside it, without the CLI's imports: a run takes ~1-2 s instead of ~5.
 WRITER = """
-import json, signal, sys
+import json, sys
 from pathlib import Path
 import torch
 from slimlm import cli
 from slimlm.formats import atomic, manifest, shards
-signal.signal(signal.SIGTERM, cli._interrupt)
 out, version = Path(sys.argv[1]), int(sys.argv[2])
 try:
-    with atomic.atomic_dir(out, overwrite=True) as tmp:
+    with cli.sigterm_unwinds(), atomic.atomic_dir(out, overwrite=True) as tmp:
         files = shards.write(tmp, {f"t{i}": torch.full((1 << 20,), float(version)) for i in range(8)})
         (tmp / "config.json").write_text(json.dumps({"version": version}))
         manifest.write(tmp, {"method": "test"}, files)
