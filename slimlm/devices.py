@@ -49,10 +49,11 @@ def compute_dtype(choice: str, stored: torch.dtype, device: torch.device) -> tor
 
 
 @contextlib.contextmanager
-def fp32_products_from_bf16_pieces(device: torch.device) -> Iterator[None]:
-    """Within: fp32 matrix products on a fast-bf16 CPU are computed by oneDNN from bf16 pieces of their inputs
-    (torch.backends.mkldnn.matmul.fp32_precision "bf16"): measured here at fp32's accuracy (within 2× its
-    rounding error, where a bf16 product is 10⁴× off) and twice its speed. Elsewhere nothing changes."""
+def fp32_products_with_bf16_inputs(device: torch.device) -> Iterator[None]:
+    """Within: oneDNN may multiply fp32 matrices on a fast-bf16 CPU by rounding the inputs to bf16 and summing
+    in fp32 (torch.backends.mkldnn.matmul.fp32_precision "bf16"), about twice fp32's speed. Exact only for
+    inputs whose values are bf16 numbers already: on AMX CPUs an fp32 input loses its low 16 bits (measured:
+    512·(1 + 2⁻¹⁰)² came out 512). Elsewhere nothing changes."""
     if device.type != "cpu" or not fast_bf16_matmul(device):
         yield
         return

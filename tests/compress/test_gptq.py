@@ -30,6 +30,19 @@ def hessian(x: torch.Tensor) -> torch.Tensor:
     return acc.H
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_hessian_is_fp32_accurate_for_fp32_and_bf16_activations(dtype):
+    """H = 2/n · Σ xxᵀ over batches, to fp32's accuracy in either dtype: 1 + 2⁻¹⁰ is not a bf16 number (an fp32
+    batch multiplied from bf16-rounded inputs would lose it), and (1 + 2⁻⁷)² is not one either (a bf16 product
+    would round it); a running scale applied to x before the product would push bf16 values off bf16."""
+    value = 1 + 2**-10 if dtype == torch.float32 else 1 + 2**-7
+    acc = HessianAccumulator(64, torch.device("cpu"))
+    for rows in (512, 300, 212):
+        acc.add(torch.full((rows, 64), value, dtype=dtype))
+    assert acc.tokens == 1024 and acc.H.dtype == torch.float32
+    torch.testing.assert_close(acc.H, torch.full((64, 64), 2 * value**2), rtol=1e-6, atol=0)
+
+
 def output_error(W, Wq, x):
     return ((x @ W.T - x @ Wq.T) ** 2).mean().item()
 
