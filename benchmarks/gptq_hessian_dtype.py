@@ -1,14 +1,15 @@
 """GPTQ with bf16 calibration passes: which Hessian product keeps the quality, over calibration seeds.
 
-For each seed, `compress gptq` W4 g64 sym on the default model in four variants, and the wiki perplexity of each
+For each seed, `compress gptq` W4 g64 sym on the default model in three variants, and the wiki perplexity of each
 (the float model's is printed first; fp32 passes are the baseline of each seed):
     fp32      fp32 passes, the Hessian multiplied in fp32
     bf16-H    bf16 passes, the Hessian multiplied in bf16 (each batch's product rounded to 8 bits, summed in fp32)
-    pieces    bf16 passes, the Hessian from bf16 pieces at fp32 accuracy (the default where bf16 is fast)
-    pieces-x3 fp32 passes, every fp32 product from bf16 pieces
+    bf16-in   bf16 passes, the bf16 activations multiplied as bf16 numbers summed in fp32 (exact; the default
+              where bf16 is fast)
 The variants patch HessianAccumulator.add and torch's oneDNN precision in this process only.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/gptq_hessian_dtype.py [--seeds 0,1,2] [--work /tmp/gptq-hessian]
+    PYTHONPATH=. .venv/bin/python benchmarks/gptq_hessian_dtype.py [--seeds 0,1,2] [--variants fp32,bf16-in]
+        [--work /tmp/gptq-hessian]
 """
 
 from __future__ import annotations
@@ -51,18 +52,16 @@ def fp32_add(self, x: torch.Tensor) -> None:
         settings.fp32_precision = before
 
 
-VARIANTS = {  # name: (--compute-dtype, HessianAccumulator.add, oneDNN fp32 precision for the whole run)
-    "fp32": ("float32", fp32_add, "none"),
-    "bf16-H": ("bfloat16", bf16_product_add, "none"),
-    "pieces": ("bfloat16", ADD, "none"),
-    "pieces-x3": ("float32", ADD, "bf16"),
+VARIANTS = {  # name: (--compute-dtype, HessianAccumulator.add)
+    "fp32": ("float32", fp32_add),
+    "bf16-H": ("bfloat16", bf16_product_add),
+    "bf16-in": ("bfloat16", ADD),
 }
 
 
 def run(variant: str, seed: int, out: Path) -> tuple[float, float]:
-    dtype, add, precision = VARIANTS[variant]
+    dtype, add = VARIANTS[variant]
     gptq.HessianAccumulator.add = add
-    torch.backends.mkldnn.matmul.fp32_precision = precision
     try:
         start = time.time()
         code = cli.main(["gptq", "--model", "smollm2-135m", "--calib", "owt", "--num-samples", "32", "--seq-len", "512",
@@ -71,7 +70,6 @@ def run(variant: str, seed: int, out: Path) -> tuple[float, float]:
         seconds = time.time() - start
     finally:
         gptq.HessianAccumulator.add = ADD
-        torch.backends.mkldnn.matmul.fp32_precision = "none"
     if code:
         raise SystemExit(f"{variant} seed {seed}: compress gptq exited {code}")
     return seconds, perplexity(engine_for(str(out), 512), "wiki", 512, 16384, progress=False)["perplexity"]
@@ -80,14 +78,18 @@ def run(variant: str, seed: int, out: Path) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="a comma-separated subset; fp32 is the baseline")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "gptq-hessian")
     a = p.parse_args()
     torch.set_num_threads(2)
     base = perplexity(engine_for(str(models.resolve("smollm2-135m")), 512), "wiki", 512, 16384, progress=False)
     print(f"float model: wiki ppl {base['perplexity']:.3f}", flush=True)
-    ppl: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    variants = a.variants.split(",")
+    if "fp32" not in variants or not set(variants) <= set(VARIANTS):
+        raise SystemExit(f"--variants: a subset of {', '.join(VARIANTS)} that includes fp32")
+    ppl: dict[str, list[float]] = {v: [] for v in variants}
     for seed in map(int, a.seeds.split(",")):
-        for variant in VARIANTS:
+        for variant in variants:
             seconds, value = run(variant, seed, a.work / f"{variant}-{seed}")
             ppl[variant].append(value)
             print(f"seed {seed} {variant:10s} {seconds:6.1f} s  wiki ppl {value:.3f}", flush=True)

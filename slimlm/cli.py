@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=positive_int, default=512, help="KV tokens per sequence in the decode steps")
     p.add_argument("--prefill-len", type=positive_int, default=512)
     p.add_argument("--requests", type=positive_int, default=24, help="Poisson workload: requests")
-    p.add_argument("--rate", type=float, default=2.0, help="Poisson workload: arrivals per second")
+    p.add_argument("--rate", type=float, default=2.0, help="Poisson workload: arrivals per second (inf: all at once)")
     p.add_argument("--prompt-len", default="64,256", help="Poisson workload: prompt lengths, uniform in LO,HI")
     p.add_argument("--output-len", default="16,64", help="Poisson workload: output lengths, uniform in LO,HI")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput: time to first token at most, seconds")

@@ -11,7 +11,10 @@ Offline, on the engine's model runner (no scheduler in the way):
 Online, through the engine (with `http`, also to `compress serve` over HTTP): a seeded Poisson workload
 (prompts cut from the bundled owt text, lengths uniform in `prompt_len`, outputs uniform in `output_len`,
 greedy with EOS ignored): output tokens/s, TTFT and inter-token latency p50/p90/p99, and goodput, the
-requests per second that met the SLO (TTFT ≤ `slo_ttft_s` and mean inter-token latency ≤ `slo_itl_s`).
+requests per second that met the SLO (TTFT ≤ `slo_ttft_s` and mean inter-token latency ≤ `slo_itl_s`),
+and the output throughput against the workload's roofline (`plan.serving_roofline`: its arithmetic at the
+matmul rate and its bytes at the copy bandwidth, both measured in this run, or its last arrival; a rate of
+inf sends every request at once, which saturates the engine).
 The baseline (by default the float source named in the checkpoint's slimlm.json) is measured in the same
 process, each part interleaved with the checkpoint's, and every figure gets a ratio.
 """
@@ -73,11 +76,15 @@ def pool_bytes(model: str, config: BenchConfig) -> int:
     return max(512 << 20, blocks * 16 * plan.kv_bytes_per_token(dims, "fp32"))
 
 
+def _max_seqs(config: BenchConfig) -> int:
+    return max(64, max(config.batches))
+
+
 def _engine(model: str, config: BenchConfig, max_len: int):
     from slimlm.runtime.engine import Engine, EngineConfig
 
     return Engine(model, EngineConfig(dtype=config.dtype, kv_cache_memory=pool_bytes(model, config),
-                                      max_model_len=max_len, max_num_seqs=max(64, max(config.batches)),
+                                      max_model_len=max_len, max_num_seqs=_max_seqs(config),
                                       max_num_batched_tokens=max(512, config.prefill_len)))  # fmt: skip
 
 
@@ -248,8 +255,9 @@ def served(model: str, *options: str) -> Iterator[str]:
 def online_http(model: str, config: BenchConfig, requests: list[dict]) -> dict:
     """The same workload sent to `compress serve` (its own process) by an open-loop streaming client."""
     longest = max(len(r["prompt"]) + r["output_len"] for r in requests)
-    with served(model, "--dtype", config.dtype, "--max-num-seqs", "64", "--max-model-len", str(longest),
-                "--kv-cache-memory", str(pool_bytes(model, config))) as url:  # fmt: skip
+    pool = str(pool_bytes(model, config))
+    with served(model, "--dtype", config.dtype, "--max-num-seqs", str(_max_seqs(config)),
+                "--max-model-len", str(longest), "--kv-cache-memory", pool) as url:  # fmt: skip
         times, wall = http_client(url, requests)
     return latency_figures(requests, times, wall, config)
 
@@ -293,9 +301,11 @@ def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool 
 
     log = (lambda msg: print(msg, flush=True)) if progress else (lambda msg: None)
     systems = {"baseline": baseline, "model": model} if baseline else {"model": model}
-    bandwidth = plan.copy_bandwidth("cuda" if torch.cuda.is_available() else "cpu")
-    log(f"[bench] copy bandwidth {bandwidth / 1e9:.1f} GB/s")
-    result = {"config": asdict(config), "bandwidth_bytes_s": bandwidth, "threads": torch.get_num_threads(),
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    bandwidth, peak = plan.copy_bandwidth(device), plan.matmul_rate(config.dtype, device)
+    log(f"[bench] copy bandwidth {bandwidth / 1e9:.1f} GB/s, {config.dtype} matmul {peak / 1e9:.0f} GFLOP/s")
+    result = {"config": asdict(config), "bandwidth_bytes_s": bandwidth, "matmul_flops": peak,
+              "threads": torch.get_num_threads(),
               "systems": {name: {"path": path} for name, path in systems.items()}}  # fmt: skip
     for name, path in systems.items():
         log(f"[bench] offline: {name} ({path})")
@@ -304,7 +314,13 @@ def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool 
     requests = workload(config, tokenizer)
     for name, path in systems.items():
         log(f"[bench] online: {name}, {config.requests} requests at {config.rate}/s")
-        result["systems"][name]["online"] = online(path, config, requests)
+        on = result["systems"][name]["online"] = online(path, config, requests)
+        off = result["systems"][name]["offline"]
+        on["roofline"] = plan.serving_roofline(
+            plan.Dims.from_config(models.read_config(models.resolve(path))),
+            [(r["arrival"], len(r["prompt"]), r["output_len"]) for r in requests], _max_seqs(config),
+            off["weight_bytes"], off["kv_bytes_per_token"], peak, bandwidth)  # fmt: skip
+        on["of_roofline"] = on["output_tok_s"] / on["roofline"]["output_tok_s"]
     for name, path in systems.items() if config.http else ():
         log(f"[bench] online over HTTP: {name} behind compress serve")
         result["systems"][name]["http"] = online_http(path, config, requests)
@@ -321,7 +337,8 @@ def _rows(system: dict) -> dict[str, float | None]:
     rows.update({"weight MB": off["weight_bytes"] / 1e6, "KV bytes/token": off["kv_bytes_per_token"],
                  "max batch at context": off["max_batch"],
                  "peak RSS MB": off["peak_rss_bytes"] / 1e6 if off["peak_rss_bytes"] else None,
-                 "online output tok/s": on["output_tok_s"], "TTFT p50 s": on["ttft_s"]["p50"],
+                 "online output tok/s": on["output_tok_s"], "online / roofline": on.get("of_roofline"),
+                 "TTFT p50 s": on["ttft_s"]["p50"],
                  "TTFT p99 s": on["ttft_s"]["p99"], "ITL p50 s": on["itl_s"]["p50"], "ITL p99 s": on["itl_s"]["p99"],
                  "goodput req/s": on["goodput_req_s"]})  # fmt: skip
     if "http" in system:

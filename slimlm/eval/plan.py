@@ -191,14 +191,54 @@ def copy_bandwidth(device: str = "cpu", seconds: float = 0.5) -> float:
     return 2 * src.nbytes / _best_seconds(copy, seconds)
 
 
+def matmul_rate(dtype: str = "float32", device: str = "cpu", n: int = 1024, seconds: float = 0.5) -> float:
+    """FLOP/s of an n×n by n×n matrix product in `dtype`, the best over `seconds`."""
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+
+    def product():
+        a @ a
+        sync()
+
+    return 2 * n**3 / _best_seconds(product, seconds)
+
+
+def serving_roofline(d: Dims, requests: list[tuple[float, int, int]], max_seqs: int, read_bytes: float,
+                     kv_bytes_per_token: float, peak_flops: float, bandwidth: float) -> dict:  # fmt: skip
+    """A lower bound on the wall time of a workload whose requests are (arrival s, prompt tokens p, output
+    tokens o), and the output throughput it allows:
+      arithmetic F = 2·P·(Σp + Σo) + 2·V·D·Σo + 4·L·N·H·C: the linears' P weights for every token, the head
+                 for every output token, attention's QKᵀ and PV over C, the sum of every token's context;
+      bytes      M = S·W_b + K·Σ_i Σ_{t=1..o_i-1} (p_i + t): the weights read once per step, with at least
+                 S = max(max_i o_i, ⌈Σo / max_seqs⌉) steps (a request's tokens come one step after another,
+                 and a step holds at most max_seqs sequences), and each decode token's KV history at K bytes
+                 per token (prefill's KV reads left out);
+      time       T = max(F / peak, M / β, last arrival); throughput Σo / T.
+    Each term is a lower bound, so the throughput bound is optimistic."""
+    prompts, outputs = sum(p for _, p, _ in requests), sum(o for _, _, o in requests)
+    decode_context = sum((o - 1) * p + (o - 1) * o // 2 for _, p, o in requests)
+    context = sum(p * (p + 1) // 2 for _, p, _ in requests) + decode_context
+    flops = (2 * _linear_params(d) * (prompts + outputs) + 2 * d.vocab * d.hidden * outputs
+             + 4 * d.layers * d.heads * d.head_dim * context)  # fmt: skip
+    steps = max(max(o for _, _, o in requests), -(-outputs // max_seqs))
+    moved = steps * read_bytes + kv_bytes_per_token * decode_context
+    compute_s, memory_s = flops / peak_flops, moved / bandwidth
+    arrivals_s = max(a for a, _, _ in requests)
+    time_s = max(compute_s, memory_s, arrivals_s)
+    bound = max(("compute", compute_s), ("bandwidth", memory_s), ("arrivals", arrivals_s), key=lambda kv: kv[1])[0]
+    return {"flops": flops, "bytes": moved, "steps": steps, "compute_s": compute_s, "memory_s": memory_s,
+            "arrivals_s": arrivals_s, "time_s": time_s, "bound": bound, "output_tok_s": outputs / time_s}  # fmt: skip
+
+
 def probe_cpu(seconds: float = 0.5) -> Device:
     """This machine, measured now: copy bandwidth and fp32 matmul FLOP/s (1024³), physical memory."""
     import os
 
     import torch
 
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    flops = 2 * 1024**3 / _best_seconds(lambda: a @ b, seconds)
+    flops = matmul_rate("float32", "cpu", 1024, seconds)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Device(f"this machine ({torch.get_num_threads()} threads)", flops, copy_bandwidth("cpu", seconds), memory)
 

@@ -76,7 +76,7 @@ def test_the_command_measures_the_source_beside_a_checkpoint(tiny_llama, tmp_pat
     capsys.readouterr()
     assert bench.baseline_of(out) == str(tiny_llama)
     args = ["bench", str(out), "--batch", "1,2", "--context", "32", "--prefill-len", "16", "--requests", "3",
-            "--rate", "50", "--prompt-len", "8,12", "--output-len", "2,4", "--kv-cache-memory", "4M",
+            "--rate", "inf", "--prompt-len", "8,12", "--output-len", "2,4", "--kv-cache-memory", "4M",
             "--json", str(tmp_path / "bench.json")]  # fmt: skip
     assert main(args) == 0
     table = capsys.readouterr().out
@@ -85,6 +85,11 @@ def test_the_command_measures_the_source_beside_a_checkpoint(tiny_llama, tmp_pat
     assert set(result["systems"]) == {"baseline", "model"} and result["systems"]["baseline"]["path"] == str(tiny_llama)
     w4, base = (result["systems"][n]["offline"]["weight_bytes"] for n in ("model", "baseline"))
     assert w4 < base  # the packed linears read fewer bytes
+    assert "online / roofline" in table and result["matmul_flops"] > 0
+    for name in ("model", "baseline"):  # the roofline of each system's own bytes; every request sent at once
+        on, off = result["systems"][name]["online"], result["systems"][name]["offline"]
+        assert on["roofline"]["arrivals_s"] == 0 and on["roofline"]["bytes"] >= 4 * off["weight_bytes"]
+        assert on["of_roofline"] == pytest.approx(on["output_tok_s"] / on["roofline"]["output_tok_s"])
 
 
 @pytest.mark.parametrize("args,fragment", [

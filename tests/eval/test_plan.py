@@ -88,6 +88,29 @@ def test_the_command_prints_the_table_for_a_local_model_and_names_bad_input(tiny
         assert fragment in capsys.readouterr().err
 
 
+def test_the_serving_roofline_by_hand():
+    """One layer of 144 linear weights (q 16, k 8, v 8, o 16, gate/up/down 32 each), vocab 10 × hidden 4.
+    Requests (arrival, prompt, output): (0, 3, 2) and (0.5, 1, 4). Contexts: prompt tokens 1+2+3 and 1, decode
+    tokens 4 and 2+3+4 (13, the KV tokens decode reads). Arithmetic 2·144·10 + 2·40·6 + 4·1·2·2·20 = 3680."""
+    d = plan.Dims(vocab=10, hidden=4, heads=2, kv_heads=1, head_dim=2, ffn=8, layers=1)
+    requests = [(0.0, 3, 2), (0.5, 1, 4)]
+    r = plan.serving_roofline(d, requests, max_seqs=2, read_bytes=100, kv_bytes_per_token=10, peak_flops=3680,
+                              bandwidth=265)  # fmt: skip
+    assert r["flops"] == 3680 and r["steps"] == 4 and r["bytes"] == 4 * 100 + 13 * 10  # the longest output: 4 steps
+    assert (r["compute_s"], r["memory_s"], r["arrivals_s"]) == (1.0, 2.0, 0.5)
+    assert r["bound"] == "bandwidth" and r["time_s"] == 2.0 and r["output_tok_s"] == 3.0
+    one_at_a_time = plan.serving_roofline(d, requests, 1, 100, 10, 3680, 265)
+    assert one_at_a_time["steps"] == 6 and one_at_a_time["bytes"] == 730  # six outputs, one sequence per step
+    fast = plan.serving_roofline(d, requests, 2, 100, 10, 1e9, 1e9)
+    assert fast["bound"] == "arrivals" and fast["output_tok_s"] == 12.0
+    slow = plan.serving_roofline(d, requests, 2, 100, 10, 368, 1e9)
+    assert slow["bound"] == "compute" and slow["time_s"] == pytest.approx(10.0)
+
+
+def test_the_matmul_rate_is_plausible():
+    assert 1e8 < plan.matmul_rate("float32", "cpu", 256, seconds=0.05) < 1e14
+
+
 def test_the_cpu_probe_measures_something_plausible():
     device = plan.probe_cpu(seconds=0.05)
     assert 1e8 < device.bandwidth < 1e12 and 1e8 < device.peak_flops < 1e14 and device.memory > 1e9
