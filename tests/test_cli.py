@@ -123,10 +123,13 @@ FORK_THEN_TERMINATE = """
 import os, signal, sys, time
 from slimlm import cli
 def command(a):
+    ready, running = os.pipe()
     pid = os.fork()
-    if pid == 0:
-        time.sleep(60)
+    if pid == 0:  # a signal that lands before Python's after-fork reset would be dropped: say when past it
+        os.write(running, b"x")
+        time.sleep(30)
         os._exit(0)
+    os.read(ready, 1)
     os.kill(pid, signal.SIGTERM)
     _, status = os.waitpid(pid, 0)
     print("child", "killed" if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM else "survived")
