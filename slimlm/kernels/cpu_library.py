@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from slimlm import SlimlmError, cache_dir
+from slimlm.devices import cpu_flags
 
 SOURCES = [*(Path(__file__).with_name(f"{kernel}{isa}.c") for kernel in ("cpu_gemm", "cpu_attention")
              for isa in ("", "_avx2")), Path(__file__).with_name("cpu_layer.c")]  # fmt: skip
@@ -91,6 +92,11 @@ def vector_bits() -> int:
 def has_bf16_gemm() -> bool:
     """Whether the bf16 dot-product GEMM (slimlm_quant_matmul_bf16, AVX-512 BF16) was built here."""
     return hasattr(load(), "slimlm_quant_matmul_bf16")
+
+
+def has_amx() -> bool:
+    """Whether the CPU has AMX bf16 tiles, which torch's bf16 matmul (oneDNN) runs on."""
+    return "amx_bf16" in cpu_flags()
 
 
 @functools.cache

@@ -34,6 +34,33 @@ def test_fp32_rows_match_reference_to_fp32_accuracy(poisoned, bits, group_size, 
     assert relative_error(out, ref) < 1e-5  # fp32 accumulation, whichever loop ran
 
 
+@pytest.fixture
+def no_amx(monkeypatch):
+    """The AVX-512 BF16 loops as a CPU without AMX runs them (an AMX CPU hands many bf16 rows to torch)."""
+    monkeypatch.setattr(cpu_library, "has_amx", lambda: False)
+
+
+@needs_bf16
+@pytest.mark.parametrize("bits", [4, 8])
+def test_amx_cpus_multiply_many_bf16_rows_on_dequantized_slices(poisoned, monkeypatch, bits):
+    """With AMX, torch's bf16 matmul outruns the weight tiles: above AMX_SLICES_ABOVE rows the weights are
+    dequantized slice by slice for it (fp32 rows stay on the exact loops)."""
+    monkeypatch.setattr(cpu_library, "has_amx", lambda: True)
+    _, w = quantized_weight(1100, 128, bits, 64, sym=False)  # > SLICE_BLOCKS blocks, ragged last slice
+    rows = cpu_gemm.AMX_SLICES_ABOVE
+    assert cpu_gemm.path(rows, torch.bfloat16, w) == ("bf16-codes" if rows <= cpu_gemm.CODE_MAX_ROWS[bits]
+                                                      else "bf16-weights")  # fmt: skip
+    assert cpu_gemm.path(rows + 1, torch.bfloat16, w) == "dequant-slices"
+    assert cpu_gemm.path(rows + 1, torch.float32, w) == "fused"
+    cpu_library.vector_bits()  # asked once per process: not a call of this matmul
+    spy = Spy(cpu_library.load())
+    monkeypatch.setattr(cpu_library, "load", lambda: spy)
+    x = torch.randn(rows + 1, 128).bfloat16()
+    out = cpu_gemm.quant_matmul(x, w)
+    assert set(spy.calls) == {"slimlm_dequantize"} and out.dtype == torch.bfloat16
+    assert relative_error(out.double(), reference.quant_matmul(x.double(), w)) < 1e-2
+
+
 @needs_bf16
 def test_fp32_rows_split_into_bf16_planes_up_to_a_third_of_the_code_rows():
     _, w = quantized_weight(64, 128, 4, 64, False)
@@ -49,7 +76,7 @@ def test_fp32_rows_split_into_bf16_planes_up_to_a_third_of_the_code_rows():
 @pytest.mark.parametrize("bits,group_size,sym,act_order,n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 5, 7, 12, 30])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_bf16_code_tiles_are_exact_in_the_weights(poisoned, bits, group_size, sym, act_order, n, k, m, threads):
+def test_bf16_code_tiles_are_exact_in_the_weights(poisoned, no_amx, bits, group_size, sym, act_order, n, k, m, threads):
     """Codes, scales and zero points enter exactly: only fp32 accumulation separates the result from the
     float64 product of the same bf16 x. 5 and 7 rows split into tiles of 3 + 2 and 4 + 3; with two threads a
     narrow layer (≤ 3 blocks of 64 features) splits its rows between them too."""
@@ -73,7 +100,7 @@ def test_bf16_code_tiles_are_exact_in_the_weights(poisoned, bits, group_size, sy
 @needs_bf16
 @pytest.mark.parametrize("bits,group_size,sym,act_order,n,k", SHAPES)
 @pytest.mark.parametrize("extra", [1, 7])
-def test_bf16_weight_tiles_round_the_weights_as_torch(poisoned, bits, group_size, sym, act_order, n, k, extra):
+def test_bf16_weight_tiles_round_the_weights_as_torch(poisoned, no_amx, bits, group_size, sym, act_order, n, k, extra):
     """Above the code rows, each weight is dequantized once, rounded to bf16 (nearest even) and multiplied by
     6-row tiles: the result is the float64 product with exactly those weights, up to fp32 accumulation."""
     m = cpu_gemm.CODE_MAX_ROWS[bits] + extra
@@ -181,7 +208,7 @@ class Spy:
 
 @needs_bf16
 @pytest.mark.parametrize("bits", [4, 8])
-def test_quant_matmul_runs_the_loop_path_names(monkeypatch, bits):
+def test_quant_matmul_runs_the_loop_path_names(monkeypatch, no_amx, bits):
     """Every loop gives the right numbers, so only a spy shows which one ran: the one `path` names."""
     _, w = quantized_weight(64, 128, bits, 64, False)
     limit = cpu_gemm.CODE_MAX_ROWS[bits]
