@@ -101,6 +101,8 @@ def test_the_serving_roofline_by_hand():
     assert r["bound"] == "bandwidth" and r["time_s"] == 2.0 and r["output_tok_s"] == 3.0
     one_at_a_time = plan.serving_roofline(d, requests, 1, 100, 10, 3680, 265)
     assert one_at_a_time["steps"] == 6 and one_at_a_time["bytes"] == 730  # six outputs, one sequence per step
+    three = plan.serving_roofline(d, [(0.0, 1, 3), (0.0, 1, 2), (0.0, 1, 2)], 2, 100, 10, 3680, 265)
+    assert three["steps"] == 4  # ⌈7 outputs / 2 per step⌉, more than the longest output's 3
     fast = plan.serving_roofline(d, requests, 2, 100, 10, 1e9, 1e9)
     assert fast["bound"] == "arrivals" and fast["output_tok_s"] == 12.0
     slow = plan.serving_roofline(d, requests, 2, 100, 10, 368, 1e9)
