@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 
 import torch
 
 from slimlm import SlimlmError
+from slimlm.kernels.cpu_library import cpu_flags
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -63,13 +63,3 @@ def fp32_products_with_bf16_inputs(device: torch.device) -> Iterator[None]:
         yield
     finally:
         settings.fp32_precision = before
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The first CPU's feature flags from /proc/cpuinfo, read once; empty where there is none (not Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
-    except OSError:
-        return frozenset()

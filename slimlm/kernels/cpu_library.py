@@ -18,7 +18,6 @@ import tempfile
 from pathlib import Path
 
 from slimlm import SlimlmError, cache_dir
-from slimlm.devices import cpu_flags
 
 SOURCES = [*(Path(__file__).with_name(f"{kernel}{isa}.c") for kernel in ("cpu_gemm", "cpu_attention")
              for isa in ("", "_avx2")), Path(__file__).with_name("cpu_layer.c")]  # fmt: skip
@@ -92,6 +91,16 @@ def vector_bits() -> int:
 def has_bf16_gemm() -> bool:
     """Whether the bf16 dot-product GEMM (slimlm_quant_matmul_bf16, AVX-512 BF16) was built here."""
     return hasattr(load(), "slimlm_quant_matmul_bf16")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The first CPU's feature flags from /proc/cpuinfo, read once; empty where there is none (not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return frozenset()
 
 
 def has_amx() -> bool:

@@ -40,6 +40,12 @@ def no_amx(monkeypatch):
     monkeypatch.setattr(cpu_library, "has_amx", lambda: False)
 
 
+@pytest.mark.parametrize(("flags", "amx"), [("fpu avx512_bf16 amx_bf16 amx_tile", True), ("fpu avx512_bf16", False)])
+def test_amx_is_read_from_the_cpu_flags(monkeypatch, flags, amx):
+    monkeypatch.setattr(cpu_library, "cpu_flags", lambda: frozenset(flags.split()))
+    assert cpu_library.has_amx() is amx
+
+
 @needs_bf16
 @pytest.mark.parametrize("bits", [4, 8])
 def test_amx_cpus_multiply_many_bf16_rows_on_dequantized_slices(poisoned, monkeypatch, bits):
