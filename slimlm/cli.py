@@ -404,7 +404,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
         if len(lo_hi) != 2 or lo_hi[0] > lo_hi[1]:
             raise SlimlmError(f"{flag} {text!r}: give LO,HI with LO <= HI, e.g. 64,256")
         spans[flag] = tuple(lo_hi)
-    if a.rate <= 0 or a.slo_ttft <= 0 or a.slo_itl <= 0:
+    if not (a.rate > 0 and a.slo_ttft > 0 and a.slo_itl > 0):  # nan is neither
         raise SlimlmError("--rate, --slo-ttft and --slo-itl must be positive")
     config = bench.BenchConfig(batches=_int_list(a.batch, "--batch"), context=a.context, prefill_len=a.prefill_len,
                                kv_cache_memory=a.kv_cache_memory, dtype=a.dtype, requests=a.requests, rate=a.rate,

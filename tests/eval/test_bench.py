@@ -96,6 +96,7 @@ def test_the_command_measures_the_source_beside_a_checkpoint(tiny_llama, tmp_pat
     (["--prompt-len", "9,3"], "--prompt-len '9,3': give LO,HI with LO <= HI"),
     (["--batch", "1,x"], "--batch '1,x'"),
     (["--rate", "0"], "must be positive"),
+    (["--rate", "nan"], "must be positive"),
     (["--batch", "4096", "--kv-cache-memory", "1M"], "cannot hold batch 4096"),
 ])  # fmt: skip
 def test_bad_input_is_one_line(tiny_llama, capsys, args, fragment):
