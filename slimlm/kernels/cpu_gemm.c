@@ -193,24 +193,66 @@ code_tile(int bits, int rows, const uint16_t *x, int64_t K, int64_t group, int64
     }
 }
 
-// Inputs [k0, k0 + kc) of one weight block, dequantized into buf as bf16 pairs.
+// Inputs [k0, k0 + kc) of one weight block, dequantized into buf as bf16 pairs (rounded to nearest even).
+// Two rows of codes k, k + 1 make eight fp32 registers with one byte permute: lane L of register r takes the
+// code of row k + L%2, feature f = 32·(r/4) + 8·(r%4) + L/2, from byte r%4 of its dword (4-bit: nibble r/4).
+// Two bit operations put the code c in the mantissa of 1.0, which reads as v = 1 + c/u exactly (u = 16 or
+// 256), and one fused multiply-subtract makes the weight: s·(c − z) = (u·s)·v − s·(u + z) (the rounding of
+// s·(u + z) stays far below the bf16 rounding that follows). Registers 2i and 2i + 1 then convert together
+// into pair register i (features 16i..16i+15) in order: one permute per two rows of codes, none after it.
 static inline __attribute__((always_inline)) void
 dequantize_chunk(int bits, int64_t group, const uint8_t *codes, const uint16_t *scales, const uint8_t *zeros,
                  int64_t k0, int64_t kc, __m512i *buf) {
-    // word 2j of a pair <- word j of the two rows converted together (k), word 2j + 1 <- word 16 + j (k + 1)
-    static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i idx = _mm512_loadu_si512(interleave);
+    const float u = bits == 4 ? 16.0f : 256.0f;
     const int64_t row_bytes = BN * bits / 8;
-    __m512 s[4], zs[4];
+    // byte b of dword `lane`: row lane % 2's byte 8b + lane/2 (8-bit: of half 0; half 1 is 32 bytes on)
+    static const uint8_t gather4[64] = {
+        0, 8, 16, 24, 32, 40, 48, 56, 1, 9, 17, 25, 33, 41, 49, 57, 2, 10, 18, 26, 34, 42, 50, 58, 3, 11,
+        19, 27, 35, 43, 51, 59, 4, 12, 20, 28, 36, 44, 52, 60, 5, 13, 21, 29, 37, 45, 53, 61, 6, 14, 22, 30,
+        38, 46, 54, 62, 7, 15, 23, 31, 39, 47, 55, 63};
+    static const uint8_t gather8[64] = {
+        0, 8, 16, 24, 64, 72, 80, 88, 1, 9, 17, 25, 65, 73, 81, 89, 2, 10, 18, 26, 66, 74, 82, 90, 3, 11,
+        19, 27, 67, 75, 83, 91, 4, 12, 20, 28, 68, 76, 84, 92, 5, 13, 21, 29, 69, 77, 85, 93, 6, 14, 22, 30,
+        70, 78, 86, 94, 7, 15, 23, 31, 71, 79, 87, 95};
+    const __m512i g0 = _mm512_loadu_si512(bits == 4 ? gather4 : gather8);
+    const __m512i g1 = _mm512_add_epi8(g0, _mm512_set1_epi8(32));
+    const __m512i field = _mm512_set1_epi32(bits == 4 ? 0x00780000 : 0x007F8000);
+    const __m512i one = _mm512_set1_epi32(0x3F800000);
+    const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);  // lane L: feature L/2
+    __m512 scale[8], offset[8];
     for (int64_t k = k0; k < k0 + kc; k += 2) {
-        if (k == k0 || k % group == 0)  // groups are even: a pair never straddles two
-            group_scales(scales + k / group * BN, zeros + k / group * BN, 0.0f, s, zs);
-        __m512 lo[4], hi[4];
-        weights_at(bits, codes + k * row_bytes, s, zs, lo);
-        weights_at(bits, codes + (k + 1) * row_bytes, s, zs, hi);
+        if (k == k0 || k % group == 0) {  // groups are even: a pair never straddles two
+            const uint16_t *sg = scales + k / group * BN;
+            const uint8_t *zg = zeros + k / group * BN;
+            for (int r = 0; r < 8; r++) {
+                const int f = 32 * (r / 4) + 8 * (r % 4);
+                const __m512 sf = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(
+                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + f)))));
+                const __m512 zf = _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zg + f))))));
+                scale[r] = _mm512_mul_ps(sf, _mm512_set1_ps(u));
+                offset[r] = _mm512_mul_ps(sf, _mm512_add_ps(zf, _mm512_set1_ps(u)));
+            }
+        }
+        const uint8_t *c = codes + k * row_bytes;
+        __m512i t0, t1;
+        if (bits == 4) {
+            t0 = t1 = _mm512_permutexvar_epi8(g0, _mm512_loadu_si512(c));
+        } else {
+            const __m512i lo = _mm512_loadu_si512(c), hi = _mm512_loadu_si512(c + 64);
+            t0 = _mm512_permutex2var_epi8(lo, g0, hi), t1 = _mm512_permutex2var_epi8(lo, g1, hi);
+        }
+        __m512 w[8];
+        for (int r = 0; r < 8; r++) {
+            // the code's bits to the mantissa's top (4-bit: 22..19, 8-bit: 22..15), then (t & field) | one
+            const int at = bits == 4 ? 8 * (r % 4) + 4 * (r / 4) : 8 * (r % 4), to = bits == 4 ? 19 : 15;
+            const __m512i t = bits == 4 || r < 4 ? t0 : t1;
+            const __m512i moved = at <= to ? _mm512_slli_epi32(t, to - at) : _mm512_srli_epi32(t, at - to);
+            const __m512 v = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(moved, field, one, 0xEA));
+            w[r] = _mm512_fmsub_ps(v, scale[r], offset[r]);
+        }
         for (int i = 0; i < 4; i++)
-            buf[(k - k0) / 2 * 4 + i] = _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(hi[i], lo[i]));
+            buf[(k - k0) / 2 * 4 + i] = (__m512i)_mm512_cvtne2ps_pbh(w[2 * i + 1], w[2 * i]);
     }
 }
 
@@ -336,6 +378,168 @@ int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, 
     free(xs);
     return failed ? -1 : 0;
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Many rows on a CPU with AMX: the weight tiles above, with the dot products on the AMX tile unit
+// (tdpbf16ps: a 16×32 tile of x times a 16-pair × 16-feature tile of weights, 8192 multiply-adds an
+// instruction). The dequantized chunk in buf already has the tile unit's weight layout: row p of a weight
+// tile is pair p (inputs k0 + 2p, k0 + 2p + 1) of 16 features, 256 bytes from the next. One tile product
+// serves 16 rows of x for about the time the AVX-512 loops spend on one, and the weights are unpacked once
+// per call: from a handful of rows on, this reads 4 or 8 bits a weight where a dense bf16 matmul reads 16.
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define TM 16  // rows of a tile
+#define TK 32  // inputs of a tile (16 pairs)
+
+// Linux hands out the tile registers only to a process that asks. Returns 1 if they are usable.
+int slimlm_amx_ready(void) {
+    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+
+// Eight tiles of 16 rows × 64 bytes; which hold results, x and weights, each loop below says.
+static void configure_tiles(void) {
+    struct tile_config config = {.palette = 1};
+    for (int t = 0; t < 8; t++) config.bytes_per_row[t] = 64, config.rows[t] = TM;
+    _tile_loadconfig(&config);
+}
+
+// The results of x's row tiles at m and m + TM (acc rows 64 floats apart) for inputs [0, kc) of the chunk in
+// buf: tmm0-3 hold them for two of the block's four feature tiles at a time, tmm4-5 x, tmm6-7 weights.
+static inline void amx_two_row_tiles(const uint16_t *x, int64_t stride, int64_t kc, const __m512i *buf, float *acc,
+                                     int first) {
+    for (int i = 0; i < 4; i += 2) {
+        float *c0 = acc + 16 * i, *c1 = acc + TM * BN + 16 * i;
+        if (first) {
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        } else {
+            _tile_loadd(0, c0, 4 * BN); _tile_loadd(1, c0 + 16, 4 * BN);
+            _tile_loadd(2, c1, 4 * BN); _tile_loadd(3, c1 + 16, 4 * BN);
+        }
+        for (int64_t k = 0; k < kc; k += TK) {
+            _tile_loadd(4, x + k, 2 * stride);
+            _tile_loadd(5, x + TM * stride + k, 2 * stride);
+            _tile_loadd(6, buf + k / 2 * 4 + i, 4 * 64);
+            _tile_loadd(7, buf + k / 2 * 4 + i + 1, 4 * 64);
+            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c0, 4 * BN); _tile_stored(1, c0 + 16, 4 * BN);
+        _tile_stored(2, c1, 4 * BN); _tile_stored(3, c1 + 16, 4 * BN);
+    }
+}
+
+// One row tile: tmm0-3 hold all four feature tiles' results, tmm4 x, tmm5-7 weights (tmm5 twice a step).
+static inline void amx_row_tile(const uint16_t *x, int64_t stride, int64_t kc, const __m512i *buf, float *acc,
+                                int first) {
+    if (first) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    } else {
+        _tile_loadd(0, acc, 4 * BN); _tile_loadd(1, acc + 16, 4 * BN);
+        _tile_loadd(2, acc + 32, 4 * BN); _tile_loadd(3, acc + 48, 4 * BN);
+    }
+    for (int64_t k = 0; k < kc; k += TK) {
+        const __m512i *w = buf + k / 2 * 4;
+        _tile_loadd(4, x + k, 2 * stride);
+        _tile_loadd(5, w, 4 * 64); _tile_loadd(6, w + 1, 4 * 64); _tile_loadd(7, w + 2, 4 * 64);
+        _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6); _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, w + 3, 4 * 64);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, acc, 4 * BN); _tile_stored(1, acc + 16, 4 * BN);
+    _tile_stored(2, acc + 32, 4 * BN); _tile_stored(3, acc + 48, 4 * BN);
+}
+
+// A single row tile over all of K: the weights are unpacked one tile step (TK inputs) at a time, just before
+// the tile unit multiplies them, so that the AVX-512 unpacking and the tile unit run side by side, and the
+// results stay in tmm0-3 throughout. buf: a ring of RING steps, so unpacking never waits for a tile load.
+#define RING 4
+static void amx_streamed_row_tile(int bits, int64_t group, const uint8_t *codes, const uint16_t *scales,
+                                  const uint8_t *zeros, int64_t K, const uint16_t *x, __m512i *buf, float *acc) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t k = 0; k < K; k += TK) {
+        const int64_t kc = K - k < TK ? K - k : TK;
+        __m512i *w = buf + k / TK % RING * (TK / 2 * 4);
+        dequantize_chunk(bits, group, codes, scales, zeros, k, kc, w);
+        memset(w + kc / 2 * 4, 0, sizeof(__m512i) * (TK - kc) / 2 * 4);  // zero inputs' pairs past K
+        _tile_loadd(4, x + k, 2 * ((K + TK - 1) / TK * TK));
+        _tile_loadd(5, w, 4 * 64); _tile_loadd(6, w + 1, 4 * 64); _tile_loadd(7, w + 2, 4 * 64);
+        _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6); _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, w + 3, 4 * 64);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, acc, 4 * BN); _tile_stored(1, acc + 16, 4 * BN);
+    _tile_stored(2, acc + 32, 4 * BN); _tile_stored(3, acc + 48, 4 * BN);
+}
+
+// acc[rows, 64] (+)= x[rows, 0 : kc] · the chunk in buf; rows a multiple of TM, x's rows `stride` bf16 apart.
+static void amx_chunk(int64_t rows, const uint16_t *x, int64_t stride, int64_t kc, const __m512i *buf, float *acc,
+                      int first) {
+    int64_t m = 0;
+    for (; m + 2 * TM <= rows; m += 2 * TM) amx_two_row_tiles(x + m * stride, stride, kc, buf, acc + m * BN, first);
+    if (m < rows) amx_row_tile(x + m * stride, stride, kc, buf, acc + m * BN, first);
+}
+
+// y[M, y_cols] = x[M, K] bf16 · Wᵀ on the tile unit, as fp32 or bf16 (y_bf16). K and the group size must be
+// even. Returns -1 if out of memory.
+int slimlm_quant_matmul_amx(int bits, const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
+                            const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
+                            void *y, int64_t y_cols, int y_bf16, int nthreads) {
+    // x with zero rows up to whole tiles and zero inputs up to whole tiles, so every tile load stays inside it
+    const int64_t G = K / group, Mp = (M + TM - 1) / TM * TM, Kp = (K + TK - 1) / TK * TK;
+    uint16_t *xp = aligned_alloc(64, sizeof(uint16_t) * Mp * Kp);
+    if (xp == NULL) return -1;
+    for (int64_t m = 0; m < Mp; m++) {
+        if (m < M) memcpy(xp + m * Kp, x + m * K, sizeof(uint16_t) * K);
+        memset(xp + m * Kp + (m < M ? K : 0), 0, sizeof(uint16_t) * (m < M ? Kp - K : Kp));
+    }
+    int64_t parts = 1;  // as in slimlm_quant_matmul_bf16, in whole row tiles
+    while (nblocks * parts < 4 * nthreads && 2 * parts * TM <= Mp) parts *= 2;
+    const int64_t part_rows = (Mp / TM + parts - 1) / parts * TM;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(|| : failed)
+    {
+        float *acc = aligned_alloc(64, sizeof(float) * BN * part_rows);
+        __m512i *buf = aligned_alloc(64, sizeof(__m512i) * KC / 2 * 4);
+        failed = acc == NULL || buf == NULL;
+        if (!failed) configure_tiles();
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            for (int64_t part = 0; part < parts; part++) {
+                const int64_t m0 = part * part_rows, m1 = m0 + part_rows < Mp ? m0 + part_rows : Mp;
+                if (failed || m0 >= M) continue;
+                const uint8_t *c = codes + nb * K * (BN * bits / 8);
+                const uint16_t *s = scales + nb * G * BN;
+                const uint8_t *z = zeros + nb * G * BN;
+                if (m1 - m0 == TM) {
+                    amx_streamed_row_tile(bits, group, c, s, z, K, xp + m0 * Kp, buf, acc);
+                    write_block(acc, m0, m1 < M ? m1 : M, y, y_cols, y_bf16, nb * BN);
+                    continue;
+                }
+                for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                    const int64_t kc = K - k0 < KC ? K - k0 : KC, kt = (kc + TK - 1) / TK * TK;
+                    dequantize_chunk(bits, group, c, s, z, k0, kc, buf);
+                    memset(buf + kc / 2 * 4, 0, sizeof(__m512i) * (kt - kc) / 2 * 4);  // the zero inputs' pairs
+                    amx_chunk(m1 - m0, xp + m0 * Kp + k0, Kp, kt, buf, acc, k0 == 0);
+                }
+                write_block(acc, m0, m1 < M ? m1 : M, y, y_cols, y_bf16, nb * BN);
+            }
+        }
+        if (!failed) _tile_release();
+        free(buf);
+        free(acc);
+    }
+    free(xp);
+    return failed ? -1 : 0;
+}
+#endif
 
 static inline uint16_t bf16_nearest(float f) {  // round to nearest even, as torch's float -> bfloat16
     uint32_t u;

@@ -4,8 +4,8 @@ Which loop runs, by CPU and by x (thresholds measured with benchmarks/kernels_cp
 
     AVX-512 BF16, bf16 x      up to CODE_MAX_ROWS[bits] rows: code tiles (exact codes into the bf16 dot
                               products, scales applied per segment); above: dequantized bf16 weight tiles;
-                              with AMX, above AMX_SLICES_ABOVE rows: bf16 matmul on dequantized slices
-                              (torch's matmul runs on the AMX tiles, 2-4× any AVX-512 loop there)
+                              with AMX, above AMX_MIN_ROWS - 1 rows: the same weight tiles multiplied on the
+                              AMX tile unit (2-4× any AVX-512 loop there)
     AVX-512 BF16, fp32 x      up to a third of that: each row split exactly into three bf16 rows for the code
                               tiles (fp32 accuracy); above: the fused fp32 loop
     AVX-512 without BF16      fused fp32 loop; bf16 x above FUSED_MAX_ROWS_BF16 rows: bf16 matmul on
@@ -22,7 +22,7 @@ from slimlm.kernels import cpu_library
 from slimlm.kernels.packed import BLOCK_N, PackedWeight
 
 CODE_MAX_ROWS = {4: 32, 8: 16}  # AVX-512 BF16: code tiles up to here (bf16 rows), weight tiles above
-AMX_SLICES_ABOVE = 24  # AMX CPUs, bf16 x: dequantized slices win from 24-32 rows on (measured on Sapphire Rapids)
+AMX_MIN_ROWS = 6  # AMX CPUs, bf16 x: the tile unit from here on; code tiles below (measured on Sapphire Rapids)
 FUSED_MAX_ROWS_BF16 = 16  # AVX-512 without BF16: above this, bf16 matmul on dequantized slices wins
 FUSED_MAX_ROWS_AVX2 = 24  # AVX2: above this, fp32 matmul on dequantized slices wins, for either dtype of x
 SLICE_BLOCKS = 16  # weight blocks (of BLOCK_N features) dequantized at a time: a few MB, stays in cache
@@ -46,6 +46,11 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         y = torch.empty(m, w.out_features, dtype=dtype)
         status = lib.slimlm_quant_matmul_bf16(w.bits, x.data_ptr(), m, k, *blocks, y.data_ptr(), w.out_features,
                                               1, CODE_MAX_ROWS[w.bits], threads)  # fmt: skip
+    elif kernel == "bf16-amx":
+        x = x.contiguous()
+        y = torch.empty(m, w.out_features, dtype=dtype)
+        status = lib.slimlm_quant_matmul_amx(w.bits, x.data_ptr(), m, k, *blocks, y.data_ptr(), w.out_features, 1,
+                                             threads)  # fmt: skip
     elif kernel == "fp32-split":
         x = x.to(torch.float32).contiguous()
         y = torch.empty(m, w.out_features)
@@ -67,8 +72,8 @@ def path(rows: int, dtype: torch.dtype, w: PackedWeight) -> str:
     if cpu_library.has_bf16_gemm() and pairs:
         limit = CODE_MAX_ROWS[w.bits]
         if dtype == torch.bfloat16:
-            if rows > AMX_SLICES_ABOVE and cpu_library.has_amx():
-                return "dequant-slices"
+            if rows >= AMX_MIN_ROWS and cpu_library.has_amx_gemm():
+                return "bf16-amx"
             return "bf16-codes" if rows <= limit else "bf16-weights"
         if 3 * rows <= limit:
             return "fp32-split"

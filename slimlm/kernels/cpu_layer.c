@@ -99,6 +99,9 @@ int slimlm_quant_matmul_f32_split(int bits, const float *x, int64_t M, int64_t K
 void slimlm_quant_matmul(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes,
                          const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group, float *y,
                          int nthreads);
+int slimlm_quant_matmul_amx(int bits, const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
+                            const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
+                            void *y, int64_t y_cols, int y_bf16, int nthreads);  // only where AMX was built
 int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache, int bf16, const int32_t *tables,
                         int64_t width, const int32_t *seq_lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
                         int64_t block_size, float scale, float *out, int nthreads);
@@ -107,10 +110,16 @@ int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache
 typedef struct {
     const void *codes, *scales, *zeros;
     int64_t blocks, group, bits, in_features, out_features, code_rows;
-    int64_t loop;  // 0: bf16 x and y; 1: fp32 split into bf16 planes; 2: the fused fp32 loop (padded y)
+    int64_t loop;  // 0: bf16 x and y; 1: fp32 split into bf16 planes; 2: the fused fp32 loop (padded y);
+                   // 3: bf16 x and y on the AMX tile unit
 } Linear;
 
 static int linear(const Linear *w, const void *x, int64_t m, void *y, float *padded, int nthreads) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (w->loop == 3)
+        return slimlm_quant_matmul_amx((int)w->bits, x, m, w->in_features, w->codes, w->scales, w->zeros, w->blocks,
+                                       w->group, y, w->out_features, 1, nthreads);
+#endif
     if (w->loop == 0)
         return slimlm_quant_matmul_bf16((int)w->bits, x, m, w->in_features, w->codes, w->scales, w->zeros, w->blocks,
                                         w->group, y, w->out_features, 1, w->code_rows, nthreads);

@@ -66,7 +66,8 @@ class _Linear(ctypes.Structure):  # cpu_layer.c's Linear
                                             "loop")]  # fmt: skip
 
 
-LOOPS = {"bf16-codes": 0, "bf16-weights": 0, "fp32-split": 1, "fused": 2}  # cpu_gemm.path -> the C loop
+LOOPS = {"bf16-codes": 0, "bf16-weights": 0, "fp32-split": 1, "fused": 2, "bf16-amx": 3}  # cpu_gemm.path -> C loop
+BF16_LOOPS = (0, 3)
 
 
 class DecodeLayer:
@@ -92,7 +93,7 @@ class DecodeLayer:
         if key not in self._plans:
             loops = [LOOPS.get(cpu_gemm.path(rows, dtype, w)) for w in self.linears]
             bf16 = dtype == torch.bfloat16  # bf16 x runs the bf16 loops only, fp32 x the others
-            if not all(loop is not None and (loop == 0) == bf16 for loop in loops):
+            if not all(loop is not None and (loop in BF16_LOOPS) == bf16 for loop in loops):
                 self._plans[key] = None
             else:
                 self._plans[key] = (_Linear * 4)(*(

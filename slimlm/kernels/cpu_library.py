@@ -77,6 +77,10 @@ def load(march: str = "native") -> ctypes.CDLL:
                                                  i64, c_int]  # fmt: skip
         lib.slimlm_quant_matmul_f32_split.argtypes = [c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, c_int]
         lib.slimlm_quant_matmul_bf16.restype = lib.slimlm_quant_matmul_f32_split.restype = c_int
+    if hasattr(lib, "slimlm_quant_matmul_amx"):  # built only where the CPU has AMX
+        lib.slimlm_amx_ready.argtypes, lib.slimlm_amx_ready.restype = [], c_int
+        lib.slimlm_quant_matmul_amx.argtypes = lib.slimlm_quant_matmul_bf16.argtypes[:-2] + [c_int]
+        lib.slimlm_quant_matmul_amx.restype = c_int
     return lib
 
 
@@ -103,9 +107,11 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
-def has_amx() -> bool:
-    """Whether the CPU has AMX bf16 tiles, which torch's bf16 matmul (oneDNN) runs on."""
-    return "amx_bf16" in cpu_flags()
+@functools.cache
+def has_amx_gemm() -> bool:
+    """Whether the AMX GEMM (slimlm_quant_matmul_amx) was built here and the OS lets this process use the tiles."""
+    lib = load()
+    return hasattr(lib, "slimlm_quant_matmul_amx") and bool(lib.slimlm_amx_ready())
 
 
 @functools.cache

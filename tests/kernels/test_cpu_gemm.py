@@ -36,35 +36,42 @@ def test_fp32_rows_match_reference_to_fp32_accuracy(poisoned, bits, group_size, 
 
 @pytest.fixture
 def no_amx(monkeypatch):
-    """The AVX-512 BF16 loops as a CPU without AMX runs them (an AMX CPU hands many bf16 rows to torch)."""
-    monkeypatch.setattr(cpu_library, "has_amx", lambda: False)
+    """The AVX-512 BF16 loops as a CPU without AMX runs them (an AMX CPU hands most bf16 rows to the tile unit)."""
+    monkeypatch.setattr(cpu_library, "has_amx_gemm", lambda: False)
 
 
-@pytest.mark.parametrize(("flags", "amx"), [("fpu avx512_bf16 amx_bf16 amx_tile", True), ("fpu avx512_bf16", False)])
-def test_amx_is_read_from_the_cpu_flags(monkeypatch, flags, amx):
-    monkeypatch.setattr(cpu_library, "cpu_flags", lambda: frozenset(flags.split()))
-    assert cpu_library.has_amx() is amx
+needs_amx = pytest.mark.skipif(
+    not (cpu_library.available() and cpu_library.has_amx_gemm()), reason="needs AMX (e.g. Sapphire Rapids)"
+)
 
 
-@needs_bf16
-@pytest.mark.parametrize("bits", [4, 8])
-def test_amx_cpus_multiply_many_bf16_rows_on_dequantized_slices(poisoned, monkeypatch, bits):
-    """With AMX, torch's bf16 matmul outruns the weight tiles: above AMX_SLICES_ABOVE rows the weights are
-    dequantized slice by slice for it (fp32 rows stay on the exact loops)."""
-    monkeypatch.setattr(cpu_library, "has_amx", lambda: True)
-    _, w = quantized_weight(1100, 128, bits, 64, sym=False)  # > SLICE_BLOCKS blocks, ragged last slice
-    rows = cpu_gemm.AMX_SLICES_ABOVE
-    assert cpu_gemm.path(rows, torch.bfloat16, w) == ("bf16-codes" if rows <= cpu_gemm.CODE_MAX_ROWS[bits]
-                                                      else "bf16-weights")  # fmt: skip
-    assert cpu_gemm.path(rows + 1, torch.bfloat16, w) == "dequant-slices"
-    assert cpu_gemm.path(rows + 1, torch.float32, w) == "fused"
-    cpu_library.vector_bits()  # asked once per process: not a call of this matmul
-    spy = Spy(cpu_library.load())
-    monkeypatch.setattr(cpu_library, "load", lambda: spy)
-    x = torch.randn(rows + 1, 128).bfloat16()
-    out = cpu_gemm.quant_matmul(x, w)
-    assert set(spy.calls) == {"slimlm_dequantize"} and out.dtype == torch.bfloat16
-    assert relative_error(out.double(), reference.quant_matmul(x.double(), w)) < 1e-2
+@needs_amx
+@pytest.mark.parametrize("bits,group_size,sym,act_order,n,k", SHAPES)
+@pytest.mark.parametrize("m", [cpu_gemm.AMX_MIN_ROWS, 16, 17, 40])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_tiles_round_the_weights_as_torch(poisoned, bits, group_size, sym, act_order, n, k, m, threads):
+    """From AMX_MIN_ROWS bf16 rows on, an AMX CPU multiplies the weight tiles on the tile unit: the same
+    bf16-rounded weights as the AVX-512 weight tiles, so the float64 product with exactly those weights up to
+    fp32 accumulation. Up to 16 rows: one row tile, unpacked as it streams; 17: a pair of row tiles over
+    chunks; 40: a pair and a last single tile; with two threads a narrow layer splits its row tiles too."""
+    _, w = quantized_weight(n, k, bits, group_size, sym, act_order, seed=m)
+    x = torch.randn(m, k).bfloat16()
+    assert cpu_gemm.path(m, torch.bfloat16, w) == "bf16-amx"
+    assert cpu_gemm.path(m, torch.float32, w) != "bf16-amx"
+    x_perm = x if w.perm is None else x[:, w.perm]
+    ref = x_perm.double() @ dequantize(w).bfloat16().double()[: w.out_features].T
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = cpu_gemm.quant_matmul(x, w)
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16
+        assert relative_error(y.double(), ref) < 4e-3  # the output's own bf16 rounding
+        fp32 = torch.empty(m, w.out_features)
+        assert cpu_library.load().slimlm_quant_matmul_amx(w.bits, x_perm.contiguous().data_ptr(), m, k, *w.kernel_args,
+                                                          fp32.data_ptr(), w.out_features, 0, threads) == 0  # fmt: skip
+        assert relative_error(fp32.double(), ref) < 1e-5  # before that rounding: fp32 accumulation only
+    finally:
+        torch.set_num_threads(previous)
 
 
 @needs_bf16
@@ -229,14 +236,26 @@ def test_quant_matmul_runs_the_loop_path_names(monkeypatch, no_amx, bits):
         assert spy.calls == [called], (rows, dtype)
 
 
+@needs_amx
+def test_amx_cpus_run_the_tile_unit_from_amx_min_rows(monkeypatch):
+    _, w = quantized_weight(64, 128, 4, 64, False)
+    spy = Spy(cpu_library.load())
+    monkeypatch.setattr(cpu_library, "load", lambda: spy)
+    for rows in (cpu_gemm.AMX_MIN_ROWS - 1, cpu_gemm.AMX_MIN_ROWS, 300):
+        spy.calls = []
+        cpu_gemm.quant_matmul(torch.randn(rows, 128).bfloat16(), w)
+        assert spy.calls == ["slimlm_quant_matmul_" + ("amx" if rows >= cpu_gemm.AMX_MIN_ROWS else "bf16")], rows
+
+
 @needs_bf16
-def test_a_failed_allocation_in_the_bf16_kernels_is_named(monkeypatch):
+@pytest.mark.parametrize("rows", [3, 40])
+def test_a_failed_allocation_in_the_bf16_kernels_is_named(monkeypatch, rows):
     _, w = quantized_weight(64, 128, 4, 64, False)
     failing = Spy(cpu_library.load(), status=-1)
     monkeypatch.setattr(cpu_library, "load", lambda: failing)
     with pytest.raises(SlimlmError) as e:
-        cpu_gemm.quant_matmul(torch.randn(3, 128).bfloat16(), w)
-    assert str(e.value) == "out of memory in the CPU quantized matmul (3×128 rows of x)"
+        cpu_gemm.quant_matmul(torch.randn(rows, 128).bfloat16(), w)
+    assert str(e.value) == f"out of memory in the CPU quantized matmul ({rows}×128 rows of x)"
 
 
 def test_cpus_without_bf16_run_the_loop_path_names_over_every_slice(poisoned, other_isa, monkeypatch):
