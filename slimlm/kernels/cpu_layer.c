@@ -42,6 +42,7 @@ void slimlm_add_rms_norm(const void *x, void *residual, const void *weight, void
     for (int64_t r = 0; r < rows; r++) {
         const int64_t base = r * dim;
         double squares = 0.0;
+#pragma omp simd reduction(+ : squares)  // squares are exact in double: the order moves only bits far below fp32
         for (int64_t i = 0; i < dim; i++) {
             float h = load(x, base + i, bf16);
             if (residual) {
@@ -52,6 +53,7 @@ void slimlm_add_rms_norm(const void *x, void *residual, const void *weight, void
         }
         const float inv = 1.0f / sqrtf((float)(squares / (double)dim) + eps);
         const void *h = residual ? residual : x;
+#pragma omp simd
         for (int64_t i = 0; i < dim; i++) {
             const float normed = rounded(load(h, base + i, bf16) * inv, bf16);
             store(out, base + i, load(weight, i, bf16) * normed, bf16);
