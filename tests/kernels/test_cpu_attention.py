@@ -37,6 +37,23 @@ def test_matches_reference(poisoned, heads, kv_heads, head_dim, kv_dtype, q_dtyp
     assert relative_error(out, reference.paged_attention(*p.args(), dtype=torch.float64)) < TOLERANCE[q_dtype]
 
 
+@pytest.mark.skipif(not cpu_library.available(), reason="needs gcc and AVX-512 or AVX2")
+@pytest.mark.parametrize("block_size", [8, 32])
+@pytest.mark.parametrize("seq_lens", [[70], [3, 40, 33, 16, 1, 90]], ids=["a-task-per-head", "a-task-per-sequence"])
+@pytest.mark.parametrize("head_dim,kv_dtype", [(64, torch.bfloat16), (128, torch.float32), (48, torch.bfloat16)])
+def test_c_kernel_over_other_block_sizes(poisoned, block_size, seq_lens, head_dim, kv_dtype):
+    """Keys go 16 tokens at a time whatever the block size (a run of 16 spans blocks of 8, or half of 32);
+    one sequence splits into a task per KV head, six into a task per sequence (two threads)."""
+    p = paged_problem(seq_lens, [1] * len(seq_lens), 8, 2, head_dim, block_size, kv_dtype, kv_dtype, seed=block_size)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = cpu_attention.paged_attention(*p.args(), native=True)
+    finally:
+        torch.set_num_threads(previous)
+    assert relative_error(out, reference.paged_attention(*p.args(), dtype=torch.float64)) < TOLERANCE[kv_dtype]
+
+
 def test_c_kernel_takes_fp32_decodes():
     p = paged_problem([40, 7], [1, 1], 8, 2, 64, kv_dtype=torch.float32, q_dtype=torch.float32)
     assert cpu_attention._native_applies(p.q, p.k_cache, p.k_scale)
