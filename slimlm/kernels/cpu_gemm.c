@@ -170,7 +170,7 @@ code_tile(int bits, int rows, const uint16_t *x, int64_t K, int64_t group, int64
     const float offset = bits == 4 ? 16.0f : 0.0f;
     const __m512 unit = _mm512_set1_ps(bits == 4 ? 16.0f : 1.0f);
     for (int64_t sk = k0; sk < k0 + kc; sk += seg) {
-        __m512 acc[CODE_ROWS][4];
+        __m512 acc[WEIGHT_ROWS][4];  // CASES also instantiates 5 and 6 rows, which code tiles never run
         for (int r = 0; r < rows; r++)
             for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
         for (int64_t k = sk; k < sk + seg; k += 2) {

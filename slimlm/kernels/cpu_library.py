@@ -64,7 +64,11 @@ def load(march: str = "native") -> ctypes.CDLL:
             if result.returncode != 0:
                 raise SlimlmError(f"building the CPU kernels failed: {result.stderr.strip().splitlines()[-1]}")
             built.replace(path)  # atomic: concurrent builders each rename a complete file
-    lib = ctypes.CDLL(str(path))
+    return bind(ctypes.CDLL(str(path)))
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """lib with the argument and result types of its kernels set (a build of these sources, any revision)."""
     for name, (args, result) in SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
     lib.slimlm_dequantize.argtypes = DEQUANTIZE
