@@ -437,6 +437,20 @@ static inline void amx_two_row_tiles(const uint16_t *x, int64_t stride, int64_t 
 }
 
 // One row tile: tmm0-3 hold all four feature tiles' results, tmm4 x, tmm5-7 weights (tmm5 twice a step).
+// One tile step (TK inputs): x's tile at x, the four weight tiles from w.
+static inline void amx_row_step(const uint16_t *x, int64_t stride, const __m512i *w) {
+    _tile_loadd(4, x, 2 * stride);
+    _tile_loadd(5, w, 4 * 64); _tile_loadd(6, w + 1, 4 * 64); _tile_loadd(7, w + 2, 4 * 64);
+    _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6); _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, w + 3, 4 * 64);
+    _tile_dpbf16ps(3, 4, 5);
+}
+
+static inline void amx_row_results_store(float *acc) {
+    _tile_stored(0, acc, 4 * BN); _tile_stored(1, acc + 16, 4 * BN);
+    _tile_stored(2, acc + 32, 4 * BN); _tile_stored(3, acc + 48, 4 * BN);
+}
+
 static inline void amx_row_tile(const uint16_t *x, int64_t stride, int64_t kc, const __m512i *buf, float *acc,
                                 int first) {
     if (first) {
@@ -445,16 +459,8 @@ static inline void amx_row_tile(const uint16_t *x, int64_t stride, int64_t kc, c
         _tile_loadd(0, acc, 4 * BN); _tile_loadd(1, acc + 16, 4 * BN);
         _tile_loadd(2, acc + 32, 4 * BN); _tile_loadd(3, acc + 48, 4 * BN);
     }
-    for (int64_t k = 0; k < kc; k += TK) {
-        const __m512i *w = buf + k / 2 * 4;
-        _tile_loadd(4, x + k, 2 * stride);
-        _tile_loadd(5, w, 4 * 64); _tile_loadd(6, w + 1, 4 * 64); _tile_loadd(7, w + 2, 4 * 64);
-        _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6); _tile_dpbf16ps(2, 4, 7);
-        _tile_loadd(5, w + 3, 4 * 64);
-        _tile_dpbf16ps(3, 4, 5);
-    }
-    _tile_stored(0, acc, 4 * BN); _tile_stored(1, acc + 16, 4 * BN);
-    _tile_stored(2, acc + 32, 4 * BN); _tile_stored(3, acc + 48, 4 * BN);
+    for (int64_t k = 0; k < kc; k += TK) amx_row_step(x + k, stride, buf + k / 2 * 4);
+    amx_row_results_store(acc);
 }
 
 // A single row tile over all of K: the weights are unpacked one tile step (TK inputs) at a time, just before
@@ -469,14 +475,9 @@ static void amx_streamed_row_tile(int bits, int64_t group, const uint8_t *codes,
         __m512i *w = buf + k / TK % RING * (TK / 2 * 4);
         dequantize_chunk(bits, group, codes, scales, zeros, k, kc, w);
         memset(w + kc / 2 * 4, 0, sizeof(__m512i) * (TK - kc) / 2 * 4);  // zero inputs' pairs past K
-        _tile_loadd(4, x + k, 2 * ((K + TK - 1) / TK * TK));
-        _tile_loadd(5, w, 4 * 64); _tile_loadd(6, w + 1, 4 * 64); _tile_loadd(7, w + 2, 4 * 64);
-        _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6); _tile_dpbf16ps(2, 4, 7);
-        _tile_loadd(5, w + 3, 4 * 64);
-        _tile_dpbf16ps(3, 4, 5);
+        amx_row_step(x + k, (K + TK - 1) / TK * TK, w);
     }
-    _tile_stored(0, acc, 4 * BN); _tile_stored(1, acc + 16, 4 * BN);
-    _tile_stored(2, acc + 32, 4 * BN); _tile_stored(3, acc + 48, 4 * BN);
+    amx_row_results_store(acc);
 }
 
 // acc[rows, 64] (+)= x[rows, 0 : kc] · the chunk in buf; rows a multiple of TM, x's rows `stride` bf16 apart.

@@ -123,3 +123,14 @@ def poisoned_allocations() -> Iterator[None]:
         yield
     finally:
         torch.empty, torch.empty_like = empty, empty_like
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch (and the C kernels, which take torch's thread count) on n threads while active."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from slimlm.kernels import cpu_attention, cpu_library, reference
-from tests.kernels.problems import paged_problem, relative_error
+from tests.kernels.problems import paged_problem, relative_error, torch_threads
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -45,12 +45,8 @@ def test_c_kernel_over_other_block_sizes(poisoned, block_size, seq_lens, head_di
     """Keys go 16 tokens at a time whatever the block size (a run of 16 spans blocks of 8, or half of 32);
     one sequence splits into a task per KV head, six into a task per sequence (two threads)."""
     p = paged_problem(seq_lens, [1] * len(seq_lens), 8, 2, head_dim, block_size, kv_dtype, kv_dtype, seed=block_size)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         out = cpu_attention.paged_attention(*p.args(), native=True)
-    finally:
-        torch.set_num_threads(previous)
     assert relative_error(out, reference.paged_attention(*p.args(), dtype=torch.float64)) < TOLERANCE[kv_dtype]
 
 

@@ -4,7 +4,7 @@ import torch
 from slimlm import SlimlmError
 from slimlm.kernels import cpu_gemm, cpu_library, reference
 from slimlm.kernels.packed import dequantize
-from tests.kernels.problems import quantized_weight, relative_error
+from tests.kernels.problems import quantized_weight, relative_error, torch_threads
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="needs gcc and AVX-512 or AVX2")
 needs_bf16 = pytest.mark.skipif(
@@ -60,9 +60,7 @@ def test_amx_tiles_round_the_weights_as_torch(poisoned, bits, group_size, sym, a
     assert cpu_gemm.path(m, torch.float32, w) != "bf16-amx"
     x_perm = x if w.perm is None else x[:, w.perm]
     ref = x_perm.double() @ dequantize(w).bfloat16().double()[: w.out_features].T
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         y = cpu_gemm.quant_matmul(x, w)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16
         assert relative_error(y.double(), ref) < 4e-3  # the output's own bf16 rounding
@@ -70,8 +68,6 @@ def test_amx_tiles_round_the_weights_as_torch(poisoned, bits, group_size, sym, a
         assert cpu_library.load().slimlm_quant_matmul_amx(w.bits, x_perm.contiguous().data_ptr(), m, k, *w.kernel_args,
                                                           fp32.data_ptr(), w.out_features, 0, threads) == 0  # fmt: skip
         assert relative_error(fp32.double(), ref) < 1e-5  # before that rounding: fp32 accumulation only
-    finally:
-        torch.set_num_threads(previous)
 
 
 @needs_bf16
@@ -99,15 +95,11 @@ def test_bf16_code_tiles_are_exact_in_the_weights(poisoned, no_amx, bits, group_
     x = torch.randn(m, k).bfloat16()
     assert cpu_gemm.path(m, torch.bfloat16, w) == "bf16-codes"
     ref = reference.quant_matmul(x.double(), w)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out = cpu_gemm.quant_matmul(x, w)
         assert out.shape == (m, n) and out.dtype == torch.bfloat16
         assert relative_error(out.double(), ref) < 4e-3  # the output's own bf16 rounding
         assert relative_error(_fp32_result(x, w), ref) < 1e-5  # before it: fp32 accumulation only
-    finally:
-        torch.set_num_threads(previous)
 
 
 @needs_bf16
