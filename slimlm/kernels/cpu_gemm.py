@@ -4,7 +4,7 @@ Which loop runs, by CPU and by x (thresholds measured with benchmarks/kernels_cp
 
     AVX-512 BF16, bf16 x      up to CODE_MAX_ROWS[bits] rows: code tiles (exact codes into the bf16 dot
                               products, scales applied per segment); above: dequantized bf16 weight tiles;
-                              with AMX, above AMX_MIN_ROWS - 1 rows: the same weight tiles multiplied on the
+                              with AMX, from AMX_MIN_ROWS rows on: the same weight tiles multiplied on the
                               AMX tile unit (2-4× any AVX-512 loop there)
     AVX-512 BF16, fp32 x      up to a third of that: each row split exactly into three bf16 rows for the code
                               tiles (fp32 accuracy); above: the fused fp32 loop
