@@ -268,6 +268,14 @@ weight_tile(int rows, const uint16_t *x, int64_t K, int64_t k0, int64_t kc, cons
         for (int i = 0; i < 4; i++) _mm512_storeu_ps(y + r * N + 16 * i, acc[r][i]);
 }
 
+// A narrow layer has too few weight blocks to keep every thread busy: then the rows are split too (into this
+// many parts, each at least `unit` rows), and each thread unpacks its own copy of the block.
+static inline int64_t row_parts(int64_t nblocks, int64_t rows, int64_t unit, int nthreads) {
+    int64_t parts = 1;
+    while (nblocks * parts < 4 * nthreads && 2 * parts * unit <= rows) parts *= 2;
+    return parts;
+}
+
 // Rows [m, m1) in tiles of at most `most` rows, as even as possible (7 rows: 4 + 3, not 6 + 1: a tile of
 // one row waits on its accumulators' latency). Returns the next tile's rows.
 static inline int64_t tile_rows(int64_t m, int64_t m1, int64_t most) {
@@ -333,11 +341,7 @@ int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, 
                 xs[m * S + j] = sum;
             }
     }
-    // A narrow layer has too few weight blocks to keep every thread busy: then the rows are split too, and
-    // each thread unpacks its own copy of the block.
-    int64_t parts = 1;
-    while (nblocks * parts < 4 * nthreads && 2 * parts * CODE_ROWS <= M) parts *= 2;
-    const int64_t part_rows = (M + parts - 1) / parts;
+    const int64_t parts = row_parts(nblocks, M, CODE_ROWS, nthreads), part_rows = (M + parts - 1) / parts;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(|| : failed)
     {
@@ -411,18 +415,34 @@ static void configure_tiles(void) {
     _tile_loadconfig(&config);
 }
 
+// tmm0-3, the results, from the fp32 rows at a0..a3 (64 floats apart), or zero on a block's first chunk.
+static inline void amx_results_start(float *a0, float *a1, float *a2, float *a3, int first) {
+    if (first) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    } else {
+        _tile_loadd(0, a0, 4 * BN); _tile_loadd(1, a1, 4 * BN); _tile_loadd(2, a2, 4 * BN); _tile_loadd(3, a3, 4 * BN);
+    }
+}
+
+static inline void amx_results_store(float *a0, float *a1, float *a2, float *a3) {
+    _tile_stored(0, a0, 4 * BN); _tile_stored(1, a1, 4 * BN); _tile_stored(2, a2, 4 * BN); _tile_stored(3, a3, 4 * BN);
+}
+
+// The inputs [k0, k0 + kc) of one weight block unpacked into buf for the tile unit, with zero pairs up to a
+// whole tile step (x's padding inputs are zero, but 0 · garbage may not be).
+static inline void dequantize_tiles(int bits, int64_t group, const uint8_t *codes, const uint16_t *scales,
+                                    const uint8_t *zeros, int64_t k0, int64_t kc, __m512i *buf) {
+    dequantize_chunk(bits, group, codes, scales, zeros, k0, kc, buf);
+    memset(buf + kc / 2 * 4, 0, sizeof(__m512i) * ((kc + TK - 1) / TK * TK - kc) / 2 * 4);
+}
+
 // The results of x's row tiles at m and m + TM (acc rows 64 floats apart) for inputs [0, kc) of the chunk in
 // buf: tmm0-3 hold them for two of the block's four feature tiles at a time, tmm4-5 x, tmm6-7 weights.
 static inline void amx_two_row_tiles(const uint16_t *x, int64_t stride, int64_t kc, const __m512i *buf, float *acc,
                                      int first) {
     for (int i = 0; i < 4; i += 2) {
         float *c0 = acc + 16 * i, *c1 = acc + TM * BN + 16 * i;
-        if (first) {
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        } else {
-            _tile_loadd(0, c0, 4 * BN); _tile_loadd(1, c0 + 16, 4 * BN);
-            _tile_loadd(2, c1, 4 * BN); _tile_loadd(3, c1 + 16, 4 * BN);
-        }
+        amx_results_start(c0, c0 + 16, c1, c1 + 16, first);
         for (int64_t k = 0; k < kc; k += TK) {
             _tile_loadd(4, x + k, 2 * stride);
             _tile_loadd(5, x + TM * stride + k, 2 * stride);
@@ -431,8 +451,7 @@ static inline void amx_two_row_tiles(const uint16_t *x, int64_t stride, int64_t 
             _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
             _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
         }
-        _tile_stored(0, c0, 4 * BN); _tile_stored(1, c0 + 16, 4 * BN);
-        _tile_stored(2, c1, 4 * BN); _tile_stored(3, c1 + 16, 4 * BN);
+        amx_results_store(c0, c0 + 16, c1, c1 + 16);
     }
 }
 
@@ -446,21 +465,11 @@ static inline void amx_row_step(const uint16_t *x, int64_t stride, const __m512i
     _tile_dpbf16ps(3, 4, 5);
 }
 
-static inline void amx_row_results_store(float *acc) {
-    _tile_stored(0, acc, 4 * BN); _tile_stored(1, acc + 16, 4 * BN);
-    _tile_stored(2, acc + 32, 4 * BN); _tile_stored(3, acc + 48, 4 * BN);
-}
-
 static inline void amx_row_tile(const uint16_t *x, int64_t stride, int64_t kc, const __m512i *buf, float *acc,
                                 int first) {
-    if (first) {
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    } else {
-        _tile_loadd(0, acc, 4 * BN); _tile_loadd(1, acc + 16, 4 * BN);
-        _tile_loadd(2, acc + 32, 4 * BN); _tile_loadd(3, acc + 48, 4 * BN);
-    }
+    amx_results_start(acc, acc + 16, acc + 32, acc + 48, first);
     for (int64_t k = 0; k < kc; k += TK) amx_row_step(x + k, stride, buf + k / 2 * 4);
-    amx_row_results_store(acc);
+    amx_results_store(acc, acc + 16, acc + 32, acc + 48);
 }
 
 // A single row tile over all of K: the weights are unpacked one tile step (TK inputs) at a time, just before
@@ -468,16 +477,15 @@ static inline void amx_row_tile(const uint16_t *x, int64_t stride, int64_t kc, c
 // results stay in tmm0-3 throughout. buf: a ring of RING steps, so unpacking never waits for a tile load.
 #define RING 4
 static void amx_streamed_row_tile(int bits, int64_t group, const uint8_t *codes, const uint16_t *scales,
-                                  const uint8_t *zeros, int64_t K, const uint16_t *x, __m512i *buf, float *acc) {
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                                  const uint8_t *zeros, int64_t K, const uint16_t *x, int64_t stride, __m512i *buf,
+                                  float *acc) {
+    amx_results_start(acc, acc + 16, acc + 32, acc + 48, 1);
     for (int64_t k = 0; k < K; k += TK) {
-        const int64_t kc = K - k < TK ? K - k : TK;
         __m512i *w = buf + k / TK % RING * (TK / 2 * 4);
-        dequantize_chunk(bits, group, codes, scales, zeros, k, kc, w);
-        memset(w + kc / 2 * 4, 0, sizeof(__m512i) * (TK - kc) / 2 * 4);  // zero inputs' pairs past K
-        amx_row_step(x + k, (K + TK - 1) / TK * TK, w);
+        dequantize_tiles(bits, group, codes, scales, zeros, k, K - k < TK ? K - k : TK, w);
+        amx_row_step(x + k, stride, w);
     }
-    amx_row_results_store(acc);
+    amx_results_store(acc, acc + 16, acc + 32, acc + 48);
 }
 
 // acc[rows, 64] (+)= x[rows, 0 : kc] · the chunk in buf; rows a multiple of TM, x's rows `stride` bf16 apart.
@@ -501,9 +509,7 @@ int slimlm_quant_matmul_amx(int bits, const uint16_t *x, int64_t M, int64_t K, c
         if (m < M) memcpy(xp + m * Kp, x + m * K, sizeof(uint16_t) * K);
         memset(xp + m * Kp + (m < M ? K : 0), 0, sizeof(uint16_t) * (m < M ? Kp - K : Kp));
     }
-    int64_t parts = 1;  // as in slimlm_quant_matmul_bf16, in whole row tiles
-    while (nblocks * parts < 4 * nthreads && 2 * parts * TM <= Mp) parts *= 2;
-    const int64_t part_rows = (Mp / TM + parts - 1) / parts * TM;
+    const int64_t parts = row_parts(nblocks, Mp, TM, nthreads), part_rows = (Mp / TM + parts - 1) / parts * TM;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(|| : failed)
     {
@@ -520,15 +526,14 @@ int slimlm_quant_matmul_amx(int bits, const uint16_t *x, int64_t M, int64_t K, c
                 const uint16_t *s = scales + nb * G * BN;
                 const uint8_t *z = zeros + nb * G * BN;
                 if (m1 - m0 == TM) {
-                    amx_streamed_row_tile(bits, group, c, s, z, K, xp + m0 * Kp, buf, acc);
+                    amx_streamed_row_tile(bits, group, c, s, z, K, xp + m0 * Kp, Kp, buf, acc);
                     write_block(acc, m0, m1 < M ? m1 : M, y, y_cols, y_bf16, nb * BN);
                     continue;
                 }
                 for (int64_t k0 = 0; k0 < K; k0 += KC) {
-                    const int64_t kc = K - k0 < KC ? K - k0 : KC, kt = (kc + TK - 1) / TK * TK;
-                    dequantize_chunk(bits, group, c, s, z, k0, kc, buf);
-                    memset(buf + kc / 2 * 4, 0, sizeof(__m512i) * (kt - kc) / 2 * 4);  // the zero inputs' pairs
-                    amx_chunk(m1 - m0, xp + m0 * Kp + k0, Kp, kt, buf, acc, k0 == 0);
+                    const int64_t kc = K - k0 < KC ? K - k0 : KC;
+                    dequantize_tiles(bits, group, c, s, z, k0, kc, buf);
+                    amx_chunk(m1 - m0, xp + m0 * Kp + k0, Kp, (kc + TK - 1) / TK * TK, buf, acc, k0 == 0);
                 }
                 write_block(acc, m0, m1 < M ? m1 : M, y, y_cols, y_bf16, nb * BN);
             }

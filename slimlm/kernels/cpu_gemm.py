@@ -41,16 +41,14 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     m, k = x.shape
     blocks = w.kernel_args
     threads = torch.get_num_threads()
-    if kernel in ("bf16-codes", "bf16-weights"):  # written in x's dtype, without the padding
+    if kernel in ("bf16-codes", "bf16-weights", "bf16-amx"):  # written in x's dtype, without the padding
         x = x.contiguous()
         y = torch.empty(m, w.out_features, dtype=dtype)
-        status = lib.slimlm_quant_matmul_bf16(w.bits, x.data_ptr(), m, k, *blocks, y.data_ptr(), w.out_features,
-                                              1, CODE_MAX_ROWS[w.bits], threads)  # fmt: skip
-    elif kernel == "bf16-amx":
-        x = x.contiguous()
-        y = torch.empty(m, w.out_features, dtype=dtype)
-        status = lib.slimlm_quant_matmul_amx(w.bits, x.data_ptr(), m, k, *blocks, y.data_ptr(), w.out_features, 1,
-                                             threads)  # fmt: skip
+        args = (w.bits, x.data_ptr(), m, k, *blocks, y.data_ptr(), w.out_features, 1)
+        if kernel == "bf16-amx":
+            status = lib.slimlm_quant_matmul_amx(*args, threads)
+        else:
+            status = lib.slimlm_quant_matmul_bf16(*args, CODE_MAX_ROWS[w.bits], threads)
     elif kernel == "fp32-split":
         x = x.to(torch.float32).contiguous()
         y = torch.empty(m, w.out_features)
