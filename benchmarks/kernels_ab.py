@@ -31,8 +31,11 @@ def build(rev: str, out: Path) -> ctypes.CDLL:
         path = out / rev / source.name
         path.parent.mkdir(parents=True, exist_ok=True)
         relative = source.relative_to(Path(__file__).resolve().parents[1])
-        path.write_text(subprocess.run(["git", "show", f"{rev}:{relative}"], capture_output=True, text=True,
-                                       check=True).stdout)  # fmt: skip
+        shown = subprocess.run(["git", "show", f"{rev}:{relative}"], capture_output=True, text=True)
+        if shown.returncode != 0:
+            why = shown.stderr.strip().splitlines()[-1]
+            raise SystemExit(f"kernels_ab.py: no {relative} at revision {rev!r}: {why}")
+        path.write_text(shown.stdout)
         sources.append(str(path))
     library = out / rev / "libslimlm_cpu.so"
     subprocess.run(["gcc", *cpu_library.build_flags("native"), *sources, "-o", str(library), "-lm"], check=True,
