@@ -61,14 +61,38 @@ void slimlm_add_rms_norm(const void *x, void *residual, const void *weight, void
     }
 }
 
-// x·cos + roll(x, D/2)·sin for one head (sin with its first half negated, as the model's tables hold it)
-static inline void rotate(const void *x, int64_t xi, const void *cos, const void *sin, int64_t ci, void *out,
-                          int64_t oi, int64_t dim, int bf16) {
-    const int64_t half = dim / 2;
-    for (int64_t i = 0; i < dim; i++) {
-        const float a = rounded(load(x, xi + i, bf16) * load(cos, ci + i, bf16), bf16);
-        const float b = rounded(load(x, xi + (i + half) % dim, bf16) * load(sin, ci + i, bf16), bf16);
-        store(out, oi + i, a + b, bf16);
+// out[i] = x[i]·cos[i] + partner[i]·sin[i] for i < n (pointers in elements of the dtype), products rounded
+static inline __attribute__((always_inline)) void rotate_part(const void *x, const void *partner, const void *cos,
+                                                              const void *sin, void *out, int64_t n, int bf16) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        const float a = rounded(load(x, i, bf16) * load(cos, i, bf16), bf16);
+        const float b = rounded(load(partner, i, bf16) * load(sin, i, bf16), bf16);
+        store(out, i, a + b, bf16);
+    }
+}
+
+// x·cos + roll(x, D/2)·sin for one head at x (sin with its first half negated, as the model's tables hold
+// it): the two halves, each with the other as its partner, so the loops vectorize
+static inline __attribute__((always_inline)) void rotate(const char *x, const char *cos, const char *sin, char *out,
+                                                         int64_t dim, int bf16) {
+    const int64_t half = dim / 2 * (bf16 ? 2 : 4);
+    rotate_part(x, x + half, cos, sin, out, dim / 2, bf16);
+    rotate_part(x + half, x, cos + half, sin + half, out + half, dim / 2, bf16);
+}
+
+static inline __attribute__((always_inline)) void rotary_rows(const char *qkv, int64_t rows, int64_t heads,
+                                                              int64_t kv_heads, int64_t dim, const char *cos,
+                                                              const char *sin, const int64_t *slots, char *k_cache,
+                                                              char *v_cache, char *q_out, int bf16, int nthreads) {
+    const int64_t elem = bf16 ? 2 : 4, row = (heads + 2 * kv_heads) * dim * elem, head = dim * elem;
+#pragma omp parallel for num_threads(nthreads) if (rows >= 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const char *x = qkv + r * row, *c = cos + r * head, *s = sin + r * head;
+        char *k = k_cache + slots[r] * kv_heads * head;
+        for (int64_t h = 0; h < heads; h++) rotate(x + h * head, c, s, q_out + (r * heads + h) * head, dim, bf16);
+        for (int64_t h = 0; h < kv_heads; h++) rotate(x + (heads + h) * head, c, s, k + h * head, dim, bf16);
+        memcpy(v_cache + slots[r] * kv_heads * head, x + (heads + kv_heads) * head, kv_heads * head);
     }
 }
 
@@ -76,17 +100,11 @@ static inline void rotate(const void *x, int64_t xi, const void *cos, const void
 // the caches' slot slots[r] (caches [slots, kv_heads, dim], qkv's dtype). cos, sin [rows, dim].
 void slimlm_rotary_kv_write(const void *qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
                             const void *cos, const void *sin, const int64_t *slots, void *k_cache, void *v_cache,
-                            void *q_out, int bf16) {
-    const int64_t width = (heads + 2 * kv_heads) * dim, elem = bf16 ? 2 : 4;
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t row = r * width, slot = slots[r] * kv_heads * dim;
-        for (int64_t h = 0; h < heads; h++)
-            rotate(qkv, row + h * dim, cos, sin, r * dim, q_out, (r * heads + h) * dim, dim, bf16);
-        for (int64_t h = 0; h < kv_heads; h++)
-            rotate(qkv, row + (heads + h) * dim, cos, sin, r * dim, k_cache, slot + h * dim, dim, bf16);
-        memcpy((char *)v_cache + slot * elem, (const char *)qkv + (row + (heads + kv_heads) * dim) * elem,
-               kv_heads * dim * elem);
-    }
+                            void *q_out, int bf16, int nthreads) {
+    if (bf16)  // a literal dtype: each variant compiles to its own vector loops
+        rotary_rows(qkv, rows, heads, kv_heads, dim, cos, sin, slots, k_cache, v_cache, q_out, 1, nthreads);
+    else
+        rotary_rows(qkv, rows, heads, kv_heads, dim, cos, sin, slots, k_cache, v_cache, q_out, 0, nthreads);
 }
 
 #ifdef __AVX512BF16__  // the whole-layer decode runs on the bf16 dot-product GEMM (cpu_gemm.c)
@@ -156,13 +174,22 @@ static inline float exp_vectorizable(float x) {
 }
 
 // silu(gate) · up for gu = [gate | up] per row, each op rounded as torch rounds it in the dtype
-static void silu_mul(const void *gu, void *out, int64_t rows, int64_t width, int bf16) {
+static inline __attribute__((always_inline)) void silu_rows(const void *gu, void *out, int64_t rows, int64_t width,
+                                                            int bf16, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (rows >= 4)
     for (int64_t r = 0; r < rows; r++)
 #pragma omp simd
         for (int64_t i = 0; i < width; i++) {
             const float g = load(gu, r * 2 * width + i, bf16), u = load(gu, r * 2 * width + width + i, bf16);
             store(out, r * width + i, rounded(g / (1.0f + exp_vectorizable(-g)), bf16) * u, bf16);
         }
+}
+
+static void silu_mul(const void *gu, void *out, int64_t rows, int64_t width, int bf16, int nthreads) {
+    if (bf16)  // a literal dtype: each variant compiles to its own vector loop
+        silu_rows(gu, out, rows, width, 1, nthreads);
+    else
+        silu_rows(gu, out, rows, width, 0, nthreads);
 }
 
 // A whole decoder layer for `rows` decoding sequences (one new token each), the calls the model's modules make
@@ -186,7 +213,7 @@ int slimlm_decode_layer(void *x, void *residual, const void *norm1, const void *
     slimlm_add_rms_norm(x, residual, norm1, h, rows, hidden, eps, bf16, nthreads);
     if (!residual) residual = x;
     if (linear(&w[0], h, rows, qkv, padded, nthreads)) goto done;
-    slimlm_rotary_kv_write(qkv, rows, heads, kv_heads, dim, cos, sin, slots, k_cache, v_cache, q, bf16);
+    slimlm_rotary_kv_write(qkv, rows, heads, kv_heads, dim, cos, sin, slots, k_cache, v_cache, q, bf16, nthreads);
     float *of = qf + rows * heads * dim;  // the attention kernel reads and writes fp32
     for (int64_t i = 0; i < rows * heads * dim; i++) qf[i] = load(q, i, bf16);
     if (slimlm_paged_decode(qf, k_cache, v_cache, bf16, tables, width, seq_lens, rows, heads, kv_heads, dim,
@@ -196,7 +223,7 @@ int slimlm_decode_layer(void *x, void *residual, const void *norm1, const void *
     if (linear(&w[1], attn, rows, out, padded, nthreads)) goto done;
     slimlm_add_rms_norm(out, residual, norm2, h, rows, hidden, eps, bf16, nthreads);
     if (linear(&w[2], h, rows, gu, padded, nthreads)) goto done;
-    silu_mul(gu, act, rows, inter, bf16);
+    silu_mul(gu, act, rows, inter, bf16, nthreads);
     status = linear(&w[3], act, rows, out, padded, nthreads);
 done:
     free(h), free(qkv), free(q), free(attn), free(gu), free(act), free(qf), free(padded);

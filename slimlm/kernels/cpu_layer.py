@@ -56,6 +56,7 @@ def rotary_kv_write(
     cpu_library.load().slimlm_rotary_kv_write(
         qkv.data_ptr(), qkv.shape[0], heads, kv_heads, dim, cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(), int(qkv.dtype == torch.bfloat16),
+        torch.get_num_threads(),
     )  # fmt: skip
     return q
 

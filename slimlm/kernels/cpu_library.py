@@ -21,7 +21,7 @@ from slimlm import SlimlmError, cache_dir
 
 SOURCES = [*(Path(__file__).with_name(f"{kernel}{isa}.c") for kernel in ("cpu_gemm", "cpu_attention")
              for isa in ("", "_avx2")), Path(__file__).with_name("cpu_layer.c")]  # fmt: skip
-FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-mprefer-vector-width=512"]  # gcc picks 256 otherwise
 
 i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 DEQUANTIZE = [c_int, i64, ptr, ptr, ptr, i64, i64, i64, ptr, c_int]
@@ -33,7 +33,7 @@ SIGNATURES = {  # name: (argument types, return type)
         c_int,
     ),  # fmt: skip
     "slimlm_add_rms_norm": ([ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, c_int, c_int], None),
-    "slimlm_rotary_kv_write": ([ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, c_int], None),
+    "slimlm_rotary_kv_write": ([ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, c_int, c_int], None),
 }
 
 

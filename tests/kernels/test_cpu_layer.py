@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from slimlm.kernels import cpu_layer, cpu_library, reference
+from tests.kernels.problems import torch_threads
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="the CPU kernels cannot be built here")
 
@@ -42,16 +43,17 @@ def test_add_rms_norm_eps_and_weight_count():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, heads, kv_heads, dim", [(1, 9, 3, 64), (5, 4, 4, 32), (3, 8, 2, 128)])
+@pytest.mark.parametrize("rows, heads, kv_heads, dim", [(1, 9, 3, 64), (5, 4, 4, 32), (3, 8, 2, 128), (20, 3, 1, 64)])
 def test_rotary_kv_write_equals_the_reference_bit_for_bit(dtype, rows, heads, kv_heads, dim):
     g = torch.Generator().manual_seed(rows + heads)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
     cos, sin = torch.randn(rows, dim, generator=g).to(dtype), torch.randn(rows, dim, generator=g).to(dtype)
-    blocks, block_size = 4, 4
+    blocks, block_size = 8, 4
     slots = torch.randperm(blocks * block_size, generator=g)[:rows]
     caches = [torch.full((blocks, block_size, kv_heads, dim), float("nan"), dtype=dtype) for _ in range(4)]
     expected = reference.rotary_kv_write(qkv, cos, sin, slots, caches[0], caches[1])
-    got = cpu_layer.rotary_kv_write(qkv, cos, sin, slots, caches[2], caches[3])
+    with torch_threads(2):  # 20 rows: split between the threads
+        got = cpu_layer.rotary_kv_write(qkv, cos, sin, slots, caches[2], caches[3])
     assert got.shape == (rows, heads, dim) and got.dtype == dtype and torch.equal(got, expected)
     for ref, ours in ((caches[0], caches[2]), (caches[1], caches[3])):
         assert torch.equal(ref.nan_to_num(7.0), ours.nan_to_num(7.0))  # same slots written, the rest untouched

@@ -5,7 +5,7 @@ from slimlm.formats.quantized import QuantArgs
 from slimlm.kernels import cpu_gemm, cpu_library
 from slimlm.runtime.loader import load_model
 from slimlm.runtime.model import Linear, fuse
-from tests.kernels.problems import quantized_weight
+from tests.kernels.problems import quantized_weight, torch_threads
 
 needs_bf16_gemm = pytest.mark.skipif(not (cpu_library.available() and cpu_library.has_bf16_gemm()),
                                      reason="one call per layer runs on the AVX-512 BF16 GEMM")  # fmt: skip
@@ -103,17 +103,18 @@ def forward(model, ids, step, cache):
 
 
 @needs_bf16_gemm
-@pytest.mark.parametrize("rows", [1, 3, 12])  # fp32 at 12 rows: the fused loop, not the split one
+@pytest.mark.parametrize("rows", [1, 3, 20])  # fp32 at 20 rows: the fused loop; 20: SiLU, rotary split in two
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_call_per_layer_equals_the_modules(joinable_w4, dtype, rows):
     model = load_model(joinable_w4, dtype, "cpu", 128, "auto")
     assert model.decode_layers is not None and len(model.decode_layers) == 3
     ids, step, cache = decode_step(model, rows, dtype)
     fused_cache, modules_cache = cache.clone(), cache.clone()
-    fused = forward(model, ids, step, fused_cache)
-    layers, model.decode_layers = model.decode_layers, None
-    modules = forward(model, ids, step, modules_cache)
-    model.decode_layers = layers
+    with torch_threads(2):
+        fused = forward(model, ids, step, fused_cache)
+        layers, model.decode_layers = model.decode_layers, None
+        modules = forward(model, ids, step, modules_cache)
+        model.decode_layers = layers
     if dtype == torch.bfloat16:  # the same kernels in the same order: bit for bit
         assert torch.equal(fused, modules) and torch.equal(fused_cache, modules_cache)
     else:  # SiLU's exp: C's expf against torch's vectorized one, a last-bit difference
