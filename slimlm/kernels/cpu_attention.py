@@ -53,10 +53,15 @@ def _gathered(cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> t
     return torch.stack([kv[:, :, h] for h in range(cache.shape[2])]).to(dtype)
 
 
+def kernel_takes(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the C kernel covers this attention shape (cpu_attention.c's MAX_HEADS, MAX_DIM; the AVX2
+    twin's MAX_GROUP)."""
+    return head_dim % 16 == 0 and head_dim <= 256 and heads <= 128 and heads // kv_heads <= 16
+
+
 def _native_applies(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
-    group = q.shape[1] // k_cache.shape[2]
-    return (k_cache.dtype in (torch.float32, torch.bfloat16) and k_scale is None and q.shape[2] % 16 == 0
-            and q.shape[2] <= 256 and group <= 16 and k_cache.is_contiguous())  # fmt: skip
+    return (k_cache.dtype in (torch.float32, torch.bfloat16) and k_scale is None and k_cache.is_contiguous()
+            and kernel_takes(q.shape[1], k_cache.shape[2], q.shape[2]))  # fmt: skip
 
 
 def _decode_native(q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:

@@ -13,7 +13,7 @@ import ctypes
 
 import torch
 
-from slimlm.kernels import cpu_gemm, cpu_library, reference
+from slimlm.kernels import cpu_attention, cpu_gemm, cpu_library, reference
 from slimlm.kernels.packed import PackedWeight
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -82,11 +82,12 @@ class DecodeLayer:
         self._plans: dict[tuple[int, torch.dtype], ctypes.Array | None] = {}
 
     @staticmethod
-    def applies(dtype: torch.dtype, linears: list[PackedWeight | None], head_dim: int, group: int) -> bool:
+    def applies(dtype: torch.dtype, linears: list[PackedWeight | None], heads: int, kv_heads: int,
+                head_dim: int) -> bool:  # fmt: skip
         """Whether a layer of this dtype, these linears and this attention shape can run as one call here."""
         return (cpu_library.available() and hasattr(cpu_library.load(), "slimlm_decode_layer") and dtype in DTYPES
                 and all(w is not None and w.perm is None for w in linears)
-                and head_dim % 16 == 0 and head_dim <= 256 and group <= 16)  # fmt: skip
+                and cpu_attention.kernel_takes(heads, kv_heads, head_dim))  # fmt: skip
 
     def _plan(self, rows: int, dtype: torch.dtype) -> ctypes.Array | None:
         """The four linears as the C code takes them, with the GEMM loop cpu_gemm picks for this many rows."""

@@ -211,7 +211,7 @@ class CausalLM(nn.Module):
             linears = [p.packed for p in parts]
             if len(parts) != 4 or any(p.bias is not None for p in parts):
                 return None
-            if not factory.applies(dtype, linears, attn.head_dim, attn.heads // attn.kv_heads):
+            if not factory.applies(dtype, linears, attn.heads, attn.kv_heads, attn.head_dim):
                 return None
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             out.append(factory(norms, layer.input_layernorm.eps, linears, attn.heads, attn.kv_heads, attn.head_dim))

@@ -39,11 +39,14 @@ def test_matches_reference(poisoned, heads, kv_heads, head_dim, kv_dtype, q_dtyp
 
 @pytest.mark.skipif(not cpu_library.available(), reason="needs gcc and AVX-512 or AVX2")
 @pytest.mark.parametrize("block_size", [8, 32])
-@pytest.mark.parametrize("seq_lens", [[70], [3, 40, 33, 16, 1, 90]], ids=["a-task-per-head", "a-task-per-sequence"])
+@pytest.mark.parametrize(
+    "seq_lens", [[70], [3, 40, 33, 16, 1, 90], [1, 300, 129]], ids=["one-task", "a-task-per-sequence", "parts"]
+)
 @pytest.mark.parametrize("head_dim,kv_dtype", [(64, torch.bfloat16), (128, torch.float32), (48, torch.bfloat16)])
 def test_c_kernel_over_other_block_sizes(poisoned, block_size, seq_lens, head_dim, kv_dtype):
-    """Keys go 16 tokens at a time whatever the block size (a run of 16 spans blocks of 8, or half of 32);
-    one sequence splits into a task per KV head, six into a task per sequence (two threads)."""
+    """Keys go 16 tokens at a time whatever the block size (a run of 16 spans blocks of 8, or half of 32).
+    On two threads: six sequences are a task each; three, one of them long, split into two parts each (the
+    one-token sequence into a token and an empty part), merged after."""
     p = paged_problem(seq_lens, [1] * len(seq_lens), 8, 2, head_dim, block_size, kv_dtype, kv_dtype, seed=block_size)
     with torch_threads(2):
         out = cpu_attention.paged_attention(*p.args(), native=True)
