@@ -70,8 +70,14 @@ def test_amx_tiles_round_the_weights_as_torch(poisoned, bits, group_size, sym, a
         assert relative_error(fp32.double(), ref) < 1e-5  # before that rounding: fp32 accumulation only
 
 
+@needs_amx
+def test_fp32_rows_run_the_fused_loop_on_amx_cpus():
+    _, w = quantized_weight(64, 128, 4, 64, False)
+    assert [cpu_gemm.path(m, torch.float32, w) for m in (1, 8, 300)] == ["fused"] * 3
+
+
 @needs_bf16
-def test_fp32_rows_split_into_bf16_planes_up_to_a_third_of_the_code_rows():
+def test_fp32_rows_split_into_bf16_planes_up_to_a_third_of_the_code_rows(no_amx):
     _, w = quantized_weight(64, 128, 4, 64, False)
     limit = cpu_gemm.CODE_MAX_ROWS[4] // 3
     assert cpu_gemm.path(limit, torch.float32, w) == "fp32-split"

@@ -105,7 +105,10 @@ def forward(model, ids, step, cache):
 @needs_bf16_gemm
 @pytest.mark.parametrize("rows", [1, 3, 20])  # fp32 at 20 rows: the fused loop; 20: SiLU, rotary split in two
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_call_per_layer_equals_the_modules(joinable_w4, dtype, rows):
+@pytest.mark.parametrize("amx", [True, False], ids=["as-found", "without-amx"])
+def test_one_call_per_layer_equals_the_modules(joinable_w4, dtype, rows, amx, monkeypatch):
+    if not amx:  # the loops a CPU without AMX runs (here too when it has none)
+        monkeypatch.setattr(cpu_library, "has_amx_gemm", lambda: False)
     model = load_model(joinable_w4, dtype, "cpu", 128, "auto")
     assert model.decode_layers is not None and len(model.decode_layers) == 3
     ids, step, cache = decode_step(model, rows, dtype)
