@@ -1,8 +1,8 @@
 """Where a batch-1 decode step's time goes on CPU, and what the fused layer operations (cpu_layer.c: residual add
-+ RMSNorm, rotary + KV write; a whole layer in one call) save against their PyTorch definitions, in one run.
++ RMSNorm, rotary + KV write; all layers in one call) save against their PyTorch definitions, in one run.
 
 For each checkpoint and dtype: the decode step (batch 1, 256 cached tokens, random KV) with the layer's small
-operations as PyTorch operators (reference.py), as C calls, and with each whole layer as one C call (packed
+operations as PyTorch operators (reference.py), as C calls, and with all layers in one C call (packed
 checkpoints), timed in turn; each against the bandwidth floor (weights as stored + the KV history, ÷ the copy
 bandwidth measured here); then, for the per-operation C variant, the time inside each kind of call (the rest
 is Python, module calls and the remaining small operators: embedding, splits, SiLU·up).
@@ -78,10 +78,10 @@ def measure(model: str, dtype: str, bandwidth: float, budget_s: float) -> dict:
     engine = _engine(model, BenchConfig(dtype=dtype, batches=[1]), CONTEXT + 8)
     runner = engine.runner
     cpu = kernels.select("cpu")
-    per_op = dataclasses.replace(cpu, decode_layer=None)
+    per_op = dataclasses.replace(cpu, decode_stack=None)
     variants = {"pytorch layer ops": dataclasses.replace(per_op, add_rms_norm=reference.add_rms_norm,
                                                          rotary_kv_write=reference.rotary_kv_write),
-                "C layer ops": per_op, "one call per layer": cpu}  # fmt: skip
+                "C layer ops": per_op, "one call per step": cpu}  # fmt: skip
     step_s = step_timer(engine)
     times = {name: [] for name in variants}
     for backend in variants.values():  # warm-up
@@ -99,9 +99,9 @@ def measure(model: str, dtype: str, bandwidth: float, budget_s: float) -> dict:
         result["variants"][name] = {"step_ms": ms, "floor_ratio": ms / 1e3 / floor_s, "steps": len(ts)}
     base = result["variants"]["pytorch layer ops"]["step_ms"]
     result["speedup"] = {name: base / v["step_ms"] for name, v in result["variants"].items()}
-    result["one_call_layers"] = runner.model.decode_layers is not None
+    result["one_call_step"] = runner.model.decode_stack is not None
     runner.model.set_backend(per_op)
-    result["split_ms"] = split(engine, step_s, 30)  # of the C layer ops variant: one call per layer hides it
+    result["split_ms"] = split(engine, step_s, 30)  # of the C layer ops variant: one call per step hides it
     runner.model.set_backend(cpu)
     return result
 
@@ -126,7 +126,7 @@ def main() -> None:
             for name, v in r["variants"].items():
                 print(f"  {name:18s} step {v['step_ms']:6.2f} ms  {v['floor_ratio']:4.2f}× floor  ({v['steps']} steps)")
             print("  speedup over pytorch layer ops: " + ", ".join(f"{k} {v:.2f}×" for k, v in r["speedup"].items())
-                  + ("" if r["one_call_layers"] else " (one call per layer does not apply: float linears)"))
+                  + ("" if r["one_call_step"] else " (one call per step does not apply: float linears)"))
             print("  split (C variant, ms/step): " + ", ".join(f"{k} {v:.2f}" for k, v in r["split_ms"].items()))
     if args.json:
         with open(args.json, "w") as f:

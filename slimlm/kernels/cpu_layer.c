@@ -197,7 +197,7 @@ static void silu_mul(const void *gu, void *out, int64_t rows, int64_t width, int
 // down. x [rows, hidden] is the previous layer's output; residual the stream (updated in place; NULL for the
 // first layer, whose stream is x itself); the layer's output goes to out. w: qkv, o, gate_up, down.
 // Returns 0, or -1 when out of memory.
-int slimlm_decode_layer(void *x, void *residual, const void *norm1, const void *norm2, float eps, const Linear *w,
+static int decode_layer(void *x, void *residual, const void *norm1, const void *norm2, float eps, const Linear *w,
                         const void *cos, const void *sin, const int64_t *slots, void *k_cache, void *v_cache,
                         const int32_t *tables, int64_t width, const int32_t *seq_lens, int64_t rows, int64_t heads,
                         int64_t kv_heads, int64_t dim, int64_t block_size, float scale, void *out, int bf16,
@@ -228,5 +228,32 @@ int slimlm_decode_layer(void *x, void *residual, const void *norm1, const void *
 done:
     free(h), free(qkv), free(q), free(attn), free(gu), free(act), free(qf), free(padded);
     return status;
+}
+
+// One decoder layer's weights: its two RMSNorms' and its four packed linears (qkv, o, gate_up, down)
+typedef struct {
+    const void *norm1, *norm2;
+    Linear w[4];
+} Layer;
+
+// A decode step through all n layers in one call (each ~30 µs of Python and ctypes less, measured).
+// x [rows, hidden]: the embeddings, which become the residual stream (updated in place); the last layer's
+// output goes to out, tmp (x's size) holds every other layer's. kv: the cache pool [n, 2, blocks,
+// block_size, kv_heads, dim], layer_bytes apart per layer. Returns 0, or -1 when out of memory.
+int slimlm_decode_layers(const Layer *layers, int64_t n, void *x, void *tmp, void *out, float eps, const void *cos,
+                         const void *sin, const int64_t *slots, void *kv, int64_t layer_bytes, const int32_t *tables,
+                         int64_t width, const int32_t *seq_lens, int64_t rows, int64_t heads, int64_t kv_heads,
+                         int64_t dim, int64_t block_size, float scale, int bf16, int nthreads) {
+    void *in = x;
+    for (int64_t l = 0; l < n; l++) {
+        void *dst = (n - 1 - l) % 2 == 0 ? out : tmp;  // alternating, so that the last layer writes out
+        char *k_cache = (char *)kv + l * layer_bytes;
+        if (decode_layer(in, l == 0 ? NULL : x, layers[l].norm1, layers[l].norm2, eps, layers[l].w, cos, sin, slots,
+                         k_cache, k_cache + layer_bytes / 2, tables, width, seq_lens, rows, heads, kv_heads, dim,
+                         block_size, scale, dst, bf16, nthreads))
+            return -1;
+        in = dst;
+    }
+    return 0;
 }
 #endif

@@ -3,8 +3,8 @@ the rotary embedding with the KV-cache write. Same contracts as reference.add_rm
 reference.rotary_kv_write, which run instead for what the C code does not cover (fp16, quantized KV caches,
 tensors that are not laid out flat).
 
-And a whole decoder layer in one call for decode steps (DecodeLayer): the same kernels in the same order as
-the model's modules call them, without the ~40 Python-level calls a layer costs otherwise.
+And all decoder layers in one call for decode steps (DecodeStack): the same kernels in the same order as the
+model's modules call them, without the ~40 Python-level calls a layer costs otherwise.
 """
 
 from __future__ import annotations
@@ -71,58 +71,65 @@ LOOPS = {"bf16-codes": 0, "bf16-weights": 0, "fp32-split": 1, "fused": 2, "bf16-
 BF16_LOOPS = (0, 3)
 
 
-class DecodeLayer:
-    """One decoder layer's decode step as a single C call: RMSNorm weights, the four packed linears (joined
-    q/k/v, o, joined gate/up, down) and the attention shape, bound once; called with one token per sequence."""
+class _Layer(ctypes.Structure):  # cpu_layer.c's Layer
+    _fields_ = [("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("w", _Linear * 4)]
 
-    def __init__(self, norms: tuple[torch.Tensor, torch.Tensor], eps: float, linears: list[PackedWeight],
+
+class DecodeStack:
+    """A decode step through every decoder layer as a single C call: each layer's RMSNorm weights and four packed
+    linears (joined q/k/v, o, joined gate/up, down) and the attention shape, bound once; called with one token
+    per sequence."""
+
+    def __init__(self, layers: list[tuple[tuple[torch.Tensor, torch.Tensor], list[PackedWeight]]], eps: float,
                  heads: int, kv_heads: int, head_dim: int) -> None:  # fmt: skip
-        self.norms, self.eps, self.linears = norms, eps, linears
+        self.layers, self.eps = layers, eps
         self.heads, self.kv_heads, self.head_dim, self.scale = heads, kv_heads, head_dim, head_dim**-0.5
         self._plans: dict[tuple[int, torch.dtype], ctypes.Array | None] = {}
 
     @staticmethod
     def applies(dtype: torch.dtype, linears: list[PackedWeight | None], heads: int, kv_heads: int,
                 head_dim: int) -> bool:  # fmt: skip
-        """Whether a layer of this dtype, these linears and this attention shape can run as one call here."""
-        return (cpu_library.available() and hasattr(cpu_library.load(), "slimlm_decode_layer") and dtype in DTYPES
+        """Whether a layer of this dtype, these linears and this attention shape can run in the C call here."""
+        return (cpu_library.available() and hasattr(cpu_library.load(), "slimlm_decode_layers") and dtype in DTYPES
                 and all(w is not None and w.perm is None for w in linears)
                 and cpu_attention.kernel_takes(heads, kv_heads, head_dim))  # fmt: skip
 
     def _plan(self, rows: int, dtype: torch.dtype) -> ctypes.Array | None:
-        """The four linears as the C code takes them, with the GEMM loop cpu_gemm picks for this many rows."""
+        """The layers as the C code takes them, with the GEMM loop cpu_gemm picks for this many rows."""
         key = (rows, dtype)
         if key not in self._plans:
-            loops = [LOOPS.get(cpu_gemm.path(rows, dtype, w)) for w in self.linears]
-            bf16 = dtype == torch.bfloat16  # bf16 x runs the bf16 loops only, fp32 x the others
-            if not all(loop is not None and (loop in BF16_LOOPS) == bf16 for loop in loops):
-                self._plans[key] = None
-            else:
-                self._plans[key] = (_Linear * 4)(*(
-                    _Linear(*w.kernel_args, w.bits, w.in_features, w.out_features, cpu_gemm.CODE_MAX_ROWS[w.bits], loop)
-                    for w, loop in zip(self.linears, loops, strict=True)))  # fmt: skip
+            layers = []
+            for norms, linears in self.layers:
+                loops = [LOOPS.get(cpu_gemm.path(rows, dtype, w)) for w in linears]
+                bf16 = dtype == torch.bfloat16  # bf16 x runs the bf16 loops only, fp32 x the others
+                if not all(loop is not None and (loop in BF16_LOOPS) == bf16 for loop in loops):
+                    layers = None
+                    break
+                linear = [_Linear(*w.kernel_args, w.bits, w.in_features, w.out_features, cpu_gemm.CODE_MAX_ROWS[w.bits],
+                                  loop) for w, loop in zip(linears, loops, strict=True)]  # fmt: skip
+                layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), (_Linear * 4)(*linear)))
+            self._plans[key] = None if layers is None else (_Layer * len(layers))(*layers)
         return self._plans[key]
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, signed_sin: torch.Tensor,
-                 slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
+                 kv_caches: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-        """(the layer's output, the residual stream) for x [S, hidden], one token per sequence; None when these
-        tensors are not what the C code takes (the caller runs the modules instead)."""
+        """(the last layer's output, the residual stream) for the embeddings x [S, hidden], one token per
+        sequence, x becoming the stream; kv_caches [layers, 2, blocks, block_size, kv_heads, head_dim]. None when
+        these tensors are not what the C code takes (the caller runs the modules instead)."""
         plan = self._plan(x.shape[0], x.dtype)
-        floats = [x, cos, signed_sin, k_cache, v_cache] + ([] if residual is None else [residual])
         indices = ((slots, torch.int64), (block_tables, torch.int32), (seq_lens, torch.int32))
-        if (plan is None or any(t.dtype != x.dtype or not t.is_contiguous() for t in floats)
+        if (plan is None or any(t.dtype != x.dtype or not t.is_contiguous() for t in (x, cos, signed_sin, kv_caches))
                 or any(t.dtype != dtype or not t.is_contiguous() for t, dtype in indices)):  # fmt: skip
             return None
-        residual_ptr = None if residual is None else residual.data_ptr()
-        out = torch.empty_like(x)
-        status = cpu_library.load().slimlm_decode_layer(
-            x.data_ptr(), residual_ptr, self.norms[0].data_ptr(), self.norms[1].data_ptr(), self.eps, plan,
-            cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        out, tmp = torch.empty_like(x), torch.empty_like(x)
+        status = cpu_library.load().slimlm_decode_layers(
+            plan, len(plan), x.data_ptr(), tmp.data_ptr(), out.data_ptr(), self.eps, cos.data_ptr(),
+            signed_sin.data_ptr(), slots.data_ptr(), kv_caches.data_ptr(), kv_caches[0].nbytes,
             block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), x.shape[0], self.heads,
-            self.kv_heads, self.head_dim, k_cache.shape[1], self.scale, out.data_ptr(),
-            int(x.dtype == torch.bfloat16), torch.get_num_threads(),
+            self.kv_heads, self.head_dim, kv_caches.shape[3], self.scale, int(x.dtype == torch.bfloat16),
+            torch.get_num_threads(),
         )  # fmt: skip
         if status:
-            raise MemoryError("the decode layer could not allocate its buffers")
-        return out, x if residual is None else residual
+            raise MemoryError("the decode step could not allocate its buffers")
+        return out, x

@@ -176,7 +176,7 @@ class CausalLM(nn.Module):
         self.model = Decoder(config, dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
         self.cos = self.sin = None  # [positions, head_dim], from set_rope (sin with its first half negated)
-        self.decode_layers = None  # one call per layer for decode steps, where the backend has it (set_backend)
+        self.decode_stack = None  # all layers in one call for decode steps, where the backend has it (set_backend)
 
     def fuse_projections(self) -> None:
         """Join q, k, v and gate, up into one Linear each where their weights allow (see fuse); the parts go."""
@@ -199,23 +199,22 @@ class CausalLM(nn.Module):
                 module.attention, module.rotary_kv_write = backend.paged_attention, backend.rotary_kv_write
             elif isinstance(module, RMSNorm):
                 module.add_rms_norm = backend.add_rms_norm
-        self.decode_layers = None if backend.decode_layer is None else self._decode_layers(backend.decode_layer)
+        self.decode_stack = None if backend.decode_stack is None else self._decode_stack(backend.decode_stack)
 
-    def _decode_layers(self, factory) -> list | None:
-        """Every layer as one call for decode steps (kernels' DecodeLayer), or None unless all of them allow it:
+    def _decode_stack(self, factory):
+        """Every layer in one call for decode steps (kernels' DecodeStack), or None unless all of them allow it:
         the four projections packed (q/k/v and gate/up joined), no biases, attention the C kernel's shape."""
-        dtype, out = self.model.norm.weight.dtype, []
+        dtype, layers = self.model.norm.weight.dtype, []
+        attn = self.model.layers[0].self_attn
         for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            parts = [*attn.qkv, attn.o_proj, *mlp.gate_up, mlp.down_proj]
+            parts = [*layer.self_attn.qkv, layer.self_attn.o_proj, *layer.mlp.gate_up, layer.mlp.down_proj]
             linears = [p.packed for p in parts]
             if len(parts) != 4 or any(p.bias is not None for p in parts):
                 return None
             if not factory.applies(dtype, linears, attn.heads, attn.kv_heads, attn.head_dim):
                 return None
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            out.append(factory(norms, layer.input_layernorm.eps, linears, attn.heads, attn.kv_heads, attn.head_dim))
-        return out
+            layers.append(((layer.input_layernorm.weight, layer.post_attention_layernorm.weight), linears))
+        return factory(layers, self.model.norm.eps, attn.heads, attn.kv_heads, attn.head_dim)
 
     def set_rope(self, max_positions: int, device: str) -> None:
         cos, sin = rope_tables(self.config, max_positions)
@@ -228,13 +227,12 @@ class CausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm; kv_caches [layers, 2, blocks, block_size, kv_heads, D]."""
         x, residual = self.model.embed_tokens(input_ids), None
         cos, sin = self.cos[step.positions], self.sin[step.positions]
-        one_call = self.decode_layers if self.decode_layers and all(n == 1 for n in step.query_lens) else None
-        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            out = None
-            if one_call:  # None back when this step's tensors are not what it takes: the modules run instead
-                out = one_call[i](x, residual, cos, sin, step.slots, kv_cache[0], kv_cache[1], step.block_tables,
-                                  step.seq_lens)  # fmt: skip
-            x, residual = out if out is not None else layer(x, residual, cos, sin, step, kv_cache)
+        if self.decode_stack is not None and all(n == 1 for n in step.query_lens):
+            out = self.decode_stack(x, cos, sin, step.slots, kv_caches, step.block_tables, step.seq_lens)
+            if out is not None:  # None when this step's tensors are not what it takes: the modules run instead
+                return self.model.norm(*out)[0]
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos, sin, step, kv_cache)
         return self.model.norm(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

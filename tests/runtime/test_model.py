@@ -74,7 +74,7 @@ def test_the_loaded_model_runs_joined_projections(tiny_llama):
     assert not hasattr(attn, "q_proj") and not hasattr(mlp, "up_proj")  # the parts' weights are gone
 
 
-# ---- a whole layer per call for decode steps (kernels/cpu_layer.py DecodeLayer) ---------------------------
+# ---- every layer in one call for decode steps (kernels/cpu_layer.py DecodeStack) --------------------------
 
 
 @pytest.fixture(scope="module")
@@ -106,18 +106,18 @@ def forward(model, ids, step, cache):
 @pytest.mark.parametrize("rows", [1, 3, 20])  # fp32 at 20 rows: the fused loop; 20: SiLU, rotary split in two
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("amx", [True, False], ids=["as-found", "without-amx"])
-def test_one_call_per_layer_equals_the_modules(joinable_w4, dtype, rows, amx, monkeypatch):
+def test_one_call_stack_equals_the_modules(joinable_w4, dtype, rows, amx, monkeypatch):
     if not amx:  # the loops a CPU without AMX runs (here too when it has none)
         monkeypatch.setattr(cpu_library, "has_amx_gemm", lambda: False)
     model = load_model(joinable_w4, dtype, "cpu", 128, "auto")
-    assert model.decode_layers is not None and len(model.decode_layers) == 3
+    assert model.decode_stack is not None and len(model.decode_stack.layers) == 3
     ids, step, cache = decode_step(model, rows, dtype)
     fused_cache, modules_cache = cache.clone(), cache.clone()
     with torch_threads(2):
         fused = forward(model, ids, step, fused_cache)
-        layers, model.decode_layers = model.decode_layers, None
+        stack, model.decode_stack = model.decode_stack, None
         modules = forward(model, ids, step, modules_cache)
-        model.decode_layers = layers
+        model.decode_stack = stack
     if dtype == torch.bfloat16:  # the same kernels in the same order: bit for bit
         assert torch.equal(fused, modules) and torch.equal(fused_cache, modules_cache)
     else:  # SiLU's exp: C's expf against torch's vectorized one, a last-bit difference
@@ -131,31 +131,28 @@ def test_one_call_per_layer_equals_the_modules(joinable_w4, dtype, rows, amx, mo
 
 
 @needs_bf16_gemm
-def test_steps_the_one_call_layers_do_not_cover_run_the_modules(joinable_w4, tiny_llama):
+def test_steps_the_one_call_stack_does_not_cover_run_the_modules(joinable_w4, tiny_llama):
     model = load_model(joinable_w4, torch.float32, "cpu", 128, "auto")
 
-    class Refuse:
-        def __call__(self, *args):
-            raise AssertionError("a one-call layer ran")
+    def refuse(*args):
+        raise AssertionError("the one-call stack ran")
 
-    layers, model.decode_layers = model.decode_layers, [Refuse()] * 3
+    stack, model.decode_stack = model.decode_stack, refuse
     ids, step, cache = decode_step(model, 2, torch.float32)
     prefill = type(step)(step.positions, step.slots, step.block_tables, step.seq_lens,
                          torch.tensor([0, 2], dtype=torch.int32), [2])  # fmt: skip
     forward(model, ids, prefill, cache)  # a two-token chunk of one sequence: the modules
-    model.decode_layers = layers
-    ids, step, cache = decode_step(model, 2, torch.int8)  # a cache of another dtype: each layer declines
-    for layer in layers:
-        assert layer(torch.zeros(2, 128), None, *([torch.zeros(1)] * 2), step.slots, cache[0, 0], cache[0, 1],
-                     step.block_tables, step.seq_lens) is None  # fmt: skip
+    model.decode_stack = stack
+    cos, sin = torch.zeros(2, 32), torch.zeros(2, 32)
+    ids, step, cache = decode_step(model, 2, torch.int8)  # a cache of another dtype: the stack declines
+    assert stack(torch.zeros(2, 128), cos, sin, step.slots, cache, step.block_tables, step.seq_lens) is None
     ids, step, cache = decode_step(model, 2, torch.float32)  # int64 block tables: read as int32 they would lie
-    assert layers[0](torch.zeros(2, 128), None, torch.zeros(2, 32), torch.zeros(2, 32), step.slots, cache[0, 0],
-                     cache[0, 1], step.block_tables.long(), step.seq_lens) is None  # fmt: skip
-    assert load_model(tiny_llama, torch.float32, "cpu", 128, "auto").decode_layers is None  # float linears
+    assert stack(torch.zeros(2, 128), cos, sin, step.slots, cache, step.block_tables.long(), step.seq_lens) is None
+    assert load_model(tiny_llama, torch.float32, "cpu", 128, "auto").decode_stack is None  # float linears
 
 
 @needs_bf16_gemm
-def test_greedy_generation_is_the_same_with_one_call_layers(joinable_w4):
+def test_greedy_generation_is_the_same_with_the_one_call_stack(joinable_w4):
     from slimlm.runtime.llm import LLM
     from slimlm.runtime.sampling import SamplingParams
 
@@ -163,7 +160,7 @@ def test_greedy_generation_is_the_same_with_one_call_layers(joinable_w4):
         llm = LLM(str(joinable_w4), dtype=dtype)
         prompts = [[5, 9, 13], [7] * 20, list(range(3, 40))]
         params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-        assert llm.engine.runner.model.decode_layers is not None
+        assert llm.engine.runner.model.decode_stack is not None
         fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        llm.engine.runner.model.decode_layers = None
+        llm.engine.runner.model.decode_stack = None
         assert fused == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
