@@ -5,7 +5,7 @@ little. Here each revision's kernel sources (slimlm/kernels/*.c) are built into 
 loaded at once, and the decode step of one model runs with each library in turn, step after step: the
 ratios come from the same minutes. Everything but the C kernels (Python, torch) is the working tree's.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/kernels_ab.py out/speed/w4h8 958129a HEAD --batch 1,8,32
+    PYTHONPATH=. .venv/bin/python benchmarks/kernels_ab.py out/speed/w4h8 ff5c49d HEAD --batch 1,8,32
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ def build(rev: str, out: Path) -> ctypes.CDLL:
     subprocess.run(["gcc", *cpu_library.build_flags("native"), *sources, "-o", str(library), "-lm"], check=True,
                    capture_output=True)  # fmt: skip
     lib = cpu_library.bind(ctypes.CDLL(str(library)))
+    if hasattr(cpu_library.load(), "slimlm_decode_layers") and not hasattr(lib, "slimlm_decode_layers"):
+        raise SystemExit(f"kernels_ab.py: {rev!r} predates the one-call decode step the working tree's Python "
+                         "makes; compare whole revisions with benchmarks/revisions_ab.py")
     if hasattr(lib, "slimlm_amx_ready"):
         lib.slimlm_amx_ready()
     return lib

@@ -192,6 +192,12 @@ static void silu_mul(const void *gu, void *out, int64_t rows, int64_t width, int
         silu_rows(gu, out, rows, width, 0, nthreads);
 }
 
+// The intermediate results of one layer, for `rows` sequences: allocated once per step, used by every layer
+typedef struct {
+    char *h, *qkv, *q, *attn, *gu, *act;  // in the step's dtype
+    float *qf, *padded;  // the attention's fp32 query and output; the fused fp32 loop's padded output
+} Buffers;
+
 // A whole decoder layer for `rows` decoding sequences (one new token each), the calls the model's modules make
 // in the same order: add + norm, q/k/v, rotary + KV write, paged attention, o, add + norm, gate/up, SiLU·up,
 // down. x [rows, hidden] is the previous layer's output; residual the stream (updated in place; NULL for the
@@ -201,33 +207,24 @@ static int decode_layer(void *x, void *residual, const void *norm1, const void *
                         const void *cos, const void *sin, const int64_t *slots, void *k_cache, void *v_cache,
                         const int32_t *tables, int64_t width, const int32_t *seq_lens, int64_t rows, int64_t heads,
                         int64_t kv_heads, int64_t dim, int64_t block_size, float scale, void *out, int bf16,
-                        int nthreads) {
-    const int64_t hidden = w[1].out_features, inter = w[3].in_features, elem = bf16 ? 2 : 4;
-    const int64_t widest = w[0].blocks > w[2].blocks ? w[0].blocks : w[2].blocks;
-    char *h = malloc(rows * hidden * elem), *qkv = malloc(rows * w[0].out_features * elem);
-    char *q = malloc(rows * heads * dim * elem), *attn = malloc(rows * heads * dim * elem);
-    char *gu = malloc(rows * w[2].out_features * elem), *act = malloc(rows * inter * elem);
-    float *qf = malloc(sizeof(float) * rows * heads * dim * 2), *padded = malloc(sizeof(float) * rows * widest * 64);
-    int status = -1;
-    if (!h || !qkv || !q || !attn || !gu || !act || !qf || !padded) goto done;
-    slimlm_add_rms_norm(x, residual, norm1, h, rows, hidden, eps, bf16, nthreads);
+                        int nthreads, const Buffers *b) {
+    const int64_t hidden = w[1].out_features, inter = w[3].in_features;
+    slimlm_add_rms_norm(x, residual, norm1, b->h, rows, hidden, eps, bf16, nthreads);
     if (!residual) residual = x;
-    if (linear(&w[0], h, rows, qkv, padded, nthreads)) goto done;
-    slimlm_rotary_kv_write(qkv, rows, heads, kv_heads, dim, cos, sin, slots, k_cache, v_cache, q, bf16, nthreads);
-    float *of = qf + rows * heads * dim;  // the attention kernel reads and writes fp32
-    for (int64_t i = 0; i < rows * heads * dim; i++) qf[i] = load(q, i, bf16);
-    if (slimlm_paged_decode(qf, k_cache, v_cache, bf16, tables, width, seq_lens, rows, heads, kv_heads, dim,
+    if (linear(&w[0], b->h, rows, b->qkv, b->padded, nthreads)) return -1;
+    slimlm_rotary_kv_write(b->qkv, rows, heads, kv_heads, dim, cos, sin, slots, k_cache, v_cache, b->q, bf16,
+                           nthreads);
+    float *of = b->qf + rows * heads * dim;  // the attention kernel reads and writes fp32
+    for (int64_t i = 0; i < rows * heads * dim; i++) b->qf[i] = load(b->q, i, bf16);
+    if (slimlm_paged_decode(b->qf, k_cache, v_cache, bf16, tables, width, seq_lens, rows, heads, kv_heads, dim,
                             block_size, scale, of, nthreads))
-        goto done;
-    for (int64_t i = 0; i < rows * heads * dim; i++) store(attn, i, of[i], bf16);
-    if (linear(&w[1], attn, rows, out, padded, nthreads)) goto done;
-    slimlm_add_rms_norm(out, residual, norm2, h, rows, hidden, eps, bf16, nthreads);
-    if (linear(&w[2], h, rows, gu, padded, nthreads)) goto done;
-    silu_mul(gu, act, rows, inter, bf16, nthreads);
-    status = linear(&w[3], act, rows, out, padded, nthreads);
-done:
-    free(h), free(qkv), free(q), free(attn), free(gu), free(act), free(qf), free(padded);
-    return status;
+        return -1;
+    for (int64_t i = 0; i < rows * heads * dim; i++) store(b->attn, i, of[i], bf16);
+    if (linear(&w[1], b->attn, rows, out, b->padded, nthreads)) return -1;
+    slimlm_add_rms_norm(out, residual, norm2, b->h, rows, hidden, eps, bf16, nthreads);
+    if (linear(&w[2], b->h, rows, b->gu, b->padded, nthreads)) return -1;
+    silu_mul(b->gu, b->act, rows, inter, bf16, nthreads);
+    return linear(&w[3], b->act, rows, out, b->padded, nthreads);
 }
 
 // One decoder layer's weights: its two RMSNorms' and its four packed linears (qkv, o, gate_up, down)
@@ -244,16 +241,29 @@ int slimlm_decode_layers(const Layer *layers, int64_t n, void *x, void *tmp, voi
                          const void *sin, const int64_t *slots, void *kv, int64_t layer_bytes, const int32_t *tables,
                          int64_t width, const int32_t *seq_lens, int64_t rows, int64_t heads, int64_t kv_heads,
                          int64_t dim, int64_t block_size, float scale, int bf16, int nthreads) {
-    void *in = x;
+    const int64_t elem = bf16 ? 2 : 4, attn = rows * heads * dim;
+    int64_t hidden = 0, qkv = 0, gu = 0, inter = 0, blocks = 0;  // the widest of every layer
+#define WIDEST(v, e) v = (e) > v ? (e) : v
     for (int64_t l = 0; l < n; l++) {
+        const Linear *w = layers[l].w;
+        WIDEST(hidden, w[1].out_features), WIDEST(qkv, w[0].out_features), WIDEST(gu, w[2].out_features);
+        WIDEST(inter, w[3].in_features), WIDEST(blocks, w[0].blocks), WIDEST(blocks, w[2].blocks);
+    }
+#undef WIDEST
+    Buffers b = {malloc(rows * hidden * elem), malloc(rows * qkv * elem), malloc(attn * elem), malloc(attn * elem),
+                 malloc(rows * gu * elem), malloc(rows * inter * elem), malloc(sizeof(float) * attn * 2),
+                 malloc(sizeof(float) * rows * blocks * 64)};
+    int status = b.h && b.qkv && b.q && b.attn && b.gu && b.act && b.qf && b.padded ? 0 : -1;
+    void *in = x;
+    for (int64_t l = 0; status == 0 && l < n; l++) {
         void *dst = (n - 1 - l) % 2 == 0 ? out : tmp;  // alternating, so that the last layer writes out
         char *k_cache = (char *)kv + l * layer_bytes;
-        if (decode_layer(in, l == 0 ? NULL : x, layers[l].norm1, layers[l].norm2, eps, layers[l].w, cos, sin, slots,
-                         k_cache, k_cache + layer_bytes / 2, tables, width, seq_lens, rows, heads, kv_heads, dim,
-                         block_size, scale, dst, bf16, nthreads))
-            return -1;
+        status = decode_layer(in, l == 0 ? NULL : x, layers[l].norm1, layers[l].norm2, eps, layers[l].w, cos, sin,
+                              slots, k_cache, k_cache + layer_bytes / 2, tables, width, seq_lens, rows, heads,
+                              kv_heads, dim, block_size, scale, dst, bf16, nthreads, &b);
         in = dst;
     }
-    return 0;
+    free(b.h), free(b.qkv), free(b.q), free(b.attn), free(b.gu), free(b.act), free(b.qf), free(b.padded);
+    return status;
 }
 #endif

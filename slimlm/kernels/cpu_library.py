@@ -74,9 +74,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.slimlm_dequantize.argtypes = DEQUANTIZE
     if hasattr(lib, "slimlm_quant_matmul_bf16"):  # built only where the CPU has AVX-512 BF16
         f32 = ctypes.c_float
-        lib.slimlm_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, f32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64,
-                                             i64, i64, i64, i64, f32, c_int, c_int]  # fmt: skip
-        lib.slimlm_decode_layers.restype = c_int
+        if hasattr(lib, "slimlm_decode_layers"):  # not in revisions before it (kernels_ab.py builds those)
+            lib.slimlm_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, f32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr,
+                                                 i64, i64, i64, i64, i64, f32, c_int, c_int]  # fmt: skip
+            lib.slimlm_decode_layers.restype = c_int
         lib.slimlm_quant_matmul_bf16.argtypes = [c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, c_int,
                                                  i64, c_int]  # fmt: skip
         lib.slimlm_quant_matmul_f32_split.argtypes = [c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, c_int]
