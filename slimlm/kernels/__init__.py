@@ -50,6 +50,7 @@ class Backend:
     paged_attention: Callable[..., torch.Tensor]  # paged_attention's signature below
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = reference.add_rms_norm
     rotary_kv_write: Callable[..., torch.Tensor] = reference.rotary_kv_write
+    silu_mul: Callable[[torch.Tensor], torch.Tensor] = reference.silu_mul
     decode_stack: type | None = None  # every decoder layer in one call for decode steps (cpu_layer.DecodeStack)
 
 
@@ -64,7 +65,8 @@ def select(device: torch.device | str) -> Backend:
         from slimlm.kernels import cpu_gemm, cpu_layer
 
         return Backend("cpu", cpu_gemm.quant_matmul, functools.partial(cpu_attention.paged_attention, native=True),
-                       cpu_layer.add_rms_norm, cpu_layer.rotary_kv_write, cpu_layer.DecodeStack)  # fmt: skip
+                       cpu_layer.add_rms_norm, cpu_layer.rotary_kv_write, cpu_layer.silu_mul,
+                       cpu_layer.DecodeStack)  # fmt: skip
     if chosen == "cpu":
         return Backend("cpu-pytorch", reference.quant_matmul,
                        functools.partial(cpu_attention.paged_attention, native=False))  # fmt: skip

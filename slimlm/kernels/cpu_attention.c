@@ -245,4 +245,153 @@ int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache
     return failed ? -1 : 0;
 }
 
+// ---- Prompt chunks: flash attention over the paged cache ----
+// A task is one sequence's tile of up to 16 consecutive queries and one KV head, for the G query heads that
+// read it. Each query head's tile is held transposed (Qt [D][16]: one vector per dimension, a lane per query),
+// so that scores, their softmax and the value sums all run 16 queries to a vector with no horizontal sums:
+// for a key, 16 scores are D fused multiply-adds of Qt[d] by the key's d-th value broadcast. Keys and values
+// go 16 tokens at a time, widened once to fp32 for the G heads, with the running maximum and exp-sum of
+// flash attention, so no score row is ever stored. Measured against torch's batched matmuls and masked
+// softmax (one sequence at a time): see the note of the commit that added it.
+#define TILE 16
+
+// tokens [c, c + 16) of KV head h as fp32 rows [16][D]; tokens at or past `end` are zeros (their slots may
+// hold anything: a NaN there times a zero weight would still be NaN)
+static inline __attribute__((always_inline)) void widen_chunk(const void *cache, const int32_t *table, int64_t c,
+                                                              int64_t end, int64_t h, int64_t D, int64_t Hkv,
+                                                              int64_t block_size, int bf16, float *dst) {
+    const int64_t elem = bf16 ? 2 : 4, row = Hkv * D * elem;
+    int64_t b = c / block_size, offset = c % block_size;  // stepped, not divided, per token
+    for (int64_t j = 0; j < TILE; j++) {
+        const char *src = (const char *)cache + ((int64_t)table[b] * block_size + offset) * row + h * D * elem;
+        for (int64_t i = 0; i < D; i += 16)
+            _mm512_storeu_ps(dst + j * D + i, c + j < end ? load16(src + i * elem, bf16) : _mm512_setzero_ps());
+        if (++offset == block_size) b++, offset = 0;
+    }
+}
+
+// One query head's tile against one chunk of keys and values (kc, vc [16][D]): the scores, the running
+// maximum m and exp-sum l of each query lane, and the transposed sums ot [D][16] rescaled and added to.
+// pos: each lane's query position; a key at position c + j counts for lanes at or past it, below `end`.
+static inline __attribute__((always_inline)) void
+flash_chunk(const float *qt, const float *kc, const float *vc, int64_t D, __m512i pos, int64_t c, int64_t end,
+            __m512 *m, __m512 *l, float *ot) {
+    __m512 s[TILE];
+    for (int64_t j = 0; j < TILE; j++) s[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 4)  // four dimensions a round: 16 chains of fused adds, one per key
+        for (int64_t e = d; e < d + 4; e++) {
+            const __m512 q = _mm512_loadu_ps(qt + e * TILE);
+            for (int64_t j = 0; j < TILE; j++) s[j] = _mm512_fmadd_ps(q, _mm512_set1_ps(kc[j * D + e]), s[j]);
+        }
+    __mmask16 seen[TILE];
+    __m512 top = *m;
+    for (int64_t j = 0; j < TILE; j++) {
+        seen[j] = c + j < end ? _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32((int)(c + j))) : 0;
+        top = _mm512_mask_max_ps(top, seen[j], top, s[j]);
+    }
+    const __m512 rescale = exp512(_mm512_sub_ps(*m, top));
+    __m512 sum = _mm512_mul_ps(*l, rescale);
+    for (int64_t j = 0; j < TILE; j++) {
+        s[j] = _mm512_maskz_mov_ps(seen[j], exp512(_mm512_sub_ps(s[j], top)));
+        sum = _mm512_add_ps(sum, s[j]);
+    }
+    *m = top, *l = sum;
+    for (int64_t d = 0; d < D; d += 8) {  // eight dimensions a round: eight chains, so the adds overlap
+        __m512 o[8];
+        for (int64_t i = 0; i < 8; i++) o[i] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d + i) * TILE), rescale);
+        for (int64_t j = 0; j < TILE; j++)
+            for (int64_t i = 0; i < 8; i++) o[i] = _mm512_fmadd_ps(s[j], _mm512_set1_ps(vc[j * D + d + i]), o[i]);
+        for (int64_t i = 0; i < 8; i++) _mm512_storeu_ps(ot + (d + i) * TILE, o[i]);
+    }
+}
+
+// q, out [T, Hq, D] in the cache's dtype (bf16 = 1) or fp32; caches [blocks, block_size, Hkv, D]; sequence s's
+// queries are rows query_start[s] .. query_start[s + 1], the last of its seq_lens[s] cached tokens (causal).
+// Sequences with one query are skipped when skip_single is set (the decode kernel takes them). D a multiple
+// of 16, <= MAX_DIM; Hq / Hkv <= MAX_HEADS. Returns 0, or -1 when out of memory.
+int slimlm_paged_prefill(const void *q, const void *k_cache, const void *v_cache, int bf16, const int32_t *tables,
+                         int64_t width, const int32_t *seq_lens, const int32_t *query_start, int64_t S, int64_t Hq,
+                         int64_t Hkv, int64_t D, int64_t block_size, float scale, int skip_single, void *out,
+                         int nthreads) {
+    const int64_t G = Hq / Hkv, elem = bf16 ? 2 : 4;
+    int64_t tasks = 0;
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t n = query_start[s + 1] - query_start[s];
+        tasks += (n > 1 || !skip_single) ? (n + TILE - 1) / TILE * Hkv : 0;
+    }
+    int64_t *order = malloc(sizeof(int64_t) * 3 * (tasks ? tasks : 1));  // (s, tile, h) of each task
+    if (!order) return -1;
+    int64_t k = 0;
+    for (int64_t s = 0; s < S; s++) {  // a sequence's last tiles first: they see the most keys
+        const int64_t n = query_start[s + 1] - query_start[s];
+        if (n == 1 && skip_single) continue;
+        for (int64_t tile = (n + TILE - 1) / TILE - 1; tile >= 0; tile--)
+            for (int64_t h = 0; h < Hkv; h++) order[k++] = s, order[k++] = tile, order[k++] = h;
+    }
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic) num_threads(nthreads)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t s = order[3 * task], tile = order[3 * task + 1], h = order[3 * task + 2];
+        const int64_t n = query_start[s + 1] - query_start[s], L = seq_lens[s];
+        const int64_t r0 = tile * TILE, rows = n - r0 < TILE ? n - r0 : TILE;
+        const int64_t first = L - n + r0, end = first + rows;  // the tile's first query position; keys it sees
+        const int32_t *table = tables + s * width;
+        float *buf = malloc(sizeof(float) * (2 * G * D * TILE + 2 * TILE * D));
+        if (!buf) {
+            failed = 1;
+            continue;
+        }
+        float *qt = buf, *ot = qt + G * D * TILE, *kc = ot + G * D * TILE, *vc = kc + TILE * D;
+        memset(qt, 0, sizeof(float) * 2 * G * D * TILE);
+        for (int64_t g = 0; g < G; g++)  // the queries transposed, scaled; lanes past the tile stay zero
+            for (int64_t r = 0; r < rows; r++) {
+                const char *x = (const char *)q + (((query_start[s] + r0 + r) * Hq) + h * G + g) * D * elem;
+                for (int64_t d = 0; d < D; d++) {
+                    float v;
+                    if (bf16) {
+                        const uint32_t u = (uint32_t)((const uint16_t *)x)[d] << 16;
+                        memcpy(&v, &u, sizeof v);
+                    } else {
+                        v = ((const float *)x)[d];
+                    }
+                    qt[(g * D + d) * TILE + r] = v * scale;
+                }
+            }
+        __m512 m[MAX_HEADS], l[MAX_HEADS];
+        for (int64_t g = 0; g < G; g++) m[g] = _mm512_set1_ps(-INFINITY), l[g] = _mm512_setzero_ps();
+        const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32((int)first),
+                                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+        for (int64_t c = 0; c < end; c += TILE) {
+            widen_chunk(k_cache, table, c, end, h, D, Hkv, block_size, bf16, kc);
+            widen_chunk(v_cache, table, c, end, h, D, Hkv, block_size, bf16, vc);
+            for (int64_t g = 0; g < G; g++) {
+                switch (D) {
+                    case 64: flash_chunk(qt + g * D * TILE, kc, vc, 64, pos, c, end, &m[g], &l[g], ot + g * D * TILE); break;
+                    default: flash_chunk(qt + g * D * TILE, kc, vc, D, pos, c, end, &m[g], &l[g], ot + g * D * TILE);
+                }
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {  // divided through and written back row-major
+            float lanes[TILE], *o = ot + g * D * TILE;
+            _mm512_storeu_ps(lanes, _mm512_div_ps(_mm512_set1_ps(1.f), l[g]));
+            for (int64_t r = 0; r < rows; r++) {
+                char *y = (char *)out + (((query_start[s] + r0 + r) * Hq) + h * G + g) * D * elem;
+                for (int64_t d = 0; d < D; d++) {
+                    const float v = o[d * TILE + r] * lanes[r];
+                    if (bf16) {  // round to nearest even, as torch converts
+                        uint32_t u;
+                        memcpy(&u, &v, sizeof u);
+                        ((uint16_t *)y)[d] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+                    } else {
+                        ((float *)y)[d] = v;
+                    }
+                }
+            }
+        }
+        free(buf);
+    }
+    free(order);
+    return failed ? -1 : 0;
+}
+
 #endif

@@ -78,6 +78,25 @@ def _decode_native(q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.
     return out.to(q.dtype)
 
 
+def _prefill_native_applies(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
+    return (_native_applies(q, k_cache, k_scale) and q.dtype == k_cache.dtype and q.is_contiguous()
+            and hasattr(cpu_library.load(), "slimlm_paged_prefill"))  # fmt: skip
+
+
+def _prefill_native(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, out) -> torch.Tensor:
+    """The prompt chunks' rows of `out` (its decode rows already written) by the C flash kernel, one call."""
+    tables, lens = block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
+    starts = query_start.to(torch.int32).contiguous()
+    status = cpu_library.load().slimlm_paged_prefill(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+        tables.data_ptr(), tables.shape[1], lens.data_ptr(), starts.data_ptr(), len(lens), q.shape[1],
+        k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, 1, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("paged prefill attention could not allocate its buffers")
+    return out
+
+
 def _prefill(q, k_cache, v_cache, blocks, length, scale, k_scale, v_scale) -> torch.Tensor:
     """q [n, Hq, D], the last n tokens of one sequence of `length` cached tokens -> [n, Hq, D]."""
     n, heads, dim = q.shape
@@ -117,6 +136,8 @@ def paged_attention(
         out[rows] = _decode(
             q[rows], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale, k_scale, v_scale, native
         )
+    if native and _prefill_native_applies(q, k_cache, k_scale):
+        return _prefill_native(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, out)
     block_size = k_cache.shape[1]
     for s, n in enumerate(q_lens):
         if n > 1:

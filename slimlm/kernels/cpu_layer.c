@@ -1,5 +1,5 @@
-// The small per-layer operations of a decode step, each in one call: the residual add with the RMSNorm that
-// follows it, and the rotary embedding of q and k with the KV-cache write. At batch 1 each is a few thousand
+// The small per-layer operations of a step, each in one call: the residual add with the RMSNorm that follows
+// it, the rotary embedding of q and k with the KV-cache write, and SiLU(gate)·up. At batch 1 each is a few thousand
 // flops, and as PyTorch operators they were ~15 calls a layer at ~3-10 µs each: a third of the step
 // (measured, benchmarks/decode_overhead.py). Plain C (the compiler vectorizes it); fp32 or bf16 tensors.
 //
@@ -107,6 +107,45 @@ void slimlm_rotary_kv_write(const void *qkv, int64_t rows, int64_t heads, int64_
         rotary_rows(qkv, rows, heads, kv_heads, dim, cos, sin, slots, k_cache, v_cache, q_out, 0, nthreads);
 }
 
+// e^x in plain C that the compiler vectorizes (a loop of expf calls stays scalar): Cephes' expf, x = n·ln 2 + r
+// with ln 2 in two parts (n·C1 exact) so r keeps its bits, e^r by its polynomial, 2^n from the exponent bits.
+// Within a couple of units in the last place, as torch's own vectorized exp (Sleef) is: each rounds a few
+// values the other way in the last bit.
+static inline float exp_vectorizable(float x) {
+    const float t = x * 1.44269504088896341f;
+    const float n = rintf(t < -125.f ? -125.f : (t > 128.f ? 128.f : t));
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const union { uint32_t u; float f; } half_scale = {(uint32_t)((int32_t)n + 126) << 23};  // 2^(n-1): normal
+    const float e = p * half_scale.f * 2.f;  // overflows to infinity where e^x does
+    return t < -150.f ? 0.f : e;  // a NaN passes through as NaN
+}
+
+// silu(gate) · up for gu = [gate | up] per row, each op rounded as torch rounds it in the dtype
+static inline __attribute__((always_inline)) void silu_rows(const void *gu, void *out, int64_t rows, int64_t width,
+                                                            int bf16, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (rows >= 4)
+    for (int64_t r = 0; r < rows; r++)
+#pragma omp simd
+        for (int64_t i = 0; i < width; i++) {
+            const float g = load(gu, r * 2 * width + i, bf16), u = load(gu, r * 2 * width + width + i, bf16);
+            store(out, r * width + i, rounded(g / (1.0f + exp_vectorizable(-g)), bf16) * u, bf16);
+        }
+}
+
+void slimlm_silu_mul(const void *gu, void *out, int64_t rows, int64_t width, int bf16, int nthreads) {
+    if (bf16)  // a literal dtype: each variant compiles to its own vector loop
+        silu_rows(gu, out, rows, width, 1, nthreads);
+    else
+        silu_rows(gu, out, rows, width, 0, nthreads);
+}
+
 #ifdef __AVX512BF16__  // the whole-layer decode runs on the bf16 dot-product GEMM (cpu_gemm.c)
 #include <stdlib.h>
 
@@ -153,45 +192,6 @@ static int linear(const Linear *w, const void *x, int64_t m, void *y, float *pad
     return 0;
 }
 
-// e^x in plain C that the compiler vectorizes (a loop of expf calls stays scalar): Cephes' expf, x = n·ln 2 + r
-// with ln 2 in two parts (n·C1 exact) so r keeps its bits, e^r by its polynomial, 2^n from the exponent bits.
-// Within a couple of units in the last place, as torch's own vectorized exp (Sleef) is: each rounds a few
-// values the other way in the last bit.
-static inline float exp_vectorizable(float x) {
-    const float t = x * 1.44269504088896341f;
-    const float n = rintf(t < -125.f ? -125.f : (t > 128.f ? 128.f : t));
-    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const union { uint32_t u; float f; } half_scale = {(uint32_t)((int32_t)n + 126) << 23};  // 2^(n-1): normal
-    const float e = p * half_scale.f * 2.f;  // overflows to infinity where e^x does
-    return t < -150.f ? 0.f : e;  // a NaN passes through as NaN
-}
-
-// silu(gate) · up for gu = [gate | up] per row, each op rounded as torch rounds it in the dtype
-static inline __attribute__((always_inline)) void silu_rows(const void *gu, void *out, int64_t rows, int64_t width,
-                                                            int bf16, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) if (rows >= 4)
-    for (int64_t r = 0; r < rows; r++)
-#pragma omp simd
-        for (int64_t i = 0; i < width; i++) {
-            const float g = load(gu, r * 2 * width + i, bf16), u = load(gu, r * 2 * width + width + i, bf16);
-            store(out, r * width + i, rounded(g / (1.0f + exp_vectorizable(-g)), bf16) * u, bf16);
-        }
-}
-
-static void silu_mul(const void *gu, void *out, int64_t rows, int64_t width, int bf16, int nthreads) {
-    if (bf16)  // a literal dtype: each variant compiles to its own vector loop
-        silu_rows(gu, out, rows, width, 1, nthreads);
-    else
-        silu_rows(gu, out, rows, width, 0, nthreads);
-}
-
 // The intermediate results of one layer, for `rows` sequences: allocated once per step, used by every layer
 typedef struct {
     char *h, *qkv, *q, *attn, *gu, *act;  // in the step's dtype
@@ -223,7 +223,7 @@ static int decode_layer(void *x, void *residual, const void *norm1, const void *
     if (linear(&w[1], b->attn, rows, out, b->padded, nthreads)) return -1;
     slimlm_add_rms_norm(out, residual, norm2, b->h, rows, hidden, eps, bf16, nthreads);
     if (linear(&w[2], b->h, rows, b->gu, b->padded, nthreads)) return -1;
-    silu_mul(b->gu, b->act, rows, inter, bf16, nthreads);
+    slimlm_silu_mul(b->gu, b->act, rows, inter, bf16, nthreads);
     return linear(&w[3], b->act, rows, out, b->padded, nthreads);
 }
 

@@ -1,7 +1,7 @@
-"""A decoder layer's small operations in one C call each (cpu_layer.c): the residual add with its RMSNorm, and
-the rotary embedding with the KV-cache write. Same contracts as reference.add_rms_norm and
-reference.rotary_kv_write, which run instead for what the C code does not cover (fp16, quantized KV caches,
-tensors that are not laid out flat).
+"""A decoder layer's small operations in one C call each (cpu_layer.c): the residual add with its RMSNorm, the
+rotary embedding with the KV-cache write, and SiLU·up. Same contracts as reference.add_rms_norm,
+reference.rotary_kv_write and reference.silu_mul, which run instead for what the C code does not cover (fp16,
+quantized KV caches, tensors that are not laid out flat).
 
 And all decoder layers in one call for decode steps (DecodeStack): the same kernels in the same order as the
 model's modules call them, without the ~40 Python-level calls a layer costs otherwise.
@@ -33,6 +33,17 @@ def add_rms_norm(
         x.numel() // dim, dim, eps, int(x.dtype == torch.bfloat16), torch.get_num_threads(),
     )  # fmt: skip
     return out, x if residual is None else residual
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """reference.silu_mul in one C pass over the rows, rounded as torch rounds each step."""
+    if gate_up.dtype not in DTYPES or not gate_up.is_contiguous():
+        return reference.silu_mul(gate_up)
+    width = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], width)
+    cpu_library.load().slimlm_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * width), width,
+                                       int(gate_up.dtype == torch.bfloat16), torch.get_num_threads())  # fmt: skip
+    return out
 
 
 def rotary_kv_write(

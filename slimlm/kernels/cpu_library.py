@@ -33,6 +33,7 @@ SIGNATURES = {  # name: (argument types, return type)
         c_int,
     ),  # fmt: skip
     "slimlm_add_rms_norm": ([ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, c_int, c_int], None),
+    "slimlm_silu_mul": ([ptr, ptr, i64, i64, c_int, c_int], None),
     "slimlm_rotary_kv_write": ([ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, c_int, c_int], None),
 }
 
@@ -72,6 +73,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name, (args, result) in SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
     lib.slimlm_dequantize.argtypes = DEQUANTIZE
+    if hasattr(lib, "slimlm_paged_prefill"):  # AVX-512 builds only
+        lib.slimlm_paged_prefill.argtypes = [ptr, ptr, ptr, c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
+                                             ctypes.c_float, c_int, ptr, c_int]  # fmt: skip
+        lib.slimlm_paged_prefill.restype = c_int
     if hasattr(lib, "slimlm_quant_matmul_bf16"):  # built only where the CPU has AVX-512 BF16
         f32 = ctypes.c_float
         if hasattr(lib, "slimlm_decode_layers"):  # not in revisions before it (kernels_ab.py builds those)

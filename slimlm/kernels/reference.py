@@ -53,6 +53,12 @@ def add_rms_norm(
     return weight * F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype), h
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up for gate_up = [gate | up] along the last dimension (the MLP's joined projection)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, transformers' half-split convention, x·cos + rotate_half(x)·sin, written as
     x·cos + roll(x, D/2)·[−sin₁, sin₂]: the same products and sums (negation is exact), half the calls."""

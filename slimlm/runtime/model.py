@@ -134,10 +134,10 @@ class MLP(nn.Module):
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, False, dtype)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
         self.gate_up = [self.gate_proj, self.up_proj]  # one joined Linear after fuse_projections()
+        self.silu_mul = kernels.reference.silu_mul  # the load-time Backend's, once set_backend ran
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = joined_outputs(self.gate_up, x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.silu_mul(joined_outputs(self.gate_up, x)))
 
 
 def joined_outputs(linears: list[Linear], x: torch.Tensor) -> torch.Tensor:
@@ -199,6 +199,8 @@ class CausalLM(nn.Module):
                 module.attention, module.rotary_kv_write = backend.paged_attention, backend.rotary_kv_write
             elif isinstance(module, RMSNorm):
                 module.add_rms_norm = backend.add_rms_norm
+            elif isinstance(module, MLP):
+                module.silu_mul = backend.silu_mul
         self.decode_stack = None if backend.decode_stack is None else self._decode_stack(backend.decode_stack)
 
     def _decode_stack(self, factory):
