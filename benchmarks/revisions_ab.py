@@ -1,11 +1,15 @@
-"""The decode step of two or more git revisions, whole trees (Python and C kernels), taking turns in one run.
+"""The decode step (or a prompt step) of two or more git revisions, whole trees (Python and C kernels), taking
+turns in one run.
 
 kernels_ab.py swaps only the C kernels under the working tree's Python, which cannot compare revisions whose
 Python calls the kernels differently. Here each revision is checked out into its own worktree and times the
 decode step in a subprocess of its own; the revisions take --rounds turns per batch size and dtype, and each
-one's median over its turns is kept, so the ratios come from the same minutes.
+one's median over its turns is kept, so the ratios come from the same minutes. With --prompt N each of the
+batch's sequences adds a chunk of N prompt tokens after its --context cached ones instead of one token (a
+prefill step; logits for each sequence's last token only, as the engine asks).
 
     .venv/bin/python benchmarks/revisions_ab.py out/speed/w4h8 aa63d00 HEAD --batch 1,8,32
+    .venv/bin/python benchmarks/revisions_ab.py out/speed/w4h8 HEAD~1 HEAD --batch 1,4 --context 0 --prompt 128
 """
 
 from __future__ import annotations
@@ -24,19 +28,20 @@ ROOT = Path(__file__).resolve().parents[1]
 STEP = r"""
 import json, statistics, sys, time, torch
 from slimlm.eval.bench import BenchConfig, _engine, _step_inputs
-model, dtype, batch, context, seconds, threads = sys.argv[1:7]
-batch, context, seconds = int(batch), int(context), float(seconds)
+model, dtype, batch, context, new, seconds, threads = sys.argv[1:8]
+batch, context, new, seconds = int(batch), int(context), int(new), float(seconds)
 torch.set_num_threads(int(threads))
-runner = _engine(model, BenchConfig(dtype=dtype, batches=[batch], context=context), context + 1).runner
+runner = _engine(model, BenchConfig(dtype=dtype, batches=[batch], context=context + new), context + new).runner
 runner.kv_cache.normal_()
-step, ids, times = _step_inputs(batch, context, runner.block_size), torch.randint(0, 1000, (batch,)), []
+step, ids, times = _step_inputs(batch, context, runner.block_size, new), torch.randint(0, 1000, (batch * new,)), []
+last = torch.arange(new - 1, batch * new, new)  # each sequence's last token
 with torch.inference_mode():
     for _ in range(3):  # warm-up
-        runner.model.logits(runner.model(ids, step, runner.kv_cache))
+        runner.model.logits(runner.model(ids, step, runner.kv_cache)[last])
     end = time.perf_counter() + seconds
     while time.perf_counter() < end or len(times) < 5:
         start = time.perf_counter()
-        runner.model.logits(runner.model(ids, step, runner.kv_cache))
+        runner.model.logits(runner.model(ids, step, runner.kv_cache)[last])
         times.append(time.perf_counter() - start)
 print(json.dumps(1e3 * statistics.median(times)))
 """
@@ -52,7 +57,7 @@ def worktree(rev: str, where: Path) -> Path:
 
 
 def step_ms(tree: Path, model: str, dtype: str, batch: int, args) -> float:
-    settings = (model, dtype, batch, args.context, args.seconds, args.threads)
+    settings = (model, dtype, batch, args.context, args.prompt, args.seconds, args.threads)
     cmd = [sys.executable, "-c", STEP, *map(str, settings)]
     done = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tree)})
     if done.returncode != 0:
@@ -67,6 +72,7 @@ def main() -> None:
     parser.add_argument("--batch", default="1,8,32")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--prompt", type=int, default=1, help="new tokens per sequence (1: a decode step)")
     parser.add_argument("--seconds", type=float, default=6.0, help="per turn")
     parser.add_argument("--rounds", type=int, default=2, help="turns of every revision per batch size and dtype")
     parser.add_argument("--threads", type=int, default=2)
@@ -77,7 +83,8 @@ def main() -> None:
         try:
             for rev in args.revs:
                 trees[rev] = worktree(rev, Path(tmp))
-            print(f"{args.model}, context {args.context}, {args.threads} threads; step ms (median of each "
+            what = "decode" if args.prompt == 1 else f"prompt chunks of {args.prompt} tokens,"
+            print(f"{args.model}, {what} context {args.context}, {args.threads} threads; step ms (median of each "
                   f"revision's {args.rounds} turns)")  # fmt: skip
             for dtype in args.dtypes.split(","):
                 for batch in map(int, args.batch.split(",")):
