@@ -87,11 +87,13 @@ tile(int bits, int rows, const float *x, int64_t K, int64_t group, const uint8_t
         for (int i = 0; i < 4; i++) _mm512_storeu_ps(y + r * N + 16 * i, acc[r][i]);
 }
 
-// Weight blocks [b0, b1) dequantized to bf16, written k-major into out [K, (b1 − b0)·BN]: the large-M path
-// hands this to torch's bf16 matmul, which beats any FMA loop once x has more than a few rows.
-void slimlm_dequantize(int bits, int64_t K, const uint8_t *codes, const uint16_t *scales,
-                       const uint8_t *zeros, int64_t b0, int64_t b1, int64_t group, uint16_t *out,
-                       int nthreads) {
+// Weight blocks [b0, b1) dequantized, written k-major into out [K, (b1 − b0)·BN] as bf16 (rounded to nearest
+// even, as torch rounds) or fp32: the large-M paths hand this to torch's matmul in that dtype, which beats any
+// FMA loop once x has more than a few rows.
+static inline __attribute__((always_inline)) void dequantize_to(int bits, int64_t K, const uint8_t *codes,
+                                                                const uint16_t *scales, const uint8_t *zeros,
+                                                                int64_t b0, int64_t b1, int64_t group, void *out,
+                                                                int f32, int nthreads) {
     const int64_t G = K / group, row_bytes = BN * bits / 8, width = (b1 - b0) * BN;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
     for (int64_t nb = b0; nb < b1; nb++) {
@@ -101,16 +103,29 @@ void slimlm_dequantize(int bits, int64_t K, const uint8_t *codes, const uint16_t
             for (int64_t k = g * group; k < (g + 1) * group; k++) {
                 __m512 w[4];
                 weights_at(bits, codes + (nb * K + k) * row_bytes, s, zs, w);
-                uint16_t *o = out + k * width + (nb - b0) * BN;
+                const int64_t at = k * width + (nb - b0) * BN;
                 for (int i = 0; i < 4; i++) {
-                    // round to nearest even, as torch's float -> bfloat16
+                    if (f32) {
+                        _mm512_storeu_ps((float *)out + at + 16 * i, w[i]);
+                        continue;
+                    }
                     __m512i u = _mm512_castps_si512(w[i]);
                     u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-                    _mm256_storeu_si256((__m256i *)(o + 16 * i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at + 16 * i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
                 }
             }
         }
     }
+}
+
+void slimlm_dequantize(int bits, int64_t K, const uint8_t *codes, const uint16_t *scales, const uint8_t *zeros,
+                       int64_t b0, int64_t b1, int64_t group, uint16_t *out, int nthreads) {
+    dequantize_to(bits, K, codes, scales, zeros, b0, b1, group, out, 0, nthreads);
+}
+
+void slimlm_dequantize_f32(int bits, int64_t K, const uint8_t *codes, const uint16_t *scales, const uint8_t *zeros,
+                           int64_t b0, int64_t b1, int64_t group, float *out, int nthreads) {
+    dequantize_to(bits, K, codes, scales, zeros, b0, b1, group, out, 1, nthreads);
 }
 #ifdef __AVX512BF16__
 // bf16 x: GEMMs on the bf16 dot-product unit (vdpbf16ps: 32 multiply-adds an instruction, the fastest

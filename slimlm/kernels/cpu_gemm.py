@@ -7,8 +7,9 @@ Which loop runs, by CPU and by x (thresholds measured with benchmarks/kernels_cp
                               with AMX, from AMX_MIN_ROWS rows on: the same weight tiles multiplied on the
                               AMX tile unit (2-4× any AVX-512 loop there)
     AVX-512 BF16, fp32 x      up to a third of that: each row split exactly into three bf16 rows for the code
-                              tiles (fp32 accuracy); above: the fused fp32 loop. With AMX: the fused loop at
-                              every M (it beat the split 1.2–3.3× there, measured; the split won on the EPYC)
+                              tiles (fp32 accuracy); above: the fused fp32 loop. With AMX: the fused loop up
+                              to FUSED_MAX_ROWS_AMX rows (it beat the split 1.2–3.3× there, measured; the split
+                              won on the EPYC), fp32 matmul on dequantized fp32 slices above
     AVX-512 without BF16      fused fp32 loop; bf16 x above FUSED_MAX_ROWS_BF16 rows: bf16 matmul on
                               dequantized slices
     AVX2                      fused fp32 loop; above FUSED_MAX_ROWS_AVX2 rows: fp32 matmul on dequantized slices
@@ -26,6 +27,7 @@ CODE_MAX_ROWS = {4: 32, 8: 16}  # AVX-512 BF16: code tiles up to here (bf16 rows
 AMX_MIN_ROWS = 6  # AMX CPUs, bf16 x: the tile unit from here on; code tiles below (measured on Sapphire Rapids)
 FUSED_MAX_ROWS_BF16 = 16  # AVX-512 without BF16: above this, bf16 matmul on dequantized slices wins
 FUSED_MAX_ROWS_AVX2 = 24  # AVX2: above this, fp32 matmul on dequantized slices wins, for either dtype of x
+FUSED_MAX_ROWS_AMX = 96  # AMX CPUs, fp32 x: above this, fp32 matmul on dequantized fp32 slices wins
 SLICE_BLOCKS = 16  # weight blocks (of BLOCK_N features) dequantized at a time: a few MB, stays in cache
 
 
@@ -35,8 +37,8 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         x = x[:, w.perm]
     dtype = x.dtype
     kernel = path(x.shape[0], dtype, w)
-    if kernel == "dequant-slices":
-        slices = torch.bfloat16 if cpu_library.vector_bits() == 512 else torch.float32  # what slimlm_dequantize writes
+    if kernel == "dequant-slices":  # fp32 slices for fp32 x, and for any x where there are no bf16 ones (AVX2)
+        slices = torch.bfloat16 if cpu_library.vector_bits() == 512 and dtype == torch.bfloat16 else torch.float32
         return _dequantized_matmul(x.to(slices).contiguous(), w).to(dtype)
     lib = cpu_library.load()
     m, k = x.shape
@@ -74,9 +76,9 @@ def path(rows: int, dtype: torch.dtype, w: PackedWeight) -> str:
             if rows >= AMX_MIN_ROWS and cpu_library.has_amx_gemm():
                 return "bf16-amx"
             return "bf16-codes" if rows <= limit else "bf16-weights"
-        if 3 * rows <= limit and not cpu_library.has_amx_gemm():
-            return "fp32-split"
-        return "fused"
+        if cpu_library.has_amx_gemm():
+            return "dequant-slices" if rows > FUSED_MAX_ROWS_AMX else "fused"
+        return "fp32-split" if 3 * rows <= limit else "fused"
     if cpu_library.vector_bits() == 512:
         return "dequant-slices" if dtype == torch.bfloat16 and rows > FUSED_MAX_ROWS_BF16 else "fused"
     return "dequant-slices" if rows > FUSED_MAX_ROWS_AVX2 else "fused"
@@ -87,13 +89,16 @@ def _dequantized_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     blocks = w.codes.shape[0]
     out = torch.empty(x.shape[0], w.padded_out_features, dtype=x.dtype)
     buffers = {}  # by width: reused, since fresh pages for every slice cost as much as the arithmetic
+    lib = cpu_library.load()
+    f32_from_512 = x.dtype == torch.float32 and cpu_library.vector_bits() == 512
+    dequantize = lib.slimlm_dequantize_f32 if f32_from_512 else lib.slimlm_dequantize  # AVX2's writes fp32
     for b0 in range(0, blocks, SLICE_BLOCKS):
         b1 = min(b0 + SLICE_BLOCKS, blocks)
         width = (b1 - b0) * BLOCK_N
         if width not in buffers:
             buffers[width] = torch.empty(k, width, dtype=x.dtype)
         wt = buffers[width]
-        cpu_library.load().slimlm_dequantize(
+        dequantize(
             w.bits, k, w.codes.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(), b0, b1, w.group_size,
             wt.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip

@@ -73,6 +73,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name, (args, result) in SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
     lib.slimlm_dequantize.argtypes = DEQUANTIZE
+    if hasattr(lib, "slimlm_dequantize_f32"):  # AVX-512 builds (the AVX2 slimlm_dequantize writes fp32 already)
+        lib.slimlm_dequantize_f32.argtypes = DEQUANTIZE
     if hasattr(lib, "slimlm_paged_prefill"):  # AVX-512 builds only
         lib.slimlm_paged_prefill.argtypes = [ptr, ptr, ptr, c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
                                              ctypes.c_float, c_int, ptr, c_int]  # fmt: skip

@@ -71,9 +71,18 @@ def test_amx_tiles_round_the_weights_as_torch(poisoned, bits, group_size, sym, a
 
 
 @needs_amx
-def test_fp32_rows_run_the_fused_loop_on_amx_cpus():
-    _, w = quantized_weight(64, 128, 4, 64, False)
-    assert [cpu_gemm.path(m, torch.float32, w) for m in (1, 8, 300)] == ["fused"] * 3
+def test_fp32_rows_run_the_fused_loop_then_fp32_slices_on_amx_cpus(poisoned, monkeypatch):
+    """2112 outputs: 33 blocks, three slices; the slices are fp32, so the result keeps fp32 accuracy."""
+    _, w = quantized_weight(2112, 128, 4, 64, False)
+    limit = cpu_gemm.FUSED_MAX_ROWS_AMX
+    assert [cpu_gemm.path(m, torch.float32, w) for m in (1, limit, limit + 1)] == ["fused", "fused", "dequant-slices"]
+    cpu_library.vector_bits()  # asked once per process: not a call of this test's
+    spy = Spy(cpu_library.load())
+    monkeypatch.setattr(cpu_library, "load", lambda: spy)
+    x = torch.randn(limit + 1, 128) * torch.logspace(-3, 3, 128)
+    out = cpu_gemm.quant_matmul(x, w)
+    assert out.dtype == torch.float32 and set(spy.calls) == {"slimlm_dequantize_f32"}
+    assert relative_error(out, reference.quant_matmul(x.double(), w)) < 1e-6
 
 
 @needs_bf16
