@@ -3,8 +3,9 @@
 Decoding sequences (one query each) are done together: by the C kernel (cpu_attention.c) for fp32 and bf16 caches,
 which reads K and V in place through the block table; otherwise in PyTorch with one gather of their blocks
 into a padded [S, L, Hkv, D] tensor, two batched matmuls and a masked softmax. Prompt chunks (several
-queries) go one sequence at a time in PyTorch, causal mask included. GQA is a reshape of the queries to
-[Hkv, group, ...] that broadcasts against the KV heads, never a copy of K and V per query head.
+queries) go to the C flash-attention kernel in one call for all sequences (AVX-512 builds, a cache in the
+queries' dtype); otherwise one sequence at a time in PyTorch, causal mask included. GQA is a reshape of the
+queries to [Hkv, group, ...] that broadcasts against the KV heads, never a copy of K and V per query head.
 """
 
 from __future__ import annotations

@@ -58,3 +58,26 @@ def test_c_kernel_takes_fp32_decodes():
     assert cpu_attention._native_applies(p.q, p.k_cache, p.k_scale)
     p = paged_problem([40, 7], [1, 1], 8, 2, 40, kv_dtype=torch.float32, q_dtype=torch.float32)
     assert not cpu_attention._native_applies(p.q, p.k_cache, p.k_scale)  # head_dim not a multiple of 16
+
+
+@pytest.mark.skipif(not (cpu_library.available() and hasattr(cpu_library.load(), "slimlm_paged_prefill")),
+                    reason="needs the AVX-512 kernels")  # fmt: skip
+@pytest.mark.parametrize("block_size", [8, 32])
+@pytest.mark.parametrize("head_dim,dtype", [(64, torch.bfloat16), (128, torch.float32), (48, torch.bfloat16)])
+def test_c_prompt_kernel_in_one_call(poisoned, monkeypatch, block_size, head_dim, dtype):
+    """Prompt chunks go to the C flash kernel in one call on two threads: tiles of 16 queries with ragged
+    tails, a chunk of 70 after 100 cached tokens (keys 16 at a time across blocks of 8 or 32), a decode mixed
+    in (the decode kernel's), and every slot past a sequence's end NaN."""
+    p = paged_problem([170, 37, 9, 16], [70, 37, 1, 16], 8, 2, head_dim, block_size, dtype, dtype, seed=block_size)
+    lib, calls = cpu_library.load(), []
+
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(lib, name)
+            return lambda *args: calls.append(name) or fn(*args)
+
+    monkeypatch.setattr(cpu_library, "load", Spy)
+    with torch_threads(2):
+        out = cpu_attention.paged_attention(*p.args(), native=True)
+    assert calls.count("slimlm_paged_prefill") == 1 and calls.count("slimlm_paged_decode") == 1
+    assert relative_error(out, reference.paged_attention(*p.args(), dtype=torch.float64)) < TOLERANCE[dtype]
