@@ -516,12 +516,26 @@ static void amx_streamed_row_tile(int bits, int64_t group, const uint8_t *codes,
     amx_results_store(acc, acc + 16, acc + 32, acc + 48);
 }
 
-// acc[rows, 64] (+)= x[rows, 0 : kc] · the chunk in buf; rows a multiple of TM, x's rows `stride` bf16 apart.
-static void amx_chunk(int64_t rows, const uint16_t *x, int64_t stride, int64_t kc, const __m512i *buf, float *acc,
-                      int first) {
+// For each of n blocks b: acc + b·acc_step [rows, 64] (+)= x[rows, 0 : kc] · the chunk in buf + b·buf_step;
+// rows a multiple of TM, x's rows `stride` bf16 apart. Row tiles outermost: their x tiles stay in L1 while
+// every block multiplies them.
+static void amx_chunk(int64_t rows, const uint16_t *x, int64_t stride, int64_t kc, const __m512i *buf,
+                      int64_t buf_step, float *acc, int64_t acc_step, int64_t n, int first) {
     int64_t m = 0;
-    for (; m + 2 * TM <= rows; m += 2 * TM) amx_two_row_tiles(x + m * stride, stride, kc, buf, acc + m * BN, first);
-    if (m < rows) amx_row_tile(x + m * stride, stride, kc, buf, acc + m * BN, first);
+    for (; m + 2 * TM <= rows; m += 2 * TM)
+        for (int64_t b = 0; b < n; b++)
+            amx_two_row_tiles(x + m * stride, stride, kc, buf + b * buf_step, acc + b * acc_step + m * BN, first);
+    for (int64_t b = 0; m < rows && b < n; b++)
+        amx_row_tile(x + m * stride, stride, kc, buf + b * buf_step, acc + b * acc_step + m * BN, first);
+}
+
+// Weight blocks a thread takes together: one, unless x is too large to stay in L2 (half of a Sapphire Rapids
+// core's 2 MB) while each block reads all of it; then up to four, which read it once for all of them, as long
+// as every thread still gets a couple of groups.
+static inline int64_t amx_group(int64_t M, int64_t K, int64_t nblocks, int nthreads) {
+    int64_t n = 1;
+    while (n < 4 && M * K * 2 > (1 << 20) && nblocks / (2 * n) >= 2 * nthreads) n *= 2;
+    return n;
 }
 
 // y[M, y_cols] = x[M, K] bf16 · Wᵀ on the tile unit, as fp32 or bf16 (y_bf16). K and the group size must be
@@ -538,32 +552,37 @@ int slimlm_quant_matmul_amx(int bits, const uint16_t *x, int64_t M, int64_t K, c
         memset(xp + m * Kp + (m < M ? K : 0), 0, sizeof(uint16_t) * (m < M ? Kp - K : Kp));
     }
     const int64_t parts = row_parts(nblocks, Mp, TM, nthreads), part_rows = (Mp / TM + parts - 1) / parts * TM;
+    const int64_t together = parts == 1 ? amx_group(Mp, Kp, nblocks, nthreads) : 1;
+    const int64_t groups = (nblocks + together - 1) / together, buf_step = KC / 2 * 4, acc_step = BN * part_rows;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(|| : failed)
     {
-        float *acc = aligned_alloc(64, sizeof(float) * BN * part_rows);
-        __m512i *buf = aligned_alloc(64, sizeof(__m512i) * KC / 2 * 4);
+        float *acc = aligned_alloc(64, sizeof(float) * acc_step * together);
+        __m512i *buf = aligned_alloc(64, sizeof(__m512i) * buf_step * together);
         failed = acc == NULL || buf == NULL;
         if (!failed) configure_tiles();
 #pragma omp for collapse(2) schedule(static)
-        for (int64_t nb = 0; nb < nblocks; nb++) {
+        for (int64_t gb = 0; gb < groups; gb++) {
             for (int64_t part = 0; part < parts; part++) {
                 const int64_t m0 = part * part_rows, m1 = m0 + part_rows < Mp ? m0 + part_rows : Mp;
+                const int64_t nb0 = gb * together, n = nblocks - nb0 < together ? nblocks - nb0 : together;
                 if (failed || m0 >= M) continue;
-                const uint8_t *c = codes + nb * K * (BN * bits / 8);
-                const uint16_t *s = scales + nb * G * BN;
-                const uint8_t *z = zeros + nb * G * BN;
-                if (m1 - m0 == TM) {
-                    amx_streamed_row_tile(bits, group, c, s, z, K, xp + m0 * Kp, Kp, buf, acc);
-                    write_block(acc, m0, m1 < M ? m1 : M, y, y_cols, y_bf16, nb * BN);
-                    continue;
-                }
-                for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                for (int64_t k0 = 0; m1 - m0 > TM && k0 < K; k0 += KC) {
                     const int64_t kc = K - k0 < KC ? K - k0 : KC;
-                    dequantize_tiles(bits, group, c, s, z, k0, kc, buf);
-                    amx_chunk(m1 - m0, xp + m0 * Kp + k0, Kp, (kc + TK - 1) / TK * TK, buf, acc, k0 == 0);
+                    for (int64_t b = 0; b < n; b++)
+                        dequantize_tiles(bits, group, codes + (nb0 + b) * K * (BN * bits / 8),
+                                         scales + (nb0 + b) * G * BN, zeros + (nb0 + b) * G * BN, k0, kc,
+                                         buf + b * buf_step);
+                    amx_chunk(m1 - m0, xp + m0 * Kp + k0, Kp, (kc + TK - 1) / TK * TK, buf, buf_step, acc, acc_step,
+                              n, k0 == 0);
                 }
-                write_block(acc, m0, m1 < M ? m1 : M, y, y_cols, y_bf16, nb * BN);
+                for (int64_t nb = nb0; nb < nb0 + n; nb++) {
+                    float *a = acc + (nb - nb0) * acc_step;
+                    if (m1 - m0 == TM)
+                        amx_streamed_row_tile(bits, group, codes + nb * K * (BN * bits / 8), scales + nb * G * BN,
+                                              zeros + nb * G * BN, K, xp + m0 * Kp, Kp, buf, a);
+                    write_block(a, m0, m1 < M ? m1 : M, y, y_cols, y_bf16, nb * BN);
+                }
             }
         }
         if (!failed) _tile_release();

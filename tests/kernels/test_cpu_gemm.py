@@ -71,6 +71,21 @@ def test_amx_tiles_round_the_weights_as_torch(poisoned, bits, group_size, sym, a
 
 
 @needs_amx
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_blocks_share_an_x_larger_than_l2(poisoned, threads):
+    """x of 264 × 2176 bf16 (1.1 MB): each thread takes 2-4 weight blocks together per chunk of inputs (17
+    blocks: groups of 4 and a last one on one thread, of 2 on two), and a last row tile of 8 rows."""
+    _, w = quantized_weight(1054, 2176, 4, 128, False, False, seed=threads)
+    x = torch.randn(264, 2176).bfloat16()
+    ref = x.double() @ dequantize(w).bfloat16().double()[: w.out_features].T
+    with torch_threads(threads):
+        fp32 = torch.empty(264, w.out_features)
+        assert cpu_library.load().slimlm_quant_matmul_amx(w.bits, x.data_ptr(), 264, 2176, *w.kernel_args,
+                                                          fp32.data_ptr(), w.out_features, 0, threads) == 0  # fmt: skip
+    assert relative_error(fp32.double(), ref) < 1e-5
+
+
+@needs_amx
 def test_fp32_rows_run_the_fused_loop_then_fp32_slices_on_amx_cpus(poisoned, monkeypatch):
     """2112 outputs: 33 blocks, three slices; the slices are fp32, so the result keeps fp32 accuracy."""
     _, w = quantized_weight(2112, 128, 4, 64, False)
