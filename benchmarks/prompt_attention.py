@@ -1,0 +1,52 @@
+"""Prompt-chunk attention on CPU: the C flash kernel (cpu_attention.c, slimlm_paged_prefill) against the PyTorch
+path it replaced (one sequence at a time: batched matmuls and a masked softmax), interleaved in one run.
+
+Shapes are the default model's (9 query heads, 3 KV heads, head_dim 64) over a paged cache of 16-token blocks
+in random order: a step of S sequences adding N prompt tokens each after C cached ones. Each cell is the
+median ms per layer; the ratio is torch's time ÷ the C kernel's.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/prompt_attention.py [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+import torch
+
+from slimlm.kernels import cpu_attention
+from tests.kernels.problems import paged_problem, relative_error
+
+STEPS = [(4, 128, 0), (2, 256, 0), (1, 512, 0), (4, 128, 256), (1, 64, 1024)]  # S sequences, N new, C cached
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=2.0, help="per cell")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"{args.threads} threads; ms per layer (median, interleaved); ratio: torch ÷ C")
+    for dtype in (torch.bfloat16, torch.float32):
+        for s, n, c in STEPS:
+            p = paged_problem([c + n] * s, [n] * s, 9, 3, 64, 16, dtype, dtype, seed=n)
+            fns = {name: functools.partial(cpu_attention.paged_attention, *p.args(), native=native)
+                   for name, native in (("C", True), ("torch", False))}  # fmt: skip
+            error = relative_error(fns["C"](), fns["torch"]().double())
+            times = {name: [] for name in fns}
+            end = time.perf_counter() + args.seconds
+            while time.perf_counter() < end or min(map(len, times.values())) < 5:
+                for name, fn in fns.items():
+                    start = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - start)
+            ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+            print(f"{str(dtype).removeprefix('torch.'):9s} {s} × {n:3d} new after {c:4d}:  C {ms['C']:7.3f}  "
+                  f"torch {ms['torch']:7.3f}  ({ms['torch'] / ms['C']:.1f}×)  rel. diff {error:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
