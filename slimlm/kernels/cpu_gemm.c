@@ -517,7 +517,7 @@ static void amx_streamed_row_tile(int bits, int64_t group, const uint8_t *codes,
 }
 
 // For each of n blocks b: acc + b·acc_step [rows, 64] (+)= x[rows, 0 : kc] · the chunk in buf + b·buf_step;
-// rows a multiple of TM, x's rows `stride` bf16 apart. Row tiles outermost: their x tiles stay in L1 while
+// rows a multiple of TM, x's rows `stride` bf16 apart. Row tiles outermost: their x tiles stay in cache while
 // every block multiplies them.
 static void amx_chunk(int64_t rows, const uint16_t *x, int64_t stride, int64_t kc, const __m512i *buf,
                       int64_t buf_step, float *acc, int64_t acc_step, int64_t n, int first) {
