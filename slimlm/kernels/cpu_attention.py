@@ -85,12 +85,13 @@ def _prefill_native_applies(q: torch.Tensor, k_cache: torch.Tensor, k_scale: tor
 
 
 def _prefill_native(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, out) -> torch.Tensor:
-    """The prompt chunks' rows of `out` (its decode rows already written) by the C flash kernel, one call."""
+    """The prompt chunks' rows of `out` (its decode rows already written) by the C flash kernel, one call. The
+    sequences are query_start's (block_tables and seq_lens may hold more rows: they are not read)."""
     tables, lens = block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
     starts = query_start.to(torch.int32).contiguous()
     status = cpu_library.load().slimlm_paged_prefill(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
-        tables.data_ptr(), tables.shape[1], lens.data_ptr(), starts.data_ptr(), len(lens), q.shape[1],
+        tables.data_ptr(), tables.shape[1], lens.data_ptr(), starts.data_ptr(), starts.numel() - 1, q.shape[1],
         k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, 1, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:

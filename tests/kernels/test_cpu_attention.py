@@ -81,3 +81,16 @@ def test_c_prompt_kernel_in_one_call(poisoned, monkeypatch, block_size, head_dim
         out = cpu_attention.paged_attention(*p.args(), native=True)
     assert calls.count("slimlm_paged_prefill") == 1 and calls.count("slimlm_paged_decode") == 1
     assert relative_error(out, reference.paged_attention(*p.args(), dtype=torch.float64)) < TOLERANCE[dtype]
+
+
+def test_prompt_chunks_are_query_starts_sequences(poisoned):
+    """Block tables and lengths may list more sequences than query_start has queries for (a step's view of
+    a larger batch): only query_start's are read, whatever lies past its end."""
+    p = paged_problem([40, 30], [20, 30], 8, 2, 64, 16, torch.float32, torch.float32, seed=3)
+    backing = torch.tensor([0, 20, 50, 10**6], dtype=torch.int32)  # a huge "next start" right past the view
+    args = list(p.args())
+    args[5] = backing[:2]  # one sequence: the first 20 queries
+    out = cpu_attention.paged_attention(p.q[:20], *args[1:], native=True)
+    first = reference.paged_attention(p.q[:20], p.k_cache, p.v_cache, p.block_tables[:1], p.seq_lens[:1],
+                                      backing[:2], p.scale, dtype=torch.float64)  # fmt: skip
+    assert relative_error(out, first) < TOLERANCE[torch.float32]
