@@ -12,29 +12,15 @@ groups of 64, asymmetric.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.kernels_ab import build
+from benchmarks.kernels_cpu import interleaved_ms
 from slimlm.kernels import cpu_gemm, cpu_library
 from tests.kernels.problems import quantized_weight
-
-
-def interleaved_ms(fns: dict, seconds: float) -> dict[str, float]:
-    times = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end or min(map(len, times.values())) < 5:
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
 def with_library(lib, x: torch.Tensor, w):

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 
 import torch
 
+from benchmarks.kernels_cpu import interleaved_ms
 from slimlm.kernels import cpu_attention
 from tests.kernels.problems import paged_problem, relative_error
 
@@ -36,14 +35,7 @@ def main() -> None:
             fns = {name: functools.partial(cpu_attention.paged_attention, *p.args(), native=native)
                    for name, native in (("C", True), ("torch", False))}  # fmt: skip
             error = relative_error(fns["C"](), fns["torch"]().double())
-            times = {name: [] for name in fns}
-            end = time.perf_counter() + args.seconds
-            while time.perf_counter() < end or min(map(len, times.values())) < 5:
-                for name, fn in fns.items():
-                    start = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - start)
-            ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+            ms = interleaved_ms(fns, args.seconds)
             print(f"{str(dtype).removeprefix('torch.'):9s} {s} × {n:3d} new after {c:4d}:  C {ms['C']:7.3f}  "
                   f"torch {ms['torch']:7.3f}  ({ms['torch'] / ms['C']:.1f}×)  rel. diff {error:.1e}", flush=True)
 

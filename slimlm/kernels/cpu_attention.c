@@ -261,12 +261,10 @@ static inline __attribute__((always_inline)) void widen_chunk(const void *cache,
                                                               int64_t end, int64_t h, int64_t D, int64_t Hkv,
                                                               int64_t block_size, int bf16, float *dst) {
     const int64_t elem = bf16 ? 2 : 4, row = Hkv * D * elem;
-    int64_t b = c / block_size, offset = c % block_size;  // stepped, not divided, per token
     for (int64_t j = 0; j < TILE; j++) {
-        const char *src = (const char *)cache + ((int64_t)table[b] * block_size + offset) * row + h * D * elem;
+        const char *src = c + j < end ? token_row(cache, table, c + j, block_size, row) + h * D * elem : NULL;
         for (int64_t i = 0; i < D; i += 16)
-            _mm512_storeu_ps(dst + j * D + i, c + j < end ? load16(src + i * elem, bf16) : _mm512_setzero_ps());
-        if (++offset == block_size) b++, offset = 0;
+            _mm512_storeu_ps(dst + j * D + i, src ? load16(src + i * elem, bf16) : _mm512_setzero_ps());
     }
 }
 

@@ -134,3 +134,21 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+class Spy:
+    """The C library, recording which slimlm_* function each call reaches (and optionally failing them)."""
+
+    def __init__(self, lib, status: int | None = None):
+        self.lib, self.status, self.calls = lib, status, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.lib, name)
+        if not name.startswith("slimlm_"):
+            return fn
+
+        def call(*args):
+            self.calls.append(name)
+            return fn(*args) if self.status is None else self.status
+
+        return call

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from slimlm.kernels import cpu_attention, cpu_library, reference
-from tests.kernels.problems import paged_problem, relative_error, torch_threads
+from tests.kernels.problems import Spy, paged_problem, relative_error, torch_threads
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -69,17 +69,11 @@ def test_c_prompt_kernel_in_one_call(poisoned, monkeypatch, block_size, head_dim
     tails, a chunk of 70 after 100 cached tokens (keys 16 at a time across blocks of 8 or 32), a decode mixed
     in (the decode kernel's), and every slot past a sequence's end NaN."""
     p = paged_problem([170, 37, 9, 16], [70, 37, 1, 16], 8, 2, head_dim, block_size, dtype, dtype, seed=block_size)
-    lib, calls = cpu_library.load(), []
-
-    class Spy:
-        def __getattr__(self, name):
-            fn = getattr(lib, name)
-            return lambda *args: calls.append(name) or fn(*args)
-
-    monkeypatch.setattr(cpu_library, "load", Spy)
+    spy = Spy(cpu_library.load())
+    monkeypatch.setattr(cpu_library, "load", lambda: spy)
     with torch_threads(2):
         out = cpu_attention.paged_attention(*p.args(), native=True)
-    assert calls.count("slimlm_paged_prefill") == 1 and calls.count("slimlm_paged_decode") == 1
+    assert spy.calls.count("slimlm_paged_prefill") == 1 and spy.calls.count("slimlm_paged_decode") == 1
     assert relative_error(out, reference.paged_attention(*p.args(), dtype=torch.float64)) < TOLERANCE[dtype]
 
 

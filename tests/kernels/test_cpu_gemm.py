@@ -4,7 +4,7 @@ import torch
 from slimlm import SlimlmError
 from slimlm.kernels import cpu_gemm, cpu_library, reference
 from slimlm.kernels.packed import dequantize
-from tests.kernels.problems import quantized_weight, relative_error, torch_threads
+from tests.kernels.problems import Spy, quantized_weight, relative_error, torch_threads
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="needs gcc and AVX-512 or AVX2")
 needs_bf16 = pytest.mark.skipif(
@@ -221,24 +221,6 @@ def test_cpus_without_bf16_match_the_reference_on_every_loop(poisoned, other_isa
     assert out.shape == (m, 1100) and out.dtype == dtype
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16 x gives a bf16 result; fp32 accumulates in fp32
     assert relative_error(out, reference.quant_matmul(x.double(), w)) < tolerance
-
-
-class Spy:
-    """The C library, recording which slimlm_* function each call reaches (and optionally failing them)."""
-
-    def __init__(self, lib, status: int | None = None):
-        self.lib, self.status, self.calls = lib, status, []
-
-    def __getattr__(self, name):
-        fn = getattr(self.lib, name)
-        if not name.startswith("slimlm_"):
-            return fn
-
-        def call(*args):
-            self.calls.append(name)
-            return fn(*args) if self.status is None else self.status
-
-        return call
 
 
 @needs_bf16
