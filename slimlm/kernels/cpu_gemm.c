@@ -457,10 +457,13 @@ static inline void amx_results_store(float *a0, float *a1, float *a2, float *a3)
 }
 
 // The inputs [k0, k0 + kc) of one weight block unpacked into buf for the tile unit, with zero pairs up to a
-// whole tile step (x's padding inputs are zero, but 0 · garbage may not be).
-static inline void dequantize_tiles(int bits, int64_t group, const uint8_t *codes, const uint16_t *scales,
-                                    const uint8_t *zeros, int64_t k0, int64_t kc, __m512i *buf) {
-    dequantize_chunk(bits, group, codes, scales, zeros, k0, kc, buf);
+// whole tile step (x's padding inputs are zero, but 0 · garbage may not be). A literal `bits` for each
+// width: the compiler keeps this function out of line, and a variable `bits` left its shifts and selects
+// to run time.
+static void dequantize_tiles(int bits, int64_t group, const uint8_t *codes, const uint16_t *scales,
+                             const uint8_t *zeros, int64_t k0, int64_t kc, __m512i *buf) {
+    if (bits == 4) dequantize_chunk(4, group, codes, scales, zeros, k0, kc, buf);
+    else dequantize_chunk(8, group, codes, scales, zeros, k0, kc, buf);
     memset(buf + kc / 2 * 4, 0, sizeof(__m512i) * ((kc + TK - 1) / TK * TK - kc) / 2 * 4);
 }
 

@@ -34,30 +34,42 @@ static inline void store(void *p, int64_t i, float v, int bf16) {
 
 static inline float rounded(float v, int bf16) { return bf16 ? from_bf16(to_bf16(v)) : v; }
 
+// One row of slimlm_add_rms_norm, for a literal dtype
+static inline __attribute__((always_inline)) void add_rms_norm_row(const void *x, void *residual, const void *weight,
+                                                                   void *out, int64_t base, int64_t dim, float eps,
+                                                                   int bf16) {
+    double squares = 0.0;
+#pragma omp simd reduction(+ : squares)  // squares are exact in double: the order moves only bits far below fp32
+    for (int64_t i = 0; i < dim; i++) {
+        float h = load(x, base + i, bf16);
+        if (residual) {
+            h = rounded(h + load(residual, base + i, bf16), bf16);
+            store(residual, base + i, h, bf16);
+        }
+        squares += (double)h * h;
+    }
+    const float inv = 1.0f / sqrtf((float)(squares / (double)dim) + eps);
+    const void *h = residual ? residual : x;
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++) {
+        const float normed = rounded(load(h, base + i, bf16) * inv, bf16);
+        store(out, base + i, load(weight, i, bf16) * normed, bf16);
+    }
+}
+
+// The kernels below branch on the dtype inside their parallel loops, each branch passing a literal: OpenMP
+// outlines a loop body before anything is inlined into it, so a literal given to a function that holds the
+// pragma reaches the loop as a variable, and the vector loop then handles both dtypes (SiLU·up ran 2.2×
+// slower that way).
+
 // Per row: h = x + residual (rounded; written back into residual), or h = x when residual is NULL;
 // out = weight · (h / sqrt(mean(h²) + eps)), normalized in fp32, rounded, then scaled and rounded.
 void slimlm_add_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim,
                          float eps, int bf16, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) if (rows >= 16)
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t base = r * dim;
-        double squares = 0.0;
-#pragma omp simd reduction(+ : squares)  // squares are exact in double: the order moves only bits far below fp32
-        for (int64_t i = 0; i < dim; i++) {
-            float h = load(x, base + i, bf16);
-            if (residual) {
-                h = rounded(h + load(residual, base + i, bf16), bf16);
-                store(residual, base + i, h, bf16);
-            }
-            squares += (double)h * h;
-        }
-        const float inv = 1.0f / sqrtf((float)(squares / (double)dim) + eps);
-        const void *h = residual ? residual : x;
-#pragma omp simd
-        for (int64_t i = 0; i < dim; i++) {
-            const float normed = rounded(load(h, base + i, bf16) * inv, bf16);
-            store(out, base + i, load(weight, i, bf16) * normed, bf16);
-        }
+        if (bf16) add_rms_norm_row(x, residual, weight, out, r * dim, dim, eps, 1);
+        else add_rms_norm_row(x, residual, weight, out, r * dim, dim, eps, 0);
     }
 }
 
@@ -81,19 +93,14 @@ static inline __attribute__((always_inline)) void rotate(const char *x, const ch
     rotate_part(x + half, x, cos + half, sin + half, out + half, dim / 2, bf16);
 }
 
-static inline __attribute__((always_inline)) void rotary_rows(const char *qkv, int64_t rows, int64_t heads,
-                                                              int64_t kv_heads, int64_t dim, const char *cos,
-                                                              const char *sin, const int64_t *slots, char *k_cache,
-                                                              char *v_cache, char *q_out, int bf16, int nthreads) {
-    const int64_t elem = bf16 ? 2 : 4, row = (heads + 2 * kv_heads) * dim * elem, head = dim * elem;
-#pragma omp parallel for num_threads(nthreads) if (rows >= 16)
-    for (int64_t r = 0; r < rows; r++) {
-        const char *x = qkv + r * row, *c = cos + r * head, *s = sin + r * head;
-        char *k = k_cache + slots[r] * kv_heads * head;
-        for (int64_t h = 0; h < heads; h++) rotate(x + h * head, c, s, q_out + (r * heads + h) * head, dim, bf16);
-        for (int64_t h = 0; h < kv_heads; h++) rotate(x + (heads + h) * head, c, s, k + h * head, dim, bf16);
-        memcpy(v_cache + slots[r] * kv_heads * head, x + (heads + kv_heads) * head, kv_heads * head);
-    }
+// One row of slimlm_rotary_kv_write, for a literal dtype
+static inline __attribute__((always_inline)) void rotary_row(const char *x, int64_t heads, int64_t kv_heads,
+                                                             int64_t dim, const char *cos, const char *sin, char *k,
+                                                             char *v, char *q, int bf16) {
+    const int64_t head = dim * (bf16 ? 2 : 4);
+    for (int64_t h = 0; h < heads; h++) rotate(x + h * head, cos, sin, q + h * head, dim, bf16);
+    for (int64_t h = 0; h < kv_heads; h++) rotate(x + (heads + h) * head, cos, sin, k + h * head, dim, bf16);
+    memcpy(v, x + (heads + kv_heads) * head, kv_heads * head);
 }
 
 // qkv [rows, (heads + 2·kv_heads)·dim]: q rotated into q_out [rows, heads, dim]; k rotated and v copied into
@@ -101,10 +108,15 @@ static inline __attribute__((always_inline)) void rotary_rows(const char *qkv, i
 void slimlm_rotary_kv_write(const void *qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
                             const void *cos, const void *sin, const int64_t *slots, void *k_cache, void *v_cache,
                             void *q_out, int bf16, int nthreads) {
-    if (bf16)  // a literal dtype: each variant compiles to its own vector loops
-        rotary_rows(qkv, rows, heads, kv_heads, dim, cos, sin, slots, k_cache, v_cache, q_out, 1, nthreads);
-    else
-        rotary_rows(qkv, rows, heads, kv_heads, dim, cos, sin, slots, k_cache, v_cache, q_out, 0, nthreads);
+    const int64_t elem = bf16 ? 2 : 4, row = (heads + 2 * kv_heads) * dim * elem, head = dim * elem;
+#pragma omp parallel for num_threads(nthreads) if (rows >= 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const char *x = (const char *)qkv + r * row, *c = (const char *)cos + r * head, *s = (const char *)sin + r * head;
+        char *k = (char *)k_cache + slots[r] * kv_heads * head, *v = (char *)v_cache + slots[r] * kv_heads * head;
+        char *q = (char *)q_out + r * heads * head;
+        if (bf16) rotary_row(x, heads, kv_heads, dim, c, s, k, v, q, 1);
+        else rotary_row(x, heads, kv_heads, dim, c, s, k, v, q, 0);
+    }
 }
 
 // e^x in plain C that the compiler vectorizes (a loop of expf calls stays scalar): Cephes' expf, x = n·ln 2 + r
@@ -127,23 +139,24 @@ static inline float exp_vectorizable(float x) {
     return t < -150.f ? 0.f : e;  // a NaN passes through as NaN
 }
 
-// silu(gate) · up for gu = [gate | up] per row, each op rounded as torch rounds it in the dtype
-static inline __attribute__((always_inline)) void silu_rows(const void *gu, void *out, int64_t rows, int64_t width,
-                                                            int bf16, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) if (rows >= 4)
-    for (int64_t r = 0; r < rows; r++)
+// silu(gate) · up of one row of gu = [gate | up], each op rounded as torch rounds it in the dtype
+static inline __attribute__((always_inline)) void silu_row(const void *gate, const void *up, void *out,
+                                                           int64_t width, int bf16) {
 #pragma omp simd
-        for (int64_t i = 0; i < width; i++) {
-            const float g = load(gu, r * 2 * width + i, bf16), u = load(gu, r * 2 * width + width + i, bf16);
-            store(out, r * width + i, rounded(g / (1.0f + exp_vectorizable(-g)), bf16) * u, bf16);
-        }
+    for (int64_t i = 0; i < width; i++) {
+        const float g = load(gate, i, bf16), u = load(up, i, bf16);
+        store(out, i, rounded(g / (1.0f + exp_vectorizable(-g)), bf16) * u, bf16);
+    }
 }
 
 void slimlm_silu_mul(const void *gu, void *out, int64_t rows, int64_t width, int bf16, int nthreads) {
-    if (bf16)  // a literal dtype: each variant compiles to its own vector loop
-        silu_rows(gu, out, rows, width, 1, nthreads);
-    else
-        silu_rows(gu, out, rows, width, 0, nthreads);
+    const int64_t elem = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(nthreads) if (rows >= 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const char *gate = (const char *)gu + 2 * r * width * elem;
+        if (bf16) silu_row(gate, gate + width * elem, (char *)out + r * width * elem, width, 1);
+        else silu_row(gate, gate + width * elem, (char *)out + r * width * elem, width, 0);
+    }
 }
 
 #ifdef __AVX512BF16__  // the whole-layer decode runs on the bf16 dot-product GEMM (cpu_gemm.c)
