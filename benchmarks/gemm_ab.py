@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    cpu_library.has_amx_gemm()  # the dispatch's one-time questions, asked of the working tree's library
+    cpu_library.has_amx()  # the dispatch's one-time questions, asked of the working tree's library
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         libs = {rev: build(rev, Path(tmp)) for rev in args.revs}

@@ -254,6 +254,29 @@ int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache
 // flash attention, so no score row is ever stored. 2.3-6x the PyTorch path it replaced (batched matmuls and a
 // masked softmax, one sequence at a time) on a 2-core Xeon: benchmarks/prompt_attention.py.
 #define TILE 16
+#define AMX_CHUNK 32  // keys a chunk on the tile unit
+
+// r[i][j] = r[j][i] for 16 registers of 16 dwords
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++)
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]), t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xDD);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xDD);
+    }
+}
 
 // tokens [c, c + 16) of KV head h as fp32 rows [16][D]; tokens at or past `end` are zeros (their slots may
 // hold anything: a NaN there times a zero weight would still be NaN)
@@ -268,9 +291,30 @@ static inline __attribute__((always_inline)) void widen_chunk(const void *cache,
     }
 }
 
-// One query head's tile against one chunk of keys and values (kc, vc [16][D]): the scores, the running
-// maximum m and exp-sum l of each query lane, and the transposed sums ot [D][16] rescaled and added to.
+// The online softmax of one query head's tile over a chunk of N keys at c (s[j]: the scores of key c + j, a
+// lane per query): the running maximum m and exp-sum l of each lane updated, s[j] replaced by its weights
+// e^(s − m) (zero where the key does not count), and the factor by which earlier sums shrink returned.
 // pos: each lane's query position; a key at position c + j counts for lanes at or past it, below `end`.
+static inline __attribute__((always_inline)) __m512 softmax_chunk(__m512 *s, int64_t N, __m512i pos, int64_t c,
+                                                                  int64_t end, __m512 *m, __m512 *l) {
+    __mmask16 seen[2 * TILE];
+    __m512 top = *m;
+    for (int64_t j = 0; j < N; j++) {
+        seen[j] = c + j < end ? _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32((int)(c + j))) : 0;
+        top = _mm512_mask_max_ps(top, seen[j], top, s[j]);
+    }
+    const __m512 rescale = exp512(_mm512_sub_ps(*m, top));
+    __m512 sum = _mm512_mul_ps(*l, rescale);
+    for (int64_t j = 0; j < N; j++) {
+        s[j] = _mm512_maskz_mov_ps(seen[j], exp512(_mm512_sub_ps(s[j], top)));
+        sum = _mm512_add_ps(sum, s[j]);
+    }
+    *m = top, *l = sum;
+    return rescale;
+}
+
+// One query head's tile against one chunk of 16 keys and values (kc, vc [16][D] fp32): the scores, their
+// softmax, and the transposed sums ot [D][16] rescaled and added to.
 static inline __attribute__((always_inline)) void
 flash_chunk(const float *qt, const float *kc, const float *vc, int64_t D, __m512i pos, int64_t c, int64_t end,
             __m512 *m, __m512 *l, float *ot) {
@@ -281,19 +325,7 @@ flash_chunk(const float *qt, const float *kc, const float *vc, int64_t D, __m512
             const __m512 q = _mm512_loadu_ps(qt + e * TILE);
             for (int64_t j = 0; j < TILE; j++) s[j] = _mm512_fmadd_ps(q, _mm512_set1_ps(kc[j * D + e]), s[j]);
         }
-    __mmask16 seen[TILE];
-    __m512 top = *m;
-    for (int64_t j = 0; j < TILE; j++) {
-        seen[j] = c + j < end ? _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32((int)(c + j))) : 0;
-        top = _mm512_mask_max_ps(top, seen[j], top, s[j]);
-    }
-    const __m512 rescale = exp512(_mm512_sub_ps(*m, top));
-    __m512 sum = _mm512_mul_ps(*l, rescale);
-    for (int64_t j = 0; j < TILE; j++) {
-        s[j] = _mm512_maskz_mov_ps(seen[j], exp512(_mm512_sub_ps(s[j], top)));
-        sum = _mm512_add_ps(sum, s[j]);
-    }
-    *m = top, *l = sum;
+    const __m512 rescale = softmax_chunk(s, TILE, pos, c, end, m, l);
     for (int64_t d = 0; d < D; d += 8) {  // eight dimensions a round: eight chains, so the adds overlap
         __m512 o[8];
         for (int64_t i = 0; i < 8; i++) o[i] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d + i) * TILE), rescale);
@@ -303,15 +335,117 @@ flash_chunk(const float *qt, const float *kc, const float *vc, int64_t D, __m512
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// ---- The same on the AMX tile unit, for a bf16 cache and bf16 queries: chunks of 32 keys ----
+// Scores transposed, Sᵀ [32 keys][16 queries] = K · Qᵀ: K's rows are the tile unit's left operand as stored
+// (copied out of the blocks), and Qᵀ is laid out once per task as its right operand (rows of dimension pairs).
+// The weights P then stay transposed, a lane per query, for the same softmax as above; the value sums, also
+// transposed, are Oᵀ [D][16] += Vᵀ · Pᵀ, where Pᵀ's dimension pairs are two keys' weight vectors interleaved,
+// and Vᵀ (the chunk's values transposed, once for the G query heads) is the left operand. The weights are
+// rounded to bf16 for the tile unit, as flash attention on GPUs rounds them; sums stay fp32.
+
+void configure_tiles(void);  // cpu_gemm.c: eight tiles of 16 rows × 64 bytes
+
+// Keys [c, c + 32) of KV head h: kb [32][D] as stored, and the values transposed into vt [D][32]; keys at or
+// past `end` are zeros.
+static inline __attribute__((always_inline)) void amx_load_chunk(const void *k_cache, const void *v_cache,
+                                                                 const int32_t *table, int64_t c, int64_t end,
+                                                                 int64_t h, int64_t D, int64_t Hkv,
+                                                                 int64_t block_size, uint16_t *kb, uint16_t *vt) {
+    const int64_t row = Hkv * D * 2;
+    // dword (2p, d) pairs for the transposed values: keys 2p and 2p + 1 interleaved, 16 dimensions a register
+    const __m512i lo = _mm512_setr_epi32(0x200000, 0x210001, 0x220002, 0x230003, 0x240004, 0x250005, 0x260006,
+                                         0x270007, 0x280008, 0x290009, 0x2A000A, 0x2B000B, 0x2C000C, 0x2D000D,
+                                         0x2E000E, 0x2F000F);  // words: a0 b0 a1 b1 ... (b = the second key)
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        __m512i pairs[2][16];  // [16 dimensions of d0's 32][key pair]
+        for (int64_t p = 0; p < 16; p++) {
+            __m512i v[2];
+            for (int64_t i = 0; i < 2; i++) {
+                const int64_t t = c + 2 * p + i;
+                v[i] = t < end ? _mm512_loadu_si512(token_row(v_cache, table, t, block_size, row) + (h * D + d0) * 2)
+                               : _mm512_setzero_si512();
+            }
+            pairs[0][p] = _mm512_permutex2var_epi16(v[0], lo, v[1]);
+            pairs[1][p] = _mm512_permutex2var_epi16(v[0], hi, v[1]);
+        }
+        for (int64_t half = 0; half < 2; half++) {
+            transpose16(pairs[half]);  // now [dimension][key pair]
+            for (int64_t i = 0; i < 16; i++) _mm512_storeu_si512(vt + (d0 + 16 * half + i) * AMX_CHUNK, pairs[half][i]);
+        }
+    }
+    for (int64_t j = 0; j < AMX_CHUNK; j++) {
+        if (c + j < end) memcpy(kb + j * D, token_row(k_cache, table, c + j, block_size, row) + h * D * 2, D * 2);
+        else memset(kb + j * D, 0, D * 2);
+    }
+}
+
+// One query head's tile against the chunk in kb, vt: qb its Qᵀ as the right operand ([D/32][16][32] bf16).
+// tmm0-1: the two halves of Sᵀ, then tmm0 a block of Oᵀ; tmm2-3: K, Vᵀ; tmm4: Qᵀ, then Pᵀ.
+static inline __attribute__((always_inline)) void amx_flash_chunk(const uint16_t *qb, const uint16_t *kb,
+                                                                  const uint16_t *vt, int64_t D, float scale,
+                                                                  __m512i pos, int64_t c, int64_t end, __m512 *m,
+                                                                  __m512 *l, float *ot, float *st, uint16_t *pb) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        _tile_loadd(4, qb + d0 * TILE, 64);
+        _tile_loadd(2, kb + d0, 2 * D);
+        _tile_loadd(3, kb + TILE * D + d0, 2 * D);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 3, 4);
+    }
+    _tile_stored(0, st, 64);
+    _tile_stored(1, st + TILE * TILE, 64);
+    __m512 s[AMX_CHUNK];
+    for (int64_t j = 0; j < AMX_CHUNK; j++) s[j] = _mm512_mul_ps(_mm512_loadu_ps(st + j * TILE), _mm512_set1_ps(scale));
+    const __m512 rescale = softmax_chunk(s, AMX_CHUNK, pos, c, end, m, l);
+    // Pᵀ as the right operand: row p holds keys 2p and 2p + 1 of every query lane, interleaved
+    const __m512i interleave = _mm512_setr_epi32(0x100000, 0x110001, 0x120002, 0x130003, 0x140004, 0x150005,
+                                                 0x160006, 0x170007, 0x180008, 0x190009, 0x1A000A, 0x1B000B,
+                                                 0x1C000C, 0x1D000D, 0x1E000E, 0x1F000F);
+    for (int64_t p = 0; p < TILE; p++)
+        _mm512_storeu_si512(pb + p * 32, _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(s[2 * p + 1], s[2 * p])));
+    if (_mm512_cmp_ps_mask(rescale, _mm512_set1_ps(1.f), _CMP_NEQ_UQ))  // a lane's maximum moved
+        for (int64_t d = 0; d < D; d++) _mm512_storeu_ps(ot + d * TILE, _mm512_mul_ps(_mm512_loadu_ps(ot + d * TILE), rescale));
+    _tile_loadd(4, pb, 64);
+    for (int64_t d0 = 0; d0 < D; d0 += TILE) {
+        _tile_loadd(0, ot + d0 * TILE, 64);
+        _tile_loadd(3, vt + d0 * AMX_CHUNK, 64);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_stored(0, ot + d0 * TILE, 64);
+    }
+}
+
+// Qᵀ of one query head's tile (rows [rows, D] bf16, `stride` elements apart) as the right operand: row p of
+// block d0 holds dimensions d0 + 2p, d0 + 2p + 1 of each query (a dword per query: a transpose of the rows'
+// dwords); lanes past `rows` zero.
+static void amx_queries(const uint16_t *x, int64_t stride, int64_t rows, int64_t D, uint16_t *qb) {
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        __m512i r[16];
+        for (int64_t i = 0; i < 16; i++) r[i] = i < rows ? _mm512_loadu_si512(x + i * stride + d0) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int64_t p = 0; p < 16; p++) _mm512_storeu_si512(qb + (d0 / 2 + p) * 32, r[p]);
+    }
+}
+#endif
+
 // q, out [T, Hq, D] in the cache's dtype (bf16 = 1) or fp32; caches [blocks, block_size, Hkv, D]; sequence s's
 // queries are rows query_start[s] .. query_start[s + 1], the last of its seq_lens[s] cached tokens (causal).
 // Sequences with one query are skipped when skip_single is set (the decode kernel takes them). D a multiple
-// of 16, <= MAX_DIM; Hq / Hkv <= MAX_HEADS. Returns 0, or -1 when out of memory.
+// of 16, <= MAX_DIM; Hq / Hkv <= MAX_HEADS. With amx set (the caller has the tile unit: slimlm_amx_ready), a
+// bf16 cache and D a multiple of 32, the chunks go through the tile unit. Returns 0, or -1 when out of memory.
 int slimlm_paged_prefill(const void *q, const void *k_cache, const void *v_cache, int bf16, const int32_t *tables,
                          int64_t width, const int32_t *seq_lens, const int32_t *query_start, int64_t S, int64_t Hq,
-                         int64_t Hkv, int64_t D, int64_t block_size, float scale, int skip_single, void *out,
-                         int nthreads) {
+                         int64_t Hkv, int64_t D, int64_t block_size, float scale, int skip_single, int amx,
+                         void *out, int nthreads) {
     const int64_t G = Hq / Hkv, elem = bf16 ? 2 : 4;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    amx = amx && bf16 && D % 32 == 0;
+#else
+    amx = 0;
+#endif
     int64_t tasks = 0;
     for (int64_t s = 0; s < S; s++) {
         const int64_t n = query_start[s + 1] - query_start[s];
@@ -334,54 +468,81 @@ int slimlm_paged_prefill(const void *q, const void *k_cache, const void *v_cache
         const int64_t r0 = tile * TILE, rows = n - r0 < TILE ? n - r0 : TILE;
         const int64_t first = L - n + r0, end = first + rows;  // the tile's first query position; keys it sees
         const int32_t *table = tables + s * width;
-        float *buf = malloc(sizeof(float) * (2 * G * D * TILE + 2 * TILE * D));
+        // fp32 Qᵀ, Oᵀ and the chunk's keys and values; or for the tile unit: bf16 Qᵀ, fp32 Oᵀ, the chunk's
+        // keys and transposed values in bf16, the scores and the weights
+        const int64_t floats = amx ? G * D * TILE + G * D * TILE / 2 + AMX_CHUNK * D + AMX_CHUNK * TILE * 3 / 2
+                                   : 2 * G * D * TILE + 2 * TILE * D;
+        float *buf = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
         if (!buf) {
             failed = 1;
             continue;
         }
-        float *qt = buf, *ot = qt + G * D * TILE, *kc = ot + G * D * TILE, *vc = kc + TILE * D;
-        memset(qt, 0, sizeof(float) * 2 * G * D * TILE);
-        for (int64_t g = 0; g < G; g++)  // the queries transposed, scaled; lanes past the tile stay zero
-            for (int64_t r = 0; r < rows; r++) {
-                const char *x = (const char *)q + (((query_start[s] + r0 + r) * Hq) + h * G + g) * D * elem;
-                for (int64_t d = 0; d < D; d++) {
-                    float v;
-                    if (bf16) {
-                        const uint32_t u = (uint32_t)((const uint16_t *)x)[d] << 16;
-                        memcpy(&v, &u, sizeof v);
-                    } else {
-                        v = ((const float *)x)[d];
-                    }
-                    qt[(g * D + d) * TILE + r] = v * scale;
-                }
-            }
+        float *ot = buf;
+        memset(ot, 0, sizeof(float) * G * D * TILE);
         __m512 m[MAX_HEADS], l[MAX_HEADS];
         for (int64_t g = 0; g < G; g++) m[g] = _mm512_set1_ps(-INFINITY), l[g] = _mm512_setzero_ps();
         const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32((int)first),
                                              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-        for (int64_t c = 0; c < end; c += TILE) {
-            widen_chunk(k_cache, table, c, end, h, D, Hkv, block_size, bf16, kc);
-            widen_chunk(v_cache, table, c, end, h, D, Hkv, block_size, bf16, vc);
-            for (int64_t g = 0; g < G; g++) {
-                switch (D) {
-                    case 64: flash_chunk(qt + g * D * TILE, kc, vc, 64, pos, c, end, &m[g], &l[g], ot + g * D * TILE); break;
-                    default: flash_chunk(qt + g * D * TILE, kc, vc, D, pos, c, end, &m[g], &l[g], ot + g * D * TILE);
+        const char *q0 = (const char *)q + ((query_start[s] + r0) * Hq + h * G) * D * elem;  // head h·G, row r0
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (amx) {
+            uint16_t *qb = (uint16_t *)(ot + G * D * TILE), *kb = qb + G * D * TILE, *vt = kb + AMX_CHUNK * D;
+            float *st = (float *)(vt + AMX_CHUNK * D);
+            uint16_t *pb = (uint16_t *)(st + AMX_CHUNK * TILE);
+            for (int64_t g = 0; g < G; g++) amx_queries((const uint16_t *)q0 + g * D, Hq * D, rows, D, qb + g * D * TILE);
+            configure_tiles();
+            for (int64_t c = 0; c < end; c += AMX_CHUNK) {
+                amx_load_chunk(k_cache, v_cache, table, c, end, h, D, Hkv, block_size, kb, vt);
+                for (int64_t g = 0; g < G; g++)
+                    amx_flash_chunk(qb + g * D * TILE, kb, vt, D, scale, pos, c, end, &m[g], &l[g],
+                                    ot + g * D * TILE, st, pb);
+            }
+            _tile_release();
+        }
+#endif
+        if (!amx) {
+            float *qt = ot + G * D * TILE, *kc = qt + G * D * TILE, *vc = kc + TILE * D;
+            memset(qt, 0, sizeof(float) * G * D * TILE);
+            for (int64_t g = 0; g < G; g++)  // the queries transposed, scaled; lanes past the tile stay zero
+                for (int64_t r = 0; r < rows; r++) {
+                    const char *x = q0 + (r * Hq + g) * D * elem;
+                    for (int64_t d = 0; d < D; d++) {
+                        float v;
+                        if (bf16) {
+                            const uint32_t u = (uint32_t)((const uint16_t *)x)[d] << 16;
+                            memcpy(&v, &u, sizeof v);
+                        } else {
+                            v = ((const float *)x)[d];
+                        }
+                        qt[(g * D + d) * TILE + r] = v * scale;
+                    }
+                }
+            for (int64_t c = 0; c < end; c += TILE) {
+                widen_chunk(k_cache, table, c, end, h, D, Hkv, block_size, bf16, kc);
+                widen_chunk(v_cache, table, c, end, h, D, Hkv, block_size, bf16, vc);
+                for (int64_t g = 0; g < G; g++) {
+                    switch (D) {
+                        case 64: flash_chunk(qt + g * D * TILE, kc, vc, 64, pos, c, end, &m[g], &l[g], ot + g * D * TILE); break;
+                        default: flash_chunk(qt + g * D * TILE, kc, vc, D, pos, c, end, &m[g], &l[g], ot + g * D * TILE);
+                    }
                 }
             }
         }
-        for (int64_t g = 0; g < G; g++) {  // divided through and written back row-major
-            float lanes[TILE], *o = ot + g * D * TILE;
-            _mm512_storeu_ps(lanes, _mm512_div_ps(_mm512_set1_ps(1.f), l[g]));
-            for (int64_t r = 0; r < rows; r++) {
-                char *y = (char *)out + (((query_start[s] + r0 + r) * Hq) + h * G + g) * D * elem;
-                for (int64_t d = 0; d < D; d++) {
-                    const float v = o[d * TILE + r] * lanes[r];
+        for (int64_t g = 0; g < G; g++) {  // divided through, transposed back 16 dimensions at a time
+            const float *o = ot + g * D * TILE;
+            const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l[g]);
+            for (int64_t d0 = 0; d0 < D; d0 += 16) {
+                __m512i v[16];
+                for (int64_t d = 0; d < 16; d++) v[d] = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(o + (d0 + d) * TILE), inv));
+                transpose16(v);  // v[r]: query r's dimensions d0..d0+15
+                for (int64_t r = 0; r < rows; r++) {
+                    char *y = (char *)out + ((query_start[s] + r0 + r) * Hq + h * G + g) * D * elem + d0 * elem;
                     if (bf16) {  // round to nearest even, as torch converts
-                        uint32_t u;
-                        memcpy(&u, &v, sizeof u);
-                        ((uint16_t *)y)[d] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+                        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(v[r], 16), _mm512_set1_epi32(1));
+                        const __m512i up = _mm512_add_epi32(v[r], _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+                        _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(_mm512_srli_epi32(up, 16)));
                     } else {
-                        ((float *)y)[d] = v;
+                        _mm512_storeu_si512(y, v[r]);
                     }
                 }
             }

@@ -92,7 +92,8 @@ def _prefill_native(q, k_cache, v_cache, block_tables, seq_lens, query_start, sc
     status = cpu_library.load().slimlm_paged_prefill(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), starts.data_ptr(), starts.numel() - 1, q.shape[1],
-        k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, 1, out.data_ptr(), torch.get_num_threads(),
+        k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, 1, int(cpu_library.has_amx()), out.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("paged prefill attention could not allocate its buffers")

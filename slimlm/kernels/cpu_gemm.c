@@ -436,10 +436,14 @@ struct tile_config {
     uint8_t rows[16];
 };
 
-// Eight tiles of 16 rows × 64 bytes; which hold results, x and weights, each loop below says.
-static void configure_tiles(void) {
-    struct tile_config config = {.palette = 1};
-    for (int t = 0; t < 8; t++) config.bytes_per_row[t] = 64, config.rows[t] = TM;
+// Eight tiles of 16 rows × 64 bytes; which hold results, x and weights, each loop below says (and the prompt
+// attention's, cpu_attention.c).
+// A constant, not a local filled in a loop: gcc treats _tile_loadconfig's operand as unread and dropped the
+// loop's stores once this function was no longer inlined (ldtilecfg then faults on the garbage).
+void configure_tiles(void) {
+    static const struct tile_config config = {.palette = 1,
+                                              .bytes_per_row = {64, 64, 64, 64, 64, 64, 64, 64},
+                                              .rows = {TM, TM, TM, TM, TM, TM, TM, TM}};
     _tile_loadconfig(&config);
 }
 

@@ -73,10 +73,10 @@ def path(rows: int, dtype: torch.dtype, w: PackedWeight) -> str:
     if cpu_library.has_bf16_gemm() and pairs:
         limit = CODE_MAX_ROWS[w.bits]
         if dtype == torch.bfloat16:
-            if rows >= AMX_MIN_ROWS and cpu_library.has_amx_gemm():
+            if rows >= AMX_MIN_ROWS and cpu_library.has_amx():
                 return "bf16-amx"
             return "bf16-codes" if rows <= limit else "bf16-weights"
-        if cpu_library.has_amx_gemm():
+        if cpu_library.has_amx():
             return "dequant-slices" if rows > FUSED_MAX_ROWS_AMX else "fused"
         return "fp32-split" if 3 * rows <= limit else "fused"
     if cpu_library.vector_bits() == 512:

@@ -77,7 +77,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.slimlm_dequantize_f32.argtypes = DEQUANTIZE
     if hasattr(lib, "slimlm_paged_prefill"):  # AVX-512 builds only
         lib.slimlm_paged_prefill.argtypes = [ptr, ptr, ptr, c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
-                                             ctypes.c_float, c_int, ptr, c_int]  # fmt: skip
+                                             ctypes.c_float, c_int, c_int, ptr, c_int]  # fmt: skip
         lib.slimlm_paged_prefill.restype = c_int
     if hasattr(lib, "slimlm_quant_matmul_bf16"):  # built only where the CPU has AVX-512 BF16
         f32 = ctypes.c_float
@@ -120,8 +120,9 @@ def cpu_flags() -> frozenset[str]:
 
 
 @functools.cache
-def has_amx_gemm() -> bool:
-    """Whether the AMX GEMM (slimlm_quant_matmul_amx) was built here and the OS lets this process use the tiles."""
+def has_amx() -> bool:
+    """Whether the AMX kernels (the GEMM slimlm_quant_matmul_amx, the prompt attention's tile path) were built
+    here and the OS lets this process use the tiles."""
     lib = load()
     return hasattr(lib, "slimlm_quant_matmul_amx") and bool(lib.slimlm_amx_ready())
 

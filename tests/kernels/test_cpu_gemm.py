@@ -37,11 +37,11 @@ def test_fp32_rows_match_reference_to_fp32_accuracy(poisoned, bits, group_size, 
 @pytest.fixture
 def no_amx(monkeypatch):
     """The AVX-512 BF16 loops as a CPU without AMX runs them (an AMX CPU hands most bf16 rows to the tile unit)."""
-    monkeypatch.setattr(cpu_library, "has_amx_gemm", lambda: False)
+    monkeypatch.setattr(cpu_library, "has_amx", lambda: False)
 
 
 needs_amx = pytest.mark.skipif(
-    not (cpu_library.available() and cpu_library.has_amx_gemm()), reason="needs AMX (e.g. Sapphire Rapids)"
+    not (cpu_library.available() and cpu_library.has_amx()), reason="needs AMX (e.g. Sapphire Rapids)"
 )
 
 

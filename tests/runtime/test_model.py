@@ -108,7 +108,7 @@ def forward(model, ids, step, cache):
 @pytest.mark.parametrize("amx", [True, False], ids=["as-found", "without-amx"])
 def test_one_call_stack_equals_the_modules(joinable_w4, dtype, rows, amx, monkeypatch):
     if not amx:  # the loops a CPU without AMX runs (here too when it has none)
-        monkeypatch.setattr(cpu_library, "has_amx_gemm", lambda: False)
+        monkeypatch.setattr(cpu_library, "has_amx", lambda: False)
     model = load_model(joinable_w4, dtype, "cpu", 128, "auto")
     assert model.decode_stack is not None and len(model.decode_stack.layers) == 3
     ids, step, cache = decode_step(model, rows, dtype)
