@@ -296,11 +296,12 @@ weight_tile(int rows, const uint16_t *x, int64_t K, int64_t k0, int64_t kc, cons
         for (int i = 0; i < 4; i++) _mm512_storeu_ps(y + r * N + 16 * i, acc[r][i]);
 }
 
-// A narrow layer has too few weight blocks to keep every thread busy: then the rows are split too (into this
-// many parts, each at least `unit` rows), and each thread unpacks its own copy of the block.
+// A narrow layer has too few weight blocks to keep every thread busy, or a count the threads do not share
+// evenly (9 blocks on 2 threads: 5 and 4): then the rows are split too (into this many parts, each at least
+// `unit` rows), and a block whose parts go to two threads is unpacked by both.
 static inline int64_t row_parts(int64_t nblocks, int64_t rows, int64_t unit, int nthreads) {
     int64_t parts = 1;
-    while (nblocks * parts < 4 * nthreads && 2 * parts * unit <= rows) parts *= 2;
+    while ((nblocks * parts < 4 * nthreads || nblocks * parts % nthreads != 0) && 2 * parts * unit <= rows) parts *= 2;
     return parts;
 }
 
