@@ -72,7 +72,7 @@ def _decode_native(q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.
     status = cpu_library.load().slimlm_paged_decode(
         qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2],
-        k_cache.shape[1], scale, out.data_ptr(), torch.get_num_threads(),
+        k_cache.shape[1], scale, int(cpu_library.has_amx()), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("paged decode attention could not allocate its score buffers")

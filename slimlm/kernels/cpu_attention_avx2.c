@@ -53,9 +53,11 @@ static inline __m256 exp256(__m256 x) {
 
 // q, out [S, Hq, D] fp32; caches [blocks, block_size, Hkv, D] fp32 or (bf16 = 1) bf16; tables [S, width].
 // D a multiple of 16, <= MAX_DIM; Hq / Hkv <= MAX_GROUP. Returns 0, or -1 when a task got no score buffer.
+// amx: unused (the AVX-512 kernel's tile path; no CPU with AMX lacks AVX-512).
 int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache, int bf16, const int32_t *tables,
                         int64_t width, const int32_t *seq_lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                        int64_t block_size, float scale, float *out, int nthreads) {
+                        int64_t block_size, float scale, int amx, float *out, int nthreads) {
+    (void)amx;
     const int64_t G = Hq / Hkv, elem = bf16 ? 2 : 4;
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     int failed = 0;

@@ -176,7 +176,7 @@ int slimlm_quant_matmul_amx(int bits, const uint16_t *x, int64_t M, int64_t K, c
                             void *y, int64_t y_cols, int y_bf16, int nthreads);  // only where AMX was built
 int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache, int bf16, const int32_t *tables,
                         int64_t width, const int32_t *seq_lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                        int64_t block_size, float scale, float *out, int nthreads);
+                        int64_t block_size, float scale, int amx, float *out, int nthreads);
 
 // One packed linear, as cpu_gemm.quant_matmul would call it for this many rows (the loop chosen in Python)
 typedef struct {
@@ -220,7 +220,7 @@ static int decode_layer(void *x, void *residual, const void *norm1, const void *
                         const void *cos, const void *sin, const int64_t *slots, void *k_cache, void *v_cache,
                         const int32_t *tables, int64_t width, const int32_t *seq_lens, int64_t rows, int64_t heads,
                         int64_t kv_heads, int64_t dim, int64_t block_size, float scale, void *out, int bf16,
-                        int nthreads, const Buffers *b) {
+                        int amx, int nthreads, const Buffers *b) {
     const int64_t hidden = w[1].out_features, inter = w[3].in_features;
     slimlm_add_rms_norm(x, residual, norm1, b->h, rows, hidden, eps, bf16, nthreads);
     if (!residual) residual = x;
@@ -230,7 +230,7 @@ static int decode_layer(void *x, void *residual, const void *norm1, const void *
     float *of = b->qf + rows * heads * dim;  // the attention kernel reads and writes fp32
     for (int64_t i = 0; i < rows * heads * dim; i++) b->qf[i] = load(b->q, i, bf16);
     if (slimlm_paged_decode(b->qf, k_cache, v_cache, bf16, tables, width, seq_lens, rows, heads, kv_heads, dim,
-                            block_size, scale, of, nthreads))
+                            block_size, scale, amx, of, nthreads))
         return -1;
     for (int64_t i = 0; i < rows * heads * dim; i++) store(b->attn, i, of[i], bf16);
     if (linear(&w[1], b->attn, rows, out, b->padded, nthreads)) return -1;
@@ -253,7 +253,7 @@ typedef struct {
 int slimlm_decode_layers(const Layer *layers, int64_t n, void *x, void *tmp, void *out, float eps, const void *cos,
                          const void *sin, const int64_t *slots, void *kv, int64_t layer_bytes, const int32_t *tables,
                          int64_t width, const int32_t *seq_lens, int64_t rows, int64_t heads, int64_t kv_heads,
-                         int64_t dim, int64_t block_size, float scale, int bf16, int nthreads) {
+                         int64_t dim, int64_t block_size, float scale, int bf16, int amx, int nthreads) {
     const int64_t elem = bf16 ? 2 : 4, attn = rows * heads * dim;
     int64_t hidden = 0, qkv = 0, gu = 0, inter = 0, blocks = 0;  // the widest of every layer
 #define WIDEST(v, e) v = (e) > v ? (e) : v
@@ -273,7 +273,7 @@ int slimlm_decode_layers(const Layer *layers, int64_t n, void *x, void *tmp, voi
         char *k_cache = (char *)kv + l * layer_bytes;
         status = decode_layer(in, l == 0 ? NULL : x, layers[l].norm1, layers[l].norm2, eps, layers[l].w, cos, sin,
                               slots, k_cache, k_cache + layer_bytes / 2, tables, width, seq_lens, rows, heads,
-                              kv_heads, dim, block_size, scale, dst, bf16, nthreads, &b);
+                              kv_heads, dim, block_size, scale, dst, bf16, amx, nthreads, &b);
         in = dst;
     }
     free(b.h), free(b.qkv), free(b.q), free(b.attn), free(b.gu), free(b.act), free(b.qf), free(b.padded);

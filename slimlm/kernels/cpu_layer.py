@@ -139,7 +139,7 @@ class DecodeStack:
             signed_sin.data_ptr(), slots.data_ptr(), kv_caches.data_ptr(), kv_caches[0].nbytes,
             block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), x.shape[0], self.heads,
             self.kv_heads, self.head_dim, kv_caches.shape[3], self.scale, int(x.dtype == torch.bfloat16),
-            torch.get_num_threads(),
+            int(cpu_library.has_amx()), torch.get_num_threads(),
         )  # fmt: skip
         if status:
             raise MemoryError("the decode step could not allocate its buffers")

@@ -43,10 +43,15 @@ def test_matches_reference(poisoned, heads, kv_heads, head_dim, kv_dtype, q_dtyp
     "seq_lens", [[70], [3, 40, 33, 16, 1, 90], [1, 300, 129]], ids=["one-task", "a-task-per-sequence", "parts"]
 )
 @pytest.mark.parametrize("head_dim,kv_dtype", [(64, torch.bfloat16), (128, torch.float32), (48, torch.bfloat16)])
-def test_c_kernel_over_other_block_sizes(poisoned, block_size, seq_lens, head_dim, kv_dtype):
+@pytest.mark.parametrize("amx", [True, False])
+def test_c_kernel_over_other_block_sizes(poisoned, monkeypatch, block_size, seq_lens, head_dim, kv_dtype, amx):
     """Keys go 16 tokens at a time whatever the block size (a run of 16 spans blocks of 8, or half of 32).
     On two threads: six sequences are a task each; three, one of them long, split into two parts each (the
-    one-token sequence into a token and an empty part), merged after."""
+    one-token sequence into a token and an empty part), merged after. bf16 with head_dim 64 and blocks of
+    32 takes the scores from the tile unit where the CPU has one (amx)."""
+    if amx and not cpu_library.has_amx():
+        pytest.skip("needs AMX (e.g. Sapphire Rapids)")
+    monkeypatch.setattr(cpu_library, "has_amx", lambda: amx)
     p = paged_problem(seq_lens, [1] * len(seq_lens), 8, 2, head_dim, block_size, kv_dtype, kv_dtype, seed=block_size)
     with torch_threads(2):
         out = cpu_attention.paged_attention(*p.args(), native=True)
