@@ -19,10 +19,26 @@
 #define MAX_PARTS 16   // parts a sequence splits into at most
 #define MIN_PART 64    // tokens a part holds at least
 
-// 16 cache values as fp32: bf16 is the top half of an fp32, so widening is a shift
-static inline __m512 load16(const void *p, int bf16) {
-    if (!bf16) return _mm512_loadu_ps(p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+// What a cache holds: fp32, bf16, or 8-bit codes (int8, fp8 e4m3) with a scale per KV head
+enum { KIND_F32, KIND_BF16, KIND_INT8, KIND_FP8 };
+#define ELEM(kind) ((kind) == KIND_F32 ? 4 : (kind) == KIND_BF16 ? 2 : 1)  // bytes per value
+
+// 16 cache values as fp32 (before any scale). bf16 is the top half of an fp32, so widening is a shift. An fp8
+// e4m3 byte's exponent and mantissa, moved up by 20 bits, are a float's with 120 less exponent bias, so
+// adding 120 to the exponent makes the value; the subnormals (exponent 0) are m·2⁻⁹. The NaN codes (0x7F,
+// 0xFF) would read as ±480: a cache written by quantized_kv never holds them (it saturates at ±448).
+static inline __attribute__((always_inline)) __m512 load16(const void *p, int kind) {
+    if (kind == KIND_F32) return _mm512_loadu_ps(p);
+    if (kind == KIND_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+    if (kind == KIND_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+    const __m512i x = _mm512_cvtepu8_epi32(bytes), em = _mm512_and_si512(x, _mm512_set1_epi32(0x7F));
+    const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23)));
+    const __m512 small = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(1.f / 512));
+    const __m512 v = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(8)), normal, small);
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
 }
 
 // r[j] = Σ of a[j]'s 16 lanes, for 16 vectors at once: three rounds of pairwise shuffles and adds (45
@@ -42,10 +58,10 @@ static inline __m512 sum16(const __m512 a[16]) {
 }
 
 // The lanes of q·k (q fp32, k the cache's; summed by the caller): one fused multiply-add per 16 values.
-static inline __m512 dot_lanes(const float *q, const void *k, int64_t d, int bf16) {
+static inline __attribute__((always_inline)) __m512 dot_lanes(const float *q, const void *k, int64_t d, int kind) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16((const char *)k + i * (bf16 ? 2 : 4), bf16), acc);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16((const char *)k + i * ELEM(kind), kind), acc);
     return acc;
 }
 
@@ -124,16 +140,40 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 void configure_tiles(void);  // cpu_gemm.c: eight tiles of 16 rows × 64 bytes
 
+// n 8-bit codes (n a multiple of 32) as bf16, exactly: int8 through fp32; fp8 e4m3 by moving its exponent and
+// mantissa to bf16's places (4 bits up, 120 more exponent bias) and, for the subnormals m·2⁻⁹, a table.
+static inline __attribute__((always_inline)) void widen_bf16(const void *src, int64_t n, int kind, uint16_t *dst) {
+    static const uint16_t subnormal[32] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};  // m·2⁻⁹
+    const __m512i small = _mm512_loadu_si512(subnormal);
+    for (int64_t i = 0; i < n; i += 32) {
+        const __m256i bytes = _mm256_loadu_si256((const __m256i *)((const uint8_t *)src + i));
+        if (kind == KIND_INT8) {
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+            _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            continue;
+        }
+        const __m512i x = _mm512_cvtepu8_epi16(bytes), em = _mm512_and_si512(x, _mm512_set1_epi16(0x7F));
+        const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(120 << 7));
+        const __m512i v = _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(8)), normal,
+                                                  _mm512_permutexvar_epi16(em, small));
+        const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8);
+        _mm512_storeu_si512(dst + i, _mm512_or_si512(v, sign));
+    }
+}
+
 // The scores of tokens [t0, t0 + L) (t0 a multiple of 16, as the block size is) on the tile unit, for queries
 // that are exact in bf16 (q as fp32 [Hq, D]): 16 tokens at a time, Sᵀ [16 tokens][Hq] = Σ_h K_h · Q_hᵀ, where
 // K_h's 16 rows are read in place (one block holds them, `row` bytes apart) and Q_hᵀ, the right operand, holds
 // KV head h's G queries in their columns and zeros elsewhere. The same results as the bf16 dot products of
 // attend (exact products, fp32 sums), for ~6 tile instructions per 16 tokens instead of ~900 vector ones.
-// Written to scores [Hq, L] (scaled), with each query's largest in top. qb: scratch of Hkv·D·16 bf16.
-static void amx_scores(const float *q, const void *k_cache, const int32_t *table, int64_t t0, int64_t L, int64_t Hq,
-                       int64_t G, int64_t D, int64_t Hkv, int64_t block_size, float scale, float *scores, float *top,
-                       uint16_t *qb) {
-    const int64_t row = Hkv * D * 2;
+// Written to scores [Hq, L] (scaled), with each query's largest in top. An 8-bit cache's 16 rows are widened
+// to bf16 first (exactly), into kb. qb: scratch of Hkv·D·16 bf16, kb of 16·Hkv·D.
+static inline __attribute__((always_inline)) void
+amx_scores(const float *q, const void *k_cache, int kind, const float *k_scale, const int32_t *table, int64_t t0,
+           int64_t L, int64_t Hq, int64_t G, int64_t D, int64_t Hkv, int64_t block_size, float scale, float *scores,
+           float *top, uint16_t *qb, uint16_t *kb) {
+    const int64_t row = Hkv * D * ELEM(kind), stride = kind == KIND_BF16 ? row : Hkv * D * 2;
     memset(qb, 0, sizeof(uint16_t) * Hkv * D * 16);
     for (int64_t g = 0; g < Hq; g++)  // row p of block d0 of head h: dimensions d0 + 2p, d0 + 2p + 1 per column
         for (int64_t d = 0; d < D; d++) {
@@ -148,10 +188,14 @@ static void amx_scores(const float *q, const void *k_cache, const int32_t *table
         const char *k = token_row(k_cache, table, t0 + c, block_size, row);
         if (c + 16 < L)
             prefetch_bytes(token_row(k_cache, table, t0 + c + 16, block_size, row), (L - c - 16 < 16 ? L - c - 16 : 16) * row);
+        if (kind != KIND_BF16) {  // rows past n stay as they were: their scores are masked out
+            for (int64_t j = 0; j < n; j++) widen_bf16(k + j * row, Hkv * D, kind, kb + j * Hkv * D);
+            k = (const char *)kb;
+        }
         _tile_zero(0);
         for (int64_t h = 0; h < Hkv; h++)
             for (int64_t d0 = 0; d0 < D; d0 += 32) {
-                _tile_loadd(1, k + (h * D + d0) * 2, row);
+                _tile_loadd(1, k + (h * D + d0) * 2, stride);
                 _tile_loadd(2, qb + h * D * 16 + d0 * 16, 64);
                 _tile_dpbf16ps(0, 1, 2);
             }
@@ -161,7 +205,7 @@ static void amx_scores(const float *q, const void *k_cache, const int32_t *table
         transpose16(r);  // r[g]: query g's 16 scores
         const __mmask16 valid = n == 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
         for (int64_t g = 0; g < Hq; g++) {
-            const __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(r[g]), _mm512_set1_ps(scale));
+            const __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(r[g]), _mm512_set1_ps(k_scale ? scale * k_scale[g / G] : scale));
             _mm512_mask_storeu_ps(scores + g * L + c, valid, x);
             top[g] = fmaxf(top[g], _mm512_mask_reduce_max_ps(valid, x));
         }
@@ -169,6 +213,27 @@ static void amx_scores(const float *q, const void *k_cache, const int32_t *table
     _tile_release();
 }
 #endif
+
+// o [G, D] += Σ_j p[g·L + j] · V_j for one KV head's G queries over n tokens (rows v[j], the head at byte `at`):
+// the sums held in registers across the tokens when G and D are literals (a runtime-sized array of them stays
+// in memory: a load and a store around every multiply-add, measured 2× slower with an fp8 cache).
+static inline __attribute__((always_inline)) void value_block(const char *const *v, int64_t n, int64_t at,
+                                                              const float *p, int64_t L, int64_t G, int64_t D,
+                                                              int kind, float *o) {
+    __m512 acc[G][D / 16];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t i = 0; i < D / 16; i++) acc[g][i] = _mm512_loadu_ps(o + g * D + 16 * i);
+    for (int64_t j = 0; j < n; j++) {
+        __m512 vr[MAX_DIM / 16];  // the head's values, widened once for its G queries
+        for (int64_t i = 0; i < D / 16; i++) vr[i] = load16(v[j] + at + 16 * i * ELEM(kind), kind);
+        for (int64_t g = 0; g < G; g++) {
+            const __m512 w = _mm512_set1_ps(p[g * L + j]);
+            for (int64_t i = 0; i < D / 16; i++) acc[g][i] = _mm512_fmadd_ps(w, vr[i], acc[g][i]);
+        }
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t i = 0; i < D / 16; i++) _mm512_storeu_ps(o + g * D + 16 * i, acc[g][i]);
+}
 
 // Tokens [t0, t1) of one sequence, all KV heads, for its Hq queries (q [Hq, D]): each query's scores (into
 // scores, Hq·(t1 − t0) floats), softmax and weighted sum of values. With part == NULL the sums are divided
@@ -178,16 +243,16 @@ static void amx_scores(const float *q, const void *k_cache, const int32_t *table
 // over a pass per head, measured). Always inlined with a literal D where the caller can (64, 128): the dot
 // products and the value rows then unroll into registers (1.3× on the scores, measured).
 static inline __attribute__((always_inline)) void
-attend(const float *q, const void *k_cache, const void *v_cache, int bf16, const int32_t *table, int64_t t0,
-       int64_t t1, int64_t Hq, int64_t G, int64_t D, int64_t Hkv, int64_t block_size, float scale, float *scores,
-       float *out, float *part, int amx, uint16_t *qb) {
-    const int64_t elem = bf16 ? 2 : 4, row = Hkv * D * elem, L = t1 - t0;
+attend(const float *q, const void *k_cache, const void *v_cache, int kind, const float *k_scale, const float *v_scale,
+       const int32_t *table, int64_t t0, int64_t t1, int64_t Hq, int64_t G, int64_t D, int64_t Hkv, int64_t block_size,
+       float scale, float *scores, float *out, float *part, int amx, uint16_t *qb, uint16_t *kb) {
+    const int64_t elem = ELEM(kind), row = Hkv * D * elem, L = t1 - t0;
     float top[MAX_HEADS], total[MAX_HEADS];
     for (int64_t g = 0; g < Hq; g++) top[g] = -INFINITY;
-    int exact = 0;  // whether the queries are exact in bf16 (a bf16 model's), with a bf16 cache
+    int exact = 0;  // whether the queries are exact in bf16 (a bf16 model's), with a cache that bf16 holds exactly
 #ifdef __AVX512BF16__
     __m512bh qp[Hq][(D + 31) / 32];  // the queries as bf16, in order, when that is exact
-    exact = bf16;
+    exact = kind != KIND_F32;
     for (int64_t i = 0; exact && i < Hq * D; i++) exact = bf16_exact(q[i]);
     for (int64_t g = 0; exact && g < Hq; g++)
         for (int64_t i = 0; i < D; i += 32) {
@@ -198,7 +263,8 @@ attend(const float *q, const void *k_cache, const void *v_cache, int bf16, const
 #endif
     // scores 16 tokens at a time: on the tile unit, or their keys' lanes, then one sum16 per query
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (amx && exact) amx_scores(q, k_cache, table, t0, L, Hq, G, D, Hkv, block_size, scale, scores, top, qb);
+    if (amx && exact)
+        amx_scores(q, k_cache, kind, k_scale, table, t0, L, Hq, G, D, Hkv, block_size, scale, scores, top, qb, kb);
 #endif
     for (int64_t c = 0; c < L && !(amx && exact); c += 16) {
         const int64_t n = L - c < 16 ? L - c : 16;
@@ -213,14 +279,14 @@ attend(const float *q, const void *k_cache, const void *v_cache, int bf16, const
             __m512 lanes[16];
             for (int64_t j = 0; j < 16; j++) {
 #ifdef __AVX512BF16__
-                if (exact) {
+                if (exact && kind == KIND_BF16) {
                     lanes[j] = j < n ? dot_lanes_bf16(qp[g], (const uint16_t *)(k[j] + at), D) : _mm512_setzero_ps();
                     continue;
                 }
 #endif
-                lanes[j] = j < n ? dot_lanes(q + g * D, k[j] + at, D, bf16) : _mm512_setzero_ps();
+                lanes[j] = j < n ? dot_lanes(q + g * D, k[j] + at, D, kind) : _mm512_setzero_ps();
             }
-            const __m512 x = _mm512_mul_ps(sum16(lanes), _mm512_set1_ps(scale));
+            const __m512 x = _mm512_mul_ps(sum16(lanes), _mm512_set1_ps(k_scale ? scale * k_scale[g / G] : scale));
             _mm512_mask_storeu_ps(scores + g * L + c, valid, x);
             top[g] = fmaxf(top[g], _mm512_mask_reduce_max_ps(valid, x));
         }
@@ -237,24 +303,32 @@ attend(const float *q, const void *k_cache, const void *v_cache, int bf16, const
         }
         total[g] = _mm512_reduce_add_ps(sum);
     }
-    __m512 acc[Hq][D / 16];  // local: the compiler keeps it out of the way of every other store
-    for (int64_t g = 0; g < Hq; g++)
-        for (int64_t i = 0; i < D / 16; i++) acc[g][i] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < L; t++) {
-        const char *v = token_row(v_cache, table, t0 + t, block_size, row);
-        if (t + 16 < L) prefetch_bytes(token_row(v_cache, table, t0 + t + 16, block_size, row), row);
+    // the value sums, 16 tokens at a time, into out (fp32 [Hq, D]), one KV head's G queries at a time
+    for (int64_t i = 0; i < Hq * D; i++) out[i] = 0.f;
+    for (int64_t c = 0; c < L; c += 16) {
+        const int64_t n = L - c < 16 ? L - c : 16;
+        const char *v[16];
+        for (int64_t j = 0; j < n; j++) {
+            v[j] = token_row(v_cache, table, t0 + c + j, block_size, row);
+            if (c + j + 16 < L) prefetch_bytes(token_row(v_cache, table, t0 + c + j + 16, block_size, row), row);
+        }
         for (int64_t h = 0; h < Hkv; h++) {
-            __m512 vr[MAX_DIM / 16];  // head h's values, widened once for its G queries
-            for (int64_t i = 0; i < D / 16; i++) vr[i] = load16(v + (h * D + 16 * i) * elem, bf16);
-            for (int64_t g = h * G; g < (h + 1) * G; g++) {
-                const __m512 p = _mm512_set1_ps(scores[g * L + t]);
-                for (int64_t i = 0; i < D / 16; i++) acc[g][i] = _mm512_fmadd_ps(p, vr[i], acc[g][i]);
+#define VALUES(GROUP) value_block(v, n, h * D * elem, scores + h * G * L + c, L, GROUP, D, kind, out + h * G * D)
+            switch (G) {  // literal group sizes: the sums stay in registers
+                case 1: VALUES(1); break;
+                case 2: VALUES(2); break;
+                case 3: VALUES(3); break;
+                case 4: VALUES(4); break;
+                default: VALUES(G);
             }
+#undef VALUES
         }
     }
     for (int64_t g = 0; g < Hq; g++) {
-        const __m512 inv = _mm512_set1_ps(part ? 1.f : 1.f / total[g]);
-        for (int64_t i = 0; i < D / 16; i++) _mm512_storeu_ps(out + g * D + 16 * i, _mm512_mul_ps(acc[g][i], inv));
+        // an 8-bit cache's scales: on the scores (q·(s·k) = s·(q·k)) and on the sums (Σ p·(s·v) = s·Σ p·v)
+        const float unit = v_scale ? v_scale[g / G] : 1.f;
+        const __m512 inv = _mm512_set1_ps(part ? unit : unit / total[g]);
+        for (int64_t i = 0; i < D; i += 16) _mm512_storeu_ps(out + g * D + i, _mm512_mul_ps(_mm512_loadu_ps(out + g * D + i), inv));
     }
     if (part) memcpy(part, top, sizeof(float) * Hq), memcpy(part + Hq, total, sizeof(float) * Hq);
 }
@@ -278,18 +352,20 @@ static void merge_parts(const float *sums, const float *stats, int64_t parts, in
     }
 }
 
-// q, out [S, Hq, D] fp32; caches [blocks, block_size, Hkv, D] fp32 or (bf16 = 1) bf16; tables [S, width].
-// D a multiple of 16, <= MAX_DIM; Hq <= MAX_HEADS. Returns 0, or -1 when out of memory.
+// q, out [S, Hq, D] fp32; caches [blocks, block_size, Hkv, D] of `kind` (KIND_*), with k_scale, v_scale [Hkv]
+// (NULL: 1) for 8-bit codes; tables [S, width]. D a multiple of 16, <= MAX_DIM; Hq <= MAX_HEADS. Returns 0, or
+// -1 when out of memory.
 // A task is one sequence, all its KV heads. With fewer sequences than 2 per thread, each splits into parts of
 // its tokens (as flash-decoding does; a multiple of 16 tokens each), merged after: one long sequence then runs
 // on every thread. With amx set (the caller has the tile unit: slimlm_amx_ready), a bf16 cache, queries exact
 // in bf16, at most 16 of them, D a multiple of 32 and blocks of a multiple of 16 tokens, the scores go through
 // the tile unit.
-int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache, int bf16, const int32_t *tables,
-                        int64_t width, const int32_t *seq_lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                        int64_t block_size, float scale, int amx, float *out, int nthreads) {
+int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache, int kind, const float *k_scale,
+                        const float *v_scale, const int32_t *tables, int64_t width, const int32_t *seq_lens, int64_t S,
+                        int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, float scale, int amx, float *out,
+                        int nthreads) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    amx = amx && bf16 && Hq <= 16 && D % 32 == 0 && block_size % 16 == 0;
+    amx = amx && kind != KIND_F32 && Hq <= 16 && D % 32 == 0 && block_size % 16 == 0;
 #else
     amx = 0;
 #endif
@@ -306,19 +382,29 @@ int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache
     for (int64_t task = 0; task < S * parts; task++) {
         const int64_t s = task / parts, L = seq_lens[s], span = ((L + parts - 1) / parts + 15) / 16 * 16;
         const int64_t t0 = task % parts * span < L ? task % parts * span : L, t1 = t0 + span < L ? t0 + span : L;
-        float *scores = malloc(sizeof(float) * Hq * span + (amx ? sizeof(uint16_t) * Hkv * D * 16 : 0));
+        float *scores = malloc(sizeof(float) * Hq * span + (amx ? sizeof(uint16_t) * Hkv * D * 16 * 2 : 0));
         if (!scores) {
             failed = 1;
             continue;
         }
         float *o = parts > 1 ? sums + task * Hq * D : out + s * Hq * D, *part = parts > 1 ? stats + task * 2 * Hq : NULL;
-#define ATTEND(DIM) attend(q + s * Hq * D, k_cache, v_cache, bf16, tables + s * width, t0, t1, Hq, Hq / Hkv, DIM, Hkv, \
-                           block_size, scale, scores, o, part, amx, (uint16_t *)(scores + Hq * span))
-        switch (D) {
-            case 64: ATTEND(64); break;
-            case 128: ATTEND(128); break;
-            default: ATTEND(D);
+        // literal kinds and head sizes: each combination compiles to its own loops
+#define ATTEND(KIND, DIM) attend(q + s * Hq * D, k_cache, v_cache, KIND, k_scale, v_scale, tables + s * width, t0, t1, \
+                                 Hq, Hq / Hkv, DIM, Hkv, block_size, scale, scores, o, part, amx,                 \
+                                 (uint16_t *)(scores + Hq * span), (uint16_t *)(scores + Hq * span) + Hkv * D * 16)
+#define ATTEND_D(KIND)                                   \
+    switch (D) {                                         \
+        case 64: ATTEND(KIND, 64); break;                \
+        case 128: ATTEND(KIND, 128); break;              \
+        default: ATTEND(KIND, D);                        \
+    }
+        switch (kind) {
+            case KIND_F32: ATTEND_D(KIND_F32) break;
+            case KIND_BF16: ATTEND_D(KIND_BF16) break;
+            case KIND_INT8: ATTEND_D(KIND_INT8) break;
+            default: ATTEND_D(KIND_FP8)
         }
+#undef ATTEND_D
 #undef ATTEND
         free(scores);
     }

@@ -20,7 +20,7 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale
     """q [S, Hq, D], one query per sequence at its last position -> [S, Hq, D]."""
     s, heads, dim = q.shape
     if native and _native_applies(q, k_cache, k_scale):
-        return _decode_native(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return _decode_native(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     blocks = -(-int(seq_lens.max()) // block_size)
     table = block_tables[:, :blocks].long().clamp(min=0)  # entries past a sequence's blocks are masked below
@@ -60,19 +60,31 @@ def kernel_takes(heads: int, kv_heads: int, head_dim: int) -> bool:
     return head_dim % 16 == 0 and head_dim <= 256 and heads <= 128 and heads // kv_heads <= 16
 
 
+# What the C kernels take a cache as (cpu_attention.c's KIND_*): fp32, bf16, or 8-bit codes with per-head scales
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
+
+
 def _native_applies(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
-    return (k_cache.dtype in (torch.float32, torch.bfloat16) and k_scale is None and k_cache.is_contiguous()
+    return (k_cache.dtype in KINDS and (k_scale is None or k_cache.element_size() == 1) and k_cache.is_contiguous()
             and kernel_takes(q.shape[1], k_cache.shape[2], q.shape[2]))  # fmt: skip
 
 
-def _decode_native(q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple:
+    """The per-head scales as the C kernels take them: fp32 pointers, 0 (NULL) for none; and the tensors, which
+    must outlive the call."""
+    held = [None if x is None else x.to(torch.float32).contiguous() for x in (k_scale, v_scale)]
+    return tuple(0 if x is None else x.data_ptr() for x in held), held
+
+
+def _decode_native(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale) -> torch.Tensor:
     qf = q.to(torch.float32).contiguous()
     tables, lens = block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(qf)
+    (ks, vs), _held = _scales(k_scale, v_scale)
     status = cpu_library.load().slimlm_paged_decode(
-        qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
-        tables.data_ptr(), tables.shape[1], lens.data_ptr(), q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2],
-        k_cache.shape[1], scale, int(cpu_library.has_amx()), out.data_ptr(), torch.get_num_threads(),
+        qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KINDS[k_cache.dtype], ks, vs, tables.data_ptr(),
+        tables.shape[1], lens.data_ptr(), q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
+        scale, int(cpu_library.has_amx()), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("paged decode attention could not allocate its score buffers")

@@ -11,10 +11,22 @@
 #define MAX_GROUP 16
 #define MAX_DIM 256
 
-// 8 cache values as fp32: bf16 is the top half of an fp32, so widening is a shift
-static inline __m256 load8(const void *p, int bf16) {
-    if (!bf16) return _mm256_loadu_ps(p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+enum { KIND_F32, KIND_BF16, KIND_INT8, KIND_FP8 };  // what a cache holds, as in cpu_attention.c
+#define ELEM(kind) ((kind) == KIND_F32 ? 4 : (kind) == KIND_BF16 ? 2 : 1)
+
+// 8 cache values as fp32 (before any scale), as cpu_attention.c's load16 widens them
+static inline __attribute__((always_inline)) __m256 load8(const void *p, int kind) {
+    if (kind == KIND_F32) return _mm256_loadu_ps(p);
+    if (kind == KIND_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)p);
+    if (kind == KIND_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    const __m256i x = _mm256_cvtepu8_epi32(bytes), em = _mm256_and_si256(x, _mm256_set1_epi32(0x7F));
+    const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
+    const __m256 small = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(1.f / 512));
+    const __m256 v = _mm256_blendv_ps(normal, small, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em)));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(v), sign));
 }
 
 static inline float sum8(__m256 v) {
@@ -23,11 +35,11 @@ static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-static inline float dot(const float *a, const void *b, int64_t d, int bf16) {
+static inline __attribute__((always_inline)) float dot(const float *a, const void *b, int64_t d, int kind) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();  // two chains: FMA latency, not throughput
     for (int64_t i = 0; i < d; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8((const char *)b + i * (bf16 ? 2 : 4), bf16), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8((const char *)b + (i + 8) * (bf16 ? 2 : 4), bf16), acc1);
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8((const char *)b + i * ELEM(kind), kind), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8((const char *)b + (i + 8) * ELEM(kind), kind), acc1);
     }
     return sum8(_mm256_add_ps(acc0, acc1));
 }
@@ -53,70 +65,83 @@ static inline __m256 exp256(__m256 x) {
 
 // q, out [S, Hq, D] fp32; caches [blocks, block_size, Hkv, D] fp32 or (bf16 = 1) bf16; tables [S, width].
 // D a multiple of 16, <= MAX_DIM; Hq / Hkv <= MAX_GROUP. Returns 0, or -1 when a task got no score buffer.
-// amx: unused (the AVX-512 kernel's tile path; no CPU with AMX lacks AVX-512).
-int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache, int bf16, const int32_t *tables,
-                        int64_t width, const int32_t *seq_lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                        int64_t block_size, float scale, int amx, float *out, int nthreads) {
-    (void)amx;
-    const int64_t G = Hq / Hkv, elem = bf16 ? 2 : 4;
+// amx: unused (the AVX-512 kernel's tile path; no CPU with AMX lacks AVX-512). Cache kinds and scales as
+// there.
+static inline __attribute__((always_inline)) int
+attend_head(const float *q, const void *k_cache, const void *v_cache, int kind, const float *k_scale,
+            const float *v_scale, const int32_t *tables, int64_t width, const int32_t *seq_lens, int64_t s, int64_t h,
+            int64_t Hq, int64_t G, int64_t D, int64_t Hkv, int64_t block_size, float scale, float *out) {
+    const int64_t elem = ELEM(kind), L = seq_lens[s];
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    float *scores = malloc(sizeof(float) * G * L);
+    if (!scores) return -1;
+    const float *qh = q + (s * Hq + h * G) * D;
+    if (k_scale) scale *= k_scale[h];
+    float top[MAX_GROUP], total[MAX_GROUP];
+    for (int64_t g = 0; g < G; g++) top[g] = -INFINITY;
+    for (int64_t t0 = 0; t0 < L; t0 += block_size) {  // block by block: no division per token
+        const char *k = (const char *)k_cache +
+                        ((int64_t)tables[s * width + t0 / block_size] * block_size * Hkv + h) * D * elem;
+        for (int64_t t = t0; t < t0 + block_size && t < L; t++, k += Hkv * D * elem) {
+            for (int64_t g = 0; g < G; g++) {
+                const float x = dot(qh + g * D, k, D, kind) * scale;
+                scores[g * L + t] = x;
+                if (x > top[g]) top[g] = x;
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *row = scores + g * L;
+        const __m256 shift = _mm256_set1_ps(top[g]);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t t = 0; t < L; t += 8) {
+            const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(L - t)), lane);
+            const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_maskload_ps(row + t, m), shift)),
+                                           _mm256_castsi256_ps(m));
+            _mm256_maskstore_ps(row + t, m, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        total[g] = sum8(sum);
+    }
+    __m256 acc[MAX_GROUP][MAX_DIM / 8];
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t i = 0; i < D / 8; i++) acc[g][i] = _mm256_setzero_ps();
+    for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+        const char *v = (const char *)v_cache +
+                        ((int64_t)tables[s * width + t0 / block_size] * block_size * Hkv + h) * D * elem;
+        for (int64_t t = t0; t < t0 + block_size && t < L; t++, v += Hkv * D * elem) {
+            for (int64_t g = 0; g < G; g++) {
+                const __m256 p = _mm256_set1_ps(scores[g * L + t]);
+                for (int64_t i = 0; i < D / 8; i++)
+                    acc[g][i] = _mm256_fmadd_ps(p, load8(v + 8 * i * elem, kind), acc[g][i]);
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const __m256 inv = _mm256_set1_ps((v_scale ? v_scale[h] : 1.f) / total[g]);
+        float *o = out + (s * Hq + h * G + g) * D;
+        for (int64_t i = 0; i < D / 8; i++) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(acc[g][i], inv));
+    }
+    free(scores);
+    return 0;
+}
+
+int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache, int kind, const float *k_scale,
+                        const float *v_scale, const int32_t *tables, int64_t width, const int32_t *seq_lens, int64_t S,
+                        int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, float scale, int amx, float *out,
+                        int nthreads) {
+    (void)amx;
     int failed = 0;
 #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(nthreads)
     for (int64_t s = 0; s < S; s++) {
         for (int64_t h = 0; h < Hkv; h++) {
-            const int64_t L = seq_lens[s];
-            float *scores = malloc(sizeof(float) * G * L);
-            if (!scores) {
-                failed = 1;
-                continue;
-            }
-            const float *qh = q + (s * Hq + h * G) * D;
-            float top[MAX_GROUP], total[MAX_GROUP];
-            for (int64_t g = 0; g < G; g++) top[g] = -INFINITY;
-            for (int64_t t0 = 0; t0 < L; t0 += block_size) {  // block by block: no division per token
-                const char *k = (const char *)k_cache +
-                                ((int64_t)tables[s * width + t0 / block_size] * block_size * Hkv + h) * D * elem;
-                for (int64_t t = t0; t < t0 + block_size && t < L; t++, k += Hkv * D * elem) {
-                    for (int64_t g = 0; g < G; g++) {
-                        const float x = dot(qh + g * D, k, D, bf16) * scale;
-                        scores[g * L + t] = x;
-                        if (x > top[g]) top[g] = x;
-                    }
-                }
-            }
-            for (int64_t g = 0; g < G; g++) {
-                float *row = scores + g * L;
-                const __m256 shift = _mm256_set1_ps(top[g]);
-                __m256 sum = _mm256_setzero_ps();
-                for (int64_t t = 0; t < L; t += 8) {
-                    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(L - t)), lane);
-                    const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_maskload_ps(row + t, m), shift)),
-                                                   _mm256_castsi256_ps(m));
-                    _mm256_maskstore_ps(row + t, m, p);
-                    sum = _mm256_add_ps(sum, p);
-                }
-                total[g] = sum8(sum);
-            }
-            __m256 acc[MAX_GROUP][MAX_DIM / 8];
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t i = 0; i < D / 8; i++) acc[g][i] = _mm256_setzero_ps();
-            for (int64_t t0 = 0; t0 < L; t0 += block_size) {
-                const char *v = (const char *)v_cache +
-                                ((int64_t)tables[s * width + t0 / block_size] * block_size * Hkv + h) * D * elem;
-                for (int64_t t = t0; t < t0 + block_size && t < L; t++, v += Hkv * D * elem) {
-                    for (int64_t g = 0; g < G; g++) {
-                        const __m256 p = _mm256_set1_ps(scores[g * L + t]);
-                        for (int64_t i = 0; i < D / 8; i++)
-                            acc[g][i] = _mm256_fmadd_ps(p, load8(v + 8 * i * elem, bf16), acc[g][i]);
-                    }
-                }
-            }
-            for (int64_t g = 0; g < G; g++) {
-                const __m256 inv = _mm256_set1_ps(1.f / total[g]);
-                float *o = out + (s * Hq + h * G + g) * D;
-                for (int64_t i = 0; i < D / 8; i++) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(acc[g][i], inv));
-            }
-            free(scores);
+#define ATTEND(KIND) attend_head(q, k_cache, v_cache, KIND, k_scale, v_scale, tables, width, seq_lens, s, h, Hq, \
+                                 Hq / Hkv, D, Hkv, block_size, scale, out)
+            // a literal kind for each: its own loops
+            const int status = kind == KIND_F32 ? ATTEND(KIND_F32) : kind == KIND_BF16 ? ATTEND(KIND_BF16)
+                             : kind == KIND_INT8 ? ATTEND(KIND_INT8) : ATTEND(KIND_FP8);
+#undef ATTEND
+            if (status) failed = 1;
         }
     }
     return failed ? -1 : 0;

@@ -174,9 +174,10 @@ void slimlm_quant_matmul(int bits, const float *x, int64_t M, int64_t K, const u
 int slimlm_quant_matmul_amx(int bits, const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
                             const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
                             void *y, int64_t y_cols, int y_bf16, int nthreads);  // only where AMX was built
-int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache, int bf16, const int32_t *tables,
-                        int64_t width, const int32_t *seq_lens, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                        int64_t block_size, float scale, int amx, float *out, int nthreads);
+int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache, int kind, const float *k_scale,
+                        const float *v_scale, const int32_t *tables, int64_t width, const int32_t *seq_lens, int64_t S,
+                        int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, float scale, int amx, float *out,
+                        int nthreads);  // kind: 0 fp32, 1 bf16 (the step's dtype here), 2 int8, 3 fp8
 
 // One packed linear, as cpu_gemm.quant_matmul would call it for this many rows (the loop chosen in Python)
 typedef struct {
@@ -229,8 +230,8 @@ static int decode_layer(void *x, void *residual, const void *norm1, const void *
                            nthreads);
     float *of = b->qf + rows * heads * dim;  // the attention kernel reads and writes fp32
     for (int64_t i = 0; i < rows * heads * dim; i++) b->qf[i] = load(b->q, i, bf16);
-    if (slimlm_paged_decode(b->qf, k_cache, v_cache, bf16, tables, width, seq_lens, rows, heads, kv_heads, dim,
-                            block_size, scale, amx, of, nthreads))
+    if (slimlm_paged_decode(b->qf, k_cache, v_cache, bf16, NULL, NULL, tables, width, seq_lens, rows, heads, kv_heads,
+                            dim, block_size, scale, amx, of, nthreads))
         return -1;
     for (int64_t i = 0; i < rows * heads * dim; i++) store(b->attn, i, of[i], bf16);
     if (linear(&w[1], b->attn, rows, out, b->padded, nthreads)) return -1;

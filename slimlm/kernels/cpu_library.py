@@ -29,7 +29,7 @@ SIGNATURES = {  # name: (argument types, return type)
     "slimlm_vector_bits": ([], c_int),
     "slimlm_quant_matmul": ([c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, c_int], None),
     "slimlm_paged_decode": (
-        [ptr, ptr, ptr, c_int, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, c_int, ptr, c_int],
+        [ptr, ptr, ptr, c_int, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, c_int, ptr, c_int],
         c_int,
     ),  # fmt: skip
     "slimlm_add_rms_norm": ([ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, c_int, c_int], None),

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -99,3 +101,41 @@ def test_prompt_chunks_are_query_starts_sequences(poisoned):
     first = reference.paged_attention(p.q[:20], p.k_cache, p.v_cache, p.block_tables[:1], p.seq_lens[:1],
                                       backing[:2], p.scale, dtype=torch.float64)  # fmt: skip
     assert relative_error(out, first) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("march", ["native", "skylake-avx512", "haswell"])
+def test_c_kernel_widens_every_8bit_code(monkeypatch, kv_dtype, march):
+    """One cached token, so the output is the scaled value itself: a head of 256 values that are every code
+    (fp8's two NaN codes, which quantized_kv never writes, as zero), in each ISA's build."""
+    if not cpu_library.available() or (march != "native" and not cpu_library.has_bf16_gemm()):
+        pytest.skip("needs the C kernels (and, for the other ISAs' builds, a CPU that runs them all)")
+    lib = cpu_library.load(march)
+    spy = Spy(lib)
+    monkeypatch.setattr(cpu_library, "load", lambda: spy)
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[codes & 0x7F == 0x7F] = 0
+    p = paged_problem([1], [1], 2, 1, 256, 16, kv_dtype, torch.float32)
+    p.v_cache.view(torch.uint8)[p.block_tables[0, 0]] = codes
+    out = cpu_attention.paged_attention(*p.args(), native=True)
+    assert spy.calls.count("slimlm_paged_decode") == 1
+    expected = codes.view(kv_dtype).float() * p.v_scale[0]
+    assert torch.equal(out[0, 0], expected) and torch.equal(out[0, 1], expected)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("amx", [True, False])
+def test_8bit_cache_with_queries_exact_in_bf16(poisoned, monkeypatch, kv_dtype, amx):
+    """A bf16 model's queries with an 8-bit cache: the keys widened exactly to bf16 for the tile unit's scores
+    (amx), or to fp32 for the vector loops, to fp32 accuracy either way; a long sequence split into parts."""
+    if amx and not cpu_library.has_amx():
+        pytest.skip("needs AMX (e.g. Sapphire Rapids)")
+    monkeypatch.setattr(cpu_library, "has_amx", lambda: amx)
+    p = paged_problem([300, 17, 1], [1, 1, 1], 9, 3, 64, 16, kv_dtype, torch.float32, seed=7)
+    p = dataclasses.replace(p, q=p.q.bfloat16().float())
+    spy = Spy(cpu_library.load())
+    monkeypatch.setattr(cpu_library, "load", lambda: spy)
+    with torch_threads(2):
+        out = cpu_attention.paged_attention(*p.args(), native=True)
+    assert spy.calls.count("slimlm_paged_decode") == 1
+    assert relative_error(out, reference.paged_attention(*p.args(), dtype=torch.float64)) < TOLERANCE[torch.float32]
