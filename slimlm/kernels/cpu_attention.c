@@ -429,12 +429,12 @@ int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache
 // hold anything: a NaN there times a zero weight would still be NaN)
 static inline __attribute__((always_inline)) void widen_chunk(const void *cache, const int32_t *table, int64_t c,
                                                               int64_t end, int64_t h, int64_t D, int64_t Hkv,
-                                                              int64_t block_size, int bf16, float *dst) {
-    const int64_t elem = bf16 ? 2 : 4, row = Hkv * D * elem;
+                                                              int64_t block_size, int kind, float *dst) {
+    const int64_t elem = ELEM(kind), row = Hkv * D * elem;
     for (int64_t j = 0; j < TILE; j++) {
         const char *src = c + j < end ? token_row(cache, table, c + j, block_size, row) + h * D * elem : NULL;
         for (int64_t i = 0; i < D; i += 16)
-            _mm512_storeu_ps(dst + j * D + i, src ? load16(src + i * elem, bf16) : _mm512_setzero_ps());
+            _mm512_storeu_ps(dst + j * D + i, src ? load16(src + i * elem, kind) : _mm512_setzero_ps());
     }
 }
 
@@ -493,13 +493,22 @@ flash_chunk(const float *qt, const float *kc, const float *vc, int64_t D, __m512
 
 void configure_tiles(void);  // cpu_gemm.c: eight tiles of 16 rows × 64 bytes
 
-// Keys [c, c + 32) of KV head h: kb [32][D] as stored, and the values transposed into vt [D][32]; keys at or
-// past `end` are zeros.
-static inline __attribute__((always_inline)) void amx_load_chunk(const void *k_cache, const void *v_cache,
+// Keys [c, c + 32) of KV head h: kb [32][D] as bf16, and the values transposed into vt [D][32]; keys at or
+// past `end` are zeros. An 8-bit cache's rows are widened to bf16 (exactly) first, its values into vw [32][D].
+static inline __attribute__((always_inline)) void amx_load_chunk(const void *k_cache, const void *v_cache, int kind,
                                                                  const int32_t *table, int64_t c, int64_t end,
                                                                  int64_t h, int64_t D, int64_t Hkv,
-                                                                 int64_t block_size, uint16_t *kb, uint16_t *vt) {
-    const int64_t row = Hkv * D * 2;
+                                                                 int64_t block_size, uint16_t *kb, uint16_t *vt,
+                                                                 uint16_t *vw) {
+    const int64_t elem = ELEM(kind), row = Hkv * D * elem;
+    const uint16_t *vrow[AMX_CHUNK];  // each key's values as bf16; NULL past the end
+    for (int64_t j = 0; j < AMX_CHUNK; j++) {
+        const char *k = c + j < end ? token_row(k_cache, table, c + j, block_size, row) + h * D * elem : NULL;
+        const char *v = c + j < end ? token_row(v_cache, table, c + j, block_size, row) + h * D * elem : NULL;
+        if (!k) memset(kb + j * D, 0, D * 2), vrow[j] = NULL;
+        else if (kind == KIND_BF16) memcpy(kb + j * D, k, D * 2), vrow[j] = (const uint16_t *)v;
+        else widen_bf16(k, D, kind, kb + j * D), widen_bf16(v, D, kind, vw + j * D), vrow[j] = vw + j * D;
+    }
     // dword (2p, d) pairs for the transposed values: keys 2p and 2p + 1 interleaved, 16 dimensions a register
     const __m512i lo = _mm512_setr_epi32(0x200000, 0x210001, 0x220002, 0x230003, 0x240004, 0x250005, 0x260006,
                                          0x270007, 0x280008, 0x290009, 0x2A000A, 0x2B000B, 0x2C000C, 0x2D000D,
@@ -509,11 +518,7 @@ static inline __attribute__((always_inline)) void amx_load_chunk(const void *k_c
         __m512i pairs[2][16];  // [16 dimensions of d0's 32][key pair]
         for (int64_t p = 0; p < 16; p++) {
             __m512i v[2];
-            for (int64_t i = 0; i < 2; i++) {
-                const int64_t t = c + 2 * p + i;
-                v[i] = t < end ? _mm512_loadu_si512(token_row(v_cache, table, t, block_size, row) + (h * D + d0) * 2)
-                               : _mm512_setzero_si512();
-            }
+            for (int64_t i = 0; i < 2; i++) v[i] = vrow[2 * p + i] ? _mm512_loadu_si512(vrow[2 * p + i] + d0) : _mm512_setzero_si512();
             pairs[0][p] = _mm512_permutex2var_epi16(v[0], lo, v[1]);
             pairs[1][p] = _mm512_permutex2var_epi16(v[0], hi, v[1]);
         }
@@ -521,10 +526,6 @@ static inline __attribute__((always_inline)) void amx_load_chunk(const void *k_c
             transpose16(pairs[half]);  // now [dimension][key pair]
             for (int64_t i = 0; i < 16; i++) _mm512_storeu_si512(vt + (d0 + 16 * half + i) * AMX_CHUNK, pairs[half][i]);
         }
-    }
-    for (int64_t j = 0; j < AMX_CHUNK; j++) {
-        if (c + j < end) memcpy(kb + j * D, token_row(k_cache, table, c + j, block_size, row) + h * D * 2, D * 2);
-        else memset(kb + j * D, 0, D * 2);
     }
 }
 
@@ -578,18 +579,20 @@ static void amx_queries(const uint16_t *x, int64_t stride, int64_t rows, int64_t
 }
 #endif
 
-// q, out [T, Hq, D] in the cache's dtype (bf16 = 1) or fp32; caches [blocks, block_size, Hkv, D]; sequence s's
-// queries are rows query_start[s] .. query_start[s + 1], the last of its seq_lens[s] cached tokens (causal).
-// Sequences with one query are skipped when skip_single is set (the decode kernel takes them). D a multiple
-// of 16, <= MAX_DIM; Hq / Hkv <= MAX_HEADS. With amx set (the caller has the tile unit: slimlm_amx_ready), a
-// bf16 cache and D a multiple of 32, the chunks go through the tile unit. Returns 0, or -1 when out of memory.
-int slimlm_paged_prefill(const void *q, const void *k_cache, const void *v_cache, int bf16, const int32_t *tables,
-                         int64_t width, const int32_t *seq_lens, const int32_t *query_start, int64_t S, int64_t Hq,
-                         int64_t Hkv, int64_t D, int64_t block_size, float scale, int skip_single, int amx,
-                         void *out, int nthreads) {
+// q, out [T, Hq, D] bf16 (bf16 = 1) or fp32; caches [blocks, block_size, Hkv, D] of `kind`, with k_scale,
+// v_scale [Hkv] (NULL: 1) for 8-bit codes; sequence s's queries are rows query_start[s] .. query_start[s + 1],
+// the last of its seq_lens[s] cached tokens (causal). Sequences with one query are skipped when skip_single is
+// set (the decode kernel takes them). D a multiple of 16, <= MAX_DIM; Hq / Hkv <= MAX_HEADS. With amx set (the
+// caller has the tile unit: slimlm_amx_ready), bf16 queries, a cache bf16 holds exactly (not fp32) and D a
+// multiple of 32, the chunks go through the tile unit. Returns 0, or -1 when out of memory.
+int slimlm_paged_prefill(const void *q, const void *k_cache, const void *v_cache, int bf16, int kind,
+                         const float *k_scale, const float *v_scale, const int32_t *tables, int64_t width,
+                         const int32_t *seq_lens, const int32_t *query_start, int64_t S, int64_t Hq, int64_t Hkv,
+                         int64_t D, int64_t block_size, float scale, int skip_single, int amx, void *out,
+                         int nthreads) {
     const int64_t G = Hq / Hkv, elem = bf16 ? 2 : 4;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    amx = amx && bf16 && D % 32 == 0;
+    amx = amx && bf16 && kind != KIND_F32 && D % 32 == 0;
 #else
     amx = 0;
 #endif
@@ -617,7 +620,7 @@ int slimlm_paged_prefill(const void *q, const void *k_cache, const void *v_cache
         const int32_t *table = tables + s * width;
         // fp32 Qᵀ, Oᵀ and the chunk's keys and values; or for the tile unit: bf16 Qᵀ, fp32 Oᵀ, the chunk's
         // keys and transposed values in bf16, the scores and the weights
-        const int64_t floats = amx ? G * D * TILE + G * D * TILE / 2 + AMX_CHUNK * D + AMX_CHUNK * TILE * 3 / 2
+        const int64_t floats = amx ? G * D * TILE + G * D * TILE / 2 + AMX_CHUNK * D * 3 / 2 + AMX_CHUNK * TILE * 3 / 2
                                    : 2 * G * D * TILE + 2 * TILE * D;
         float *buf = aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
         if (!buf) {
@@ -631,17 +634,18 @@ int slimlm_paged_prefill(const void *q, const void *k_cache, const void *v_cache
         const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32((int)first),
                                              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
         const char *q0 = (const char *)q + ((query_start[s] + r0) * Hq + h * G) * D * elem;  // head h·G, row r0
+        const float scale_h = k_scale ? scale * k_scale[h] : scale;  // an 8-bit cache's scales, as in attend
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
         if (amx) {
             uint16_t *qb = (uint16_t *)(ot + G * D * TILE), *kb = qb + G * D * TILE, *vt = kb + AMX_CHUNK * D;
             float *st = (float *)(vt + AMX_CHUNK * D);
-            uint16_t *pb = (uint16_t *)(st + AMX_CHUNK * TILE);
+            uint16_t *pb = (uint16_t *)(st + AMX_CHUNK * TILE), *vw = pb + AMX_CHUNK * TILE;
             for (int64_t g = 0; g < G; g++) amx_queries((const uint16_t *)q0 + g * D, Hq * D, rows, D, qb + g * D * TILE);
             configure_tiles();
             for (int64_t c = 0; c < end; c += AMX_CHUNK) {
-                amx_load_chunk(k_cache, v_cache, table, c, end, h, D, Hkv, block_size, kb, vt);
+                amx_load_chunk(k_cache, v_cache, kind, table, c, end, h, D, Hkv, block_size, kb, vt, vw);
                 for (int64_t g = 0; g < G; g++)
-                    amx_flash_chunk(qb + g * D * TILE, kb, vt, D, scale, pos, c, end, &m[g], &l[g],
+                    amx_flash_chunk(qb + g * D * TILE, kb, vt, D, scale_h, pos, c, end, &m[g], &l[g],
                                     ot + g * D * TILE, st, pb);
             }
             _tile_release();
@@ -661,12 +665,12 @@ int slimlm_paged_prefill(const void *q, const void *k_cache, const void *v_cache
                         } else {
                             v = ((const float *)x)[d];
                         }
-                        qt[(g * D + d) * TILE + r] = v * scale;
+                        qt[(g * D + d) * TILE + r] = v * scale_h;
                     }
                 }
             for (int64_t c = 0; c < end; c += TILE) {
-                widen_chunk(k_cache, table, c, end, h, D, Hkv, block_size, bf16, kc);
-                widen_chunk(v_cache, table, c, end, h, D, Hkv, block_size, bf16, vc);
+                widen_chunk(k_cache, table, c, end, h, D, Hkv, block_size, kind, kc);
+                widen_chunk(v_cache, table, c, end, h, D, Hkv, block_size, kind, vc);
                 for (int64_t g = 0; g < G; g++) {
                     switch (D) {
                         case 64: flash_chunk(qt + g * D * TILE, kc, vc, 64, pos, c, end, &m[g], &l[g], ot + g * D * TILE); break;
@@ -677,7 +681,7 @@ int slimlm_paged_prefill(const void *q, const void *k_cache, const void *v_cache
         }
         for (int64_t g = 0; g < G; g++) {  // divided through, transposed back 16 dimensions at a time
             const float *o = ot + g * D * TILE;
-            const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), l[g]);
+            const __m512 inv = _mm512_div_ps(_mm512_set1_ps(v_scale ? v_scale[h] : 1.f), l[g]);
             for (int64_t d0 = 0; d0 < D; d0 += 16) {
                 __m512i v[16];
                 for (int64_t d = 0; d < 16; d++) v[d] = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(o + (d0 + d) * TILE), inv));

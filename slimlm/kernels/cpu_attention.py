@@ -1,11 +1,12 @@
 """Paged attention on CPU. Same contract as reference.paged_attention.
 
-Decoding sequences (one query each) are done together: by the C kernel (cpu_attention.c) for fp32 and bf16 caches,
-which reads K and V in place through the block table; otherwise in PyTorch with one gather of their blocks
-into a padded [S, L, Hkv, D] tensor, two batched matmuls and a masked softmax. Prompt chunks (several
-queries) go to the C flash-attention kernel in one call for all sequences (AVX-512 builds, a cache in the
-queries' dtype); otherwise one sequence at a time in PyTorch, causal mask included. GQA is a reshape of the
-queries to [Hkv, group, ...] that broadcasts against the KV heads, never a copy of K and V per query head.
+Decoding sequences (one query each) are done together: by the C kernel (cpu_attention.c) for fp32, bf16 and 8-bit
+(int8, fp8 e4m3, per-head scales) caches, which reads K and V in place through the block table; otherwise in
+PyTorch with one gather of their blocks into a padded [S, L, Hkv, D] tensor, two batched matmuls and a masked
+softmax. Prompt chunks (several queries) go to the C flash-attention kernel in one call for all sequences
+(AVX-512 builds, the same caches); otherwise one sequence at a time in PyTorch, causal mask included. GQA is a
+reshape of the queries to [Hkv, group, ...] that broadcasts against the KV heads, never a copy of K and V per
+query head.
 """
 
 from __future__ import annotations
@@ -92,20 +93,22 @@ def _decode_native(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, 
 
 
 def _prefill_native_applies(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
-    return (_native_applies(q, k_cache, k_scale) and q.dtype == k_cache.dtype and q.is_contiguous()
+    return (_native_applies(q, k_cache, k_scale) and q.dtype in (torch.float32, torch.bfloat16) and q.is_contiguous()
             and hasattr(cpu_library.load(), "slimlm_paged_prefill"))  # fmt: skip
 
 
-def _prefill_native(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, out) -> torch.Tensor:
+def _prefill_native(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, k_scale, v_scale,
+                    out) -> torch.Tensor:  # fmt: skip
     """The prompt chunks' rows of `out` (its decode rows already written) by the C flash kernel, one call. The
     sequences are query_start's (block_tables and seq_lens may hold more rows: they are not read)."""
     tables, lens = block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
     starts = query_start.to(torch.int32).contiguous()
+    (ks, vs), _held = _scales(k_scale, v_scale)
     status = cpu_library.load().slimlm_paged_prefill(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
-        tables.data_ptr(), tables.shape[1], lens.data_ptr(), starts.data_ptr(), starts.numel() - 1, q.shape[1],
-        k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, 1, int(cpu_library.has_amx()), out.data_ptr(),
-        torch.get_num_threads(),
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(q.dtype == torch.bfloat16), KINDS[k_cache.dtype],
+        ks, vs, tables.data_ptr(), tables.shape[1], lens.data_ptr(), starts.data_ptr(), starts.numel() - 1,
+        q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, 1, int(cpu_library.has_amx()),
+        out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("paged prefill attention could not allocate its buffers")
@@ -152,7 +155,7 @@ def paged_attention(
             q[rows], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale, k_scale, v_scale, native
         )
     if native and _prefill_native_applies(q, k_cache, k_scale):
-        return _prefill_native(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, out)
+        return _prefill_native(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, k_scale, v_scale, out)
     block_size = k_cache.shape[1]
     for s, n in enumerate(q_lens):
         if n > 1:

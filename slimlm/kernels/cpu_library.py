@@ -76,8 +76,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     if hasattr(lib, "slimlm_dequantize_f32"):  # AVX-512 builds (the AVX2 slimlm_dequantize writes fp32 already)
         lib.slimlm_dequantize_f32.argtypes = DEQUANTIZE
     if hasattr(lib, "slimlm_paged_prefill"):  # AVX-512 builds only
-        lib.slimlm_paged_prefill.argtypes = [ptr, ptr, ptr, c_int, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64,
-                                             ctypes.c_float, c_int, c_int, ptr, c_int]  # fmt: skip
+        lib.slimlm_paged_prefill.argtypes = [ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64,
+                                             i64, i64, ctypes.c_float, c_int, c_int, ptr, c_int]  # fmt: skip
         lib.slimlm_paged_prefill.restype = c_int
     if hasattr(lib, "slimlm_quant_matmul_bf16"):  # built only where the CPU has AVX-512 BF16
         f32 = ctypes.c_float

@@ -70,18 +70,23 @@ def test_c_kernel_takes_fp32_decodes():
 @pytest.mark.skipif(not (cpu_library.available() and hasattr(cpu_library.load(), "slimlm_paged_prefill")),
                     reason="needs the AVX-512 kernels")  # fmt: skip
 @pytest.mark.parametrize("block_size", [8, 32])
-@pytest.mark.parametrize("head_dim,dtype", [(64, torch.bfloat16), (128, torch.bfloat16), (128, torch.float32),
-                                            (48, torch.bfloat16)])  # fmt: skip
+@pytest.mark.parametrize(
+    "head_dim,kv_dtype,dtype",
+    [(64, torch.bfloat16, torch.bfloat16), (128, torch.bfloat16, torch.bfloat16), (128, torch.float32, torch.float32),
+     (48, torch.bfloat16, torch.bfloat16), (64, torch.int8, torch.bfloat16), (64, torch.float8_e4m3fn, torch.bfloat16),
+     (64, torch.float8_e4m3fn, torch.float32)],
+)  # fmt: skip
 @pytest.mark.parametrize("amx", [True, False])
-def test_c_prompt_kernel_in_one_call(poisoned, monkeypatch, block_size, head_dim, dtype, amx):
+def test_c_prompt_kernel_in_one_call(poisoned, monkeypatch, block_size, head_dim, kv_dtype, dtype, amx):
     """Prompt chunks go to the C flash kernel in one call on two threads: tiles of 16 queries with ragged
     tails, a chunk of 70 after 100 cached tokens (keys 16 or 32 at a time across blocks of 8 or 32), a decode
-    mixed in (the decode kernel's), and every slot past a sequence's end NaN. bf16 with head_dim 64 or 128
-    runs on the tile unit where the CPU has one (amx), and on the AVX-512 loops otherwise."""
+    mixed in (the decode kernel's), and every slot past a sequence's end NaN. bf16 queries with head_dim 64 or
+    128 and a bf16 or 8-bit cache run on the tile unit where the CPU has one (amx), and on the AVX-512 loops
+    otherwise."""
     if amx and not cpu_library.has_amx():
         pytest.skip("needs AMX (e.g. Sapphire Rapids)")
     monkeypatch.setattr(cpu_library, "has_amx", lambda: amx)
-    p = paged_problem([170, 37, 9, 16], [70, 37, 1, 16], 8, 2, head_dim, block_size, dtype, dtype, seed=block_size)
+    p = paged_problem([170, 37, 9, 16], [70, 37, 1, 16], 8, 2, head_dim, block_size, kv_dtype, dtype, seed=block_size)
     spy = Spy(cpu_library.load())
     monkeypatch.setattr(cpu_library, "load", lambda: spy)
     with torch_threads(2):
