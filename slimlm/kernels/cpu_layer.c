@@ -34,6 +34,8 @@ static inline void store(void *p, int64_t i, float v, int bf16) {
 
 static inline float rounded(float v, int bf16) { return bf16 ? from_bf16(to_bf16(v)) : v; }
 
+#define MAX_KV_BYTES (16 * 256 * 4)  // a token's rotated keys before they are quantized: kv_heads·dim at most 16·256
+
 // One row of slimlm_add_rms_norm, for a literal dtype
 static inline __attribute__((always_inline)) void add_rms_norm_row(const void *x, void *residual, const void *weight,
                                                                    void *out, int64_t base, int64_t dim, float eps,
@@ -93,29 +95,63 @@ static inline __attribute__((always_inline)) void rotate(const char *x, const ch
     rotate_part(x + half, x, cos + half, sin + half, out + half, dim / 2, bf16);
 }
 
-// One row of slimlm_rotary_kv_write, for a literal dtype
+// What a KV cache holds (cpu_attention.c's KIND_*): the step's float dtype, or 8-bit codes with a scale per head
+enum { KIND_F32, KIND_BF16, KIND_INT8, KIND_FP8 };
+
+// x / scale as quantized_kv stores it: divided in fp32, clamped to ±127 (int8) or ±448 (fp8), then rounded to
+// the nearest code, ties to even: an integer, or an fp8 e4m3 (a subnormal below 2⁻⁶, in steps of 2⁻⁹; else
+// the float's mantissa rounded to 3 bits, as torch's conversion rounds it). A NaN stays NaN (fp8 0x7F).
+static inline uint8_t quantized(float x, float scale, int kind) {
+    float v = x / scale;
+    const float limit = kind == KIND_INT8 ? 127.f : 448.f;
+    v = v < -limit ? -limit : (v > limit ? limit : v);
+    if (kind == KIND_INT8) return (uint8_t)(int8_t)rintf(v);
+    union { float f; uint32_t u; } b = {v};
+    const uint32_t sign = (b.u >> 24) & 0x80, a = b.u & 0x7FFFFFFF;
+    if (a > 0x7F800000u) return 0x7F;  // NaN
+    if (a < (121u << 23)) {  // below 2⁻⁶
+        union { uint32_t u; float f; } m = {a};
+        return (uint8_t)(sign | (uint32_t)rintf(m.f * 512.f));
+    }
+    return (uint8_t)(sign | ((a + 0x7FFFF + ((a >> 20) & 1) - (120u << 23)) >> 20));
+}
+
+// One row of slimlm_rotary_kv_write, for a literal dtype: q rotated into q; k rotated and v copied into the
+// cache rows k, v, or quantized there with their heads' scales (8-bit kinds; tmp: kv_heads·dim scratch).
 static inline __attribute__((always_inline)) void rotary_row(const char *x, int64_t heads, int64_t kv_heads,
                                                              int64_t dim, const char *cos, const char *sin, char *k,
-                                                             char *v, char *q, int bf16) {
+                                                             char *v, char *q, int bf16, int kind,
+                                                             const float *k_scale, const float *v_scale, char *tmp) {
     const int64_t head = dim * (bf16 ? 2 : 4);
     for (int64_t h = 0; h < heads; h++) rotate(x + h * head, cos, sin, q + h * head, dim, bf16);
-    for (int64_t h = 0; h < kv_heads; h++) rotate(x + (heads + h) * head, cos, sin, k + h * head, dim, bf16);
-    memcpy(v, x + (heads + kv_heads) * head, kv_heads * head);
+    const int quantize = kind == KIND_INT8 || kind == KIND_FP8;
+    for (int64_t h = 0; h < kv_heads; h++) rotate(x + (heads + h) * head, cos, sin, (quantize ? tmp : k) + h * head, dim, bf16);
+    if (!quantize) {
+        memcpy(v, x + (heads + kv_heads) * head, kv_heads * head);
+        return;
+    }
+    for (int64_t i = 0; i < kv_heads * dim; i++) {
+        k[i] = (char)quantized(load(tmp, i, bf16), k_scale[i / dim], kind);
+        v[i] = (char)quantized(load(x + (heads + kv_heads) * head, i, bf16), v_scale[i / dim], kind);
+    }
 }
 
 // qkv [rows, (heads + 2·kv_heads)·dim]: q rotated into q_out [rows, heads, dim]; k rotated and v copied into
-// the caches' slot slots[r] (caches [slots, kv_heads, dim], qkv's dtype). cos, sin [rows, dim].
+// the caches' slot slots[r] (caches [slots, kv_heads, dim]: qkv's dtype, or 8-bit codes of `kind` with
+// k_scale, v_scale [kv_heads]). cos, sin [rows, dim].
 void slimlm_rotary_kv_write(const void *qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
                             const void *cos, const void *sin, const int64_t *slots, void *k_cache, void *v_cache,
-                            void *q_out, int bf16, int nthreads) {
+                            void *q_out, int bf16, int kind, const float *k_scale, const float *v_scale,
+                            int nthreads) {
     const int64_t elem = bf16 ? 2 : 4, row = (heads + 2 * kv_heads) * dim * elem, head = dim * elem;
+    const int64_t cached = kv_heads * dim * (kind == KIND_INT8 || kind == KIND_FP8 ? 1 : elem);  // bytes a slot
 #pragma omp parallel for num_threads(nthreads) if (rows >= 16)
     for (int64_t r = 0; r < rows; r++) {
         const char *x = (const char *)qkv + r * row, *c = (const char *)cos + r * head, *s = (const char *)sin + r * head;
-        char *k = (char *)k_cache + slots[r] * kv_heads * head, *v = (char *)v_cache + slots[r] * kv_heads * head;
-        char *q = (char *)q_out + r * heads * head;
-        if (bf16) rotary_row(x, heads, kv_heads, dim, c, s, k, v, q, 1);
-        else rotary_row(x, heads, kv_heads, dim, c, s, k, v, q, 0);
+        char *k = (char *)k_cache + slots[r] * cached, *v = (char *)v_cache + slots[r] * cached;
+        char *q = (char *)q_out + r * heads * head, tmp[MAX_KV_BYTES];
+        if (bf16) rotary_row(x, heads, kv_heads, dim, c, s, k, v, q, 1, kind, k_scale, v_scale, tmp);
+        else rotary_row(x, heads, kv_heads, dim, c, s, k, v, q, 0, kind, k_scale, v_scale, tmp);
     }
 }
 
@@ -212,49 +248,52 @@ typedef struct {
     float *qf, *padded;  // the attention's fp32 query and output; the fused fp32 loop's padded output
 } Buffers;
 
+// One decoder layer: its two RMSNorms' weights, its KV cache's per-head scales (8-bit caches; NULL for a float
+// one) and its four packed linears (qkv, o, gate_up, down)
+typedef struct {
+    const void *norm1, *norm2;
+    const float *k_scale, *v_scale;
+    Linear w[4];
+} Layer;
+
 // A whole decoder layer for `rows` decoding sequences (one new token each), the calls the model's modules make
 // in the same order: add + norm, q/k/v, rotary + KV write, paged attention, o, add + norm, gate/up, SiLU·up,
 // down. x [rows, hidden] is the previous layer's output; residual the stream (updated in place; NULL for the
-// first layer, whose stream is x itself); the layer's output goes to out. w: qkv, o, gate_up, down.
+// first layer, whose stream is x itself); the layer's output goes to out. The caches hold `kind`.
 // Returns 0, or -1 when out of memory.
-static int decode_layer(void *x, void *residual, const void *norm1, const void *norm2, float eps, const Linear *w,
-                        const void *cos, const void *sin, const int64_t *slots, void *k_cache, void *v_cache,
-                        const int32_t *tables, int64_t width, const int32_t *seq_lens, int64_t rows, int64_t heads,
-                        int64_t kv_heads, int64_t dim, int64_t block_size, float scale, void *out, int bf16,
-                        int amx, int nthreads, const Buffers *b) {
+static int decode_layer(void *x, void *residual, const Layer *layer, float eps, const void *cos, const void *sin,
+                        const int64_t *slots, void *k_cache, void *v_cache, const int32_t *tables, int64_t width,
+                        const int32_t *seq_lens, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
+                        int64_t block_size, float scale, void *out, int bf16, int kind, int amx, int nthreads,
+                        const Buffers *b) {
+    const Linear *w = layer->w;
     const int64_t hidden = w[1].out_features, inter = w[3].in_features;
-    slimlm_add_rms_norm(x, residual, norm1, b->h, rows, hidden, eps, bf16, nthreads);
+    slimlm_add_rms_norm(x, residual, layer->norm1, b->h, rows, hidden, eps, bf16, nthreads);
     if (!residual) residual = x;
     if (linear(&w[0], b->h, rows, b->qkv, b->padded, nthreads)) return -1;
-    slimlm_rotary_kv_write(b->qkv, rows, heads, kv_heads, dim, cos, sin, slots, k_cache, v_cache, b->q, bf16,
-                           nthreads);
+    slimlm_rotary_kv_write(b->qkv, rows, heads, kv_heads, dim, cos, sin, slots, k_cache, v_cache, b->q, bf16, kind,
+                           layer->k_scale, layer->v_scale, nthreads);
     float *of = b->qf + rows * heads * dim;  // the attention kernel reads and writes fp32
     for (int64_t i = 0; i < rows * heads * dim; i++) b->qf[i] = load(b->q, i, bf16);
-    if (slimlm_paged_decode(b->qf, k_cache, v_cache, bf16, NULL, NULL, tables, width, seq_lens, rows, heads, kv_heads,
-                            dim, block_size, scale, amx, of, nthreads))
+    if (slimlm_paged_decode(b->qf, k_cache, v_cache, kind, layer->k_scale, layer->v_scale, tables, width, seq_lens,
+                            rows, heads, kv_heads, dim, block_size, scale, amx, of, nthreads))
         return -1;
     for (int64_t i = 0; i < rows * heads * dim; i++) store(b->attn, i, of[i], bf16);
     if (linear(&w[1], b->attn, rows, out, b->padded, nthreads)) return -1;
-    slimlm_add_rms_norm(out, residual, norm2, b->h, rows, hidden, eps, bf16, nthreads);
+    slimlm_add_rms_norm(out, residual, layer->norm2, b->h, rows, hidden, eps, bf16, nthreads);
     if (linear(&w[2], b->h, rows, b->gu, b->padded, nthreads)) return -1;
     slimlm_silu_mul(b->gu, b->act, rows, inter, bf16, nthreads);
     return linear(&w[3], b->act, rows, out, b->padded, nthreads);
 }
 
-// One decoder layer's weights: its two RMSNorms' and its four packed linears (qkv, o, gate_up, down)
-typedef struct {
-    const void *norm1, *norm2;
-    Linear w[4];
-} Layer;
-
 // A decode step through all n layers in one call (each ~30 µs of Python and ctypes less, measured).
 // x [rows, hidden]: the embeddings, which become the residual stream (updated in place); the last layer's
 // output goes to out, tmp (x's size) holds every other layer's. kv: the cache pool [n, 2, blocks,
-// block_size, kv_heads, dim], layer_bytes apart per layer. Returns 0, or -1 when out of memory.
+// block_size, kv_heads, dim] of `kind`, layer_bytes apart per layer. Returns 0, or -1 when out of memory.
 int slimlm_decode_layers(const Layer *layers, int64_t n, void *x, void *tmp, void *out, float eps, const void *cos,
                          const void *sin, const int64_t *slots, void *kv, int64_t layer_bytes, const int32_t *tables,
                          int64_t width, const int32_t *seq_lens, int64_t rows, int64_t heads, int64_t kv_heads,
-                         int64_t dim, int64_t block_size, float scale, int bf16, int amx, int nthreads) {
+                         int64_t dim, int64_t block_size, float scale, int bf16, int kind, int amx, int nthreads) {
     const int64_t elem = bf16 ? 2 : 4, attn = rows * heads * dim;
     int64_t hidden = 0, qkv = 0, gu = 0, inter = 0, blocks = 0;  // the widest of every layer
 #define WIDEST(v, e) v = (e) > v ? (e) : v
@@ -272,9 +311,9 @@ int slimlm_decode_layers(const Layer *layers, int64_t n, void *x, void *tmp, voi
     for (int64_t l = 0; status == 0 && l < n; l++) {
         void *dst = (n - 1 - l) % 2 == 0 ? out : tmp;  // alternating, so that the last layer writes out
         char *k_cache = (char *)kv + l * layer_bytes;
-        status = decode_layer(in, l == 0 ? NULL : x, layers[l].norm1, layers[l].norm2, eps, layers[l].w, cos, sin,
-                              slots, k_cache, k_cache + layer_bytes / 2, tables, width, seq_lens, rows, heads,
-                              kv_heads, dim, block_size, scale, dst, bf16, amx, nthreads, &b);
+        status = decode_layer(in, l == 0 ? NULL : x, &layers[l], eps, cos, sin, slots, k_cache,
+                              k_cache + layer_bytes / 2, tables, width, seq_lens, rows, heads, kv_heads, dim,
+                              block_size, scale, dst, bf16, kind, amx, nthreads, &b);
         in = dst;
     }
     free(b.h), free(b.qkv), free(b.q), free(b.attn), free(b.gu), free(b.act), free(b.qf), free(b.padded);

@@ -10,6 +10,7 @@ model's modules call them, without the ~40 Python-level calls a layer costs othe
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 
@@ -56,20 +57,32 @@ def rotary_kv_write(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rotated q [T, Hq, D]; rotated keys and the values written into the (float, unscaled) caches at `slots`."""
-    flat = all(t.dtype == qkv.dtype and t.is_contiguous() for t in (qkv, cos, signed_sin, k_cache, v_cache))
-    scaled = k_scale is not None or v_scale is not None
-    if qkv.dtype not in DTYPES or not flat or scaled or slots.dtype != torch.int64 or not slots.is_contiguous():
+    """Rotated q [T, Hq, D]; rotated keys and the values written at `slots` into the caches: float ones of qkv's
+    dtype, unscaled, or 8-bit ones (int8, fp8 e4m3) with both per-head scales."""
+    if not _c_writes(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale):
         return reference.rotary_kv_write(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale)
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     heads = qkv.shape[1] // dim - 2 * kv_heads
     q = torch.empty(qkv.shape[0], heads, dim, dtype=qkv.dtype)
+    (ks, vs), _held = cpu_attention._scales(k_scale, v_scale)
     cpu_library.load().slimlm_rotary_kv_write(
         qkv.data_ptr(), qkv.shape[0], heads, kv_heads, dim, cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(), int(qkv.dtype == torch.bfloat16),
-        torch.get_num_threads(),
+        cpu_attention.KINDS[k_cache.dtype], ks, vs, torch.get_num_threads(),
     )  # fmt: skip
     return q
+
+
+def _c_writes(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale) -> bool:
+    """Whether the C rotary + KV write takes these: flat tensors of one float dtype, and caches of that dtype
+    unscaled or 8-bit ones with both scales (a token's keys at most 16 × 256 values: the C code's scratch)."""
+    flat = all(t.dtype == qkv.dtype and t.is_contiguous() for t in (qkv, cos, signed_sin))
+    caches = k_cache.dtype == v_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
+    if k_cache.dtype in (torch.int8, torch.float8_e4m3fn):
+        caches = caches and k_scale is not None and v_scale is not None and k_cache.shape[2] * k_cache.shape[3] <= 4096
+    else:
+        caches = caches and k_cache.dtype == qkv.dtype and k_scale is None and v_scale is None
+    return qkv.dtype in DTYPES and flat and caches and slots.dtype == torch.int64 and slots.is_contiguous()
 
 
 class _Linear(ctypes.Structure):  # cpu_layer.c's Linear
@@ -83,19 +96,21 @@ BF16_LOOPS = (0, 3)
 
 
 class _Layer(ctypes.Structure):  # cpu_layer.c's Layer
-    _fields_ = [("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("w", _Linear * 4)]
+    _fields_ = [(name, ctypes.c_void_p) for name in ("norm1", "norm2", "k_scale", "v_scale")] + [("w", _Linear * 4)]
 
 
 class DecodeStack:
     """A decode step through every decoder layer as a single C call: each layer's RMSNorm weights and four packed
     linears (joined q/k/v, o, joined gate/up, down) and the attention shape, bound once; called with one token
-    per sequence."""
+    per sequence. kv_scales() gives each layer's (k_scale, v_scale) for an 8-bit KV cache; it is asked when a
+    plan is first made (the scales are set after the model's backend)."""
 
     def __init__(self, layers: list[tuple[tuple[torch.Tensor, torch.Tensor], list[PackedWeight]]], eps: float,
-                 heads: int, kv_heads: int, head_dim: int) -> None:  # fmt: skip
-        self.layers, self.eps = layers, eps
+                 heads: int, kv_heads: int, head_dim: int,
+                 kv_scales: Callable[[], list[tuple]] | None = None) -> None:  # fmt: skip
+        self.layers, self.eps, self.kv_scales = layers, eps, kv_scales
         self.heads, self.kv_heads, self.head_dim, self.scale = heads, kv_heads, head_dim, head_dim**-0.5
-        self._plans: dict[tuple[int, torch.dtype], ctypes.Array | None] = {}
+        self._plans: dict[tuple, tuple | None] = {}
 
     @staticmethod
     def applies(dtype: torch.dtype, linears: list[PackedWeight | None], heads: int, kv_heads: int,
@@ -105,21 +120,29 @@ class DecodeStack:
                 and all(w is not None and w.perm is None for w in linears)
                 and cpu_attention.kernel_takes(heads, kv_heads, head_dim))  # fmt: skip
 
-    def _plan(self, rows: int, dtype: torch.dtype) -> ctypes.Array | None:
-        """The layers as the C code takes them, with the GEMM loop cpu_gemm picks for this many rows."""
-        key = (rows, dtype)
+    def _plan(self, rows: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple | None:
+        """The layers as the C code takes them, with the GEMM loop cpu_gemm picks for this many rows, and the fp32
+        scales they point to (kept alive with them); None where a layer cannot run in the call."""
+        key = (rows, dtype, kv_dtype)
         if key not in self._plans:
+            eight_bit = kv_dtype in (torch.int8, torch.float8_e4m3fn)
+            scales = self.kv_scales() if self.kv_scales else [(None, None)] * len(self.layers)
+            if eight_bit:
+                scales = [(None, None) if k is None or v is None else (k.float().contiguous(), v.float().contiguous())
+                          for k, v in scales]  # fmt: skip
             layers = []
-            for norms, linears in self.layers:
+            for (norms, linears), (k_scale, v_scale) in zip(self.layers, scales, strict=True):
                 loops = [LOOPS.get(cpu_gemm.path(rows, dtype, w)) for w in linears]
                 bf16 = dtype == torch.bfloat16  # bf16 x runs the bf16 loops only, fp32 x the others
-                if not all(loop is not None and (loop in BF16_LOOPS) == bf16 for loop in loops):
+                if (not all(loop is not None and (loop in BF16_LOOPS) == bf16 for loop in loops)
+                        or eight_bit != (k_scale is not None)):  # fmt: skip
                     layers = None
                     break
                 linear = [_Linear(*w.kernel_args, w.bits, w.in_features, w.out_features, cpu_gemm.CODE_MAX_ROWS[w.bits],
                                   loop) for w, loop in zip(linears, loops, strict=True)]  # fmt: skip
-                layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), (_Linear * 4)(*linear)))
-            self._plans[key] = None if layers is None else (_Layer * len(layers))(*layers)
+                pointers = [0 if t is None else t.data_ptr() for t in (k_scale, v_scale)]
+                layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *pointers, (_Linear * 4)(*linear)))
+            self._plans[key] = None if layers is None else ((_Layer * len(layers))(*layers), scales)
         return self._plans[key]
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
@@ -128,18 +151,23 @@ class DecodeStack:
         """(the last layer's output, the residual stream) for the embeddings x [S, hidden], one token per
         sequence, x becoming the stream; kv_caches [layers, 2, blocks, block_size, kv_heads, head_dim]. None when
         these tensors are not what the C code takes (the caller runs the modules instead)."""
-        plan = self._plan(x.shape[0], x.dtype)
         indices = ((slots, torch.int64), (block_tables, torch.int32), (seq_lens, torch.int32))
-        if (plan is None or any(t.dtype != x.dtype or not t.is_contiguous() for t in (x, cos, signed_sin, kv_caches))
-                or any(t.dtype != dtype or not t.is_contiguous() for t, dtype in indices)):  # fmt: skip
+        cache_ok = kv_caches.dtype in (x.dtype, torch.int8, torch.float8_e4m3fn) and kv_caches.is_contiguous()
+        if (not cache_ok or any(t.dtype != x.dtype or not t.is_contiguous() for t in (x, cos, signed_sin))
+                or any(t.dtype != dtype or not t.is_contiguous() for t, dtype in indices)
+                or kv_caches.shape[-2] * kv_caches.shape[-1] > 4096):  # fmt: skip
             return None
+        plan = self._plan(x.shape[0], x.dtype, kv_caches.dtype)
+        if plan is None:
+            return None
+        plan = plan[0]
         out, tmp = torch.empty_like(x), torch.empty_like(x)
         status = cpu_library.load().slimlm_decode_layers(
             plan, len(plan), x.data_ptr(), tmp.data_ptr(), out.data_ptr(), self.eps, cos.data_ptr(),
             signed_sin.data_ptr(), slots.data_ptr(), kv_caches.data_ptr(), kv_caches[0].nbytes,
             block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), x.shape[0], self.heads,
             self.kv_heads, self.head_dim, kv_caches.shape[3], self.scale, int(x.dtype == torch.bfloat16),
-            int(cpu_library.has_amx()), torch.get_num_threads(),
+            cpu_attention.KINDS[kv_caches.dtype], int(cpu_library.has_amx()), torch.get_num_threads(),
         )  # fmt: skip
         if status:
             raise MemoryError("the decode step could not allocate its buffers")

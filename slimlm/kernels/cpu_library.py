@@ -34,7 +34,10 @@ SIGNATURES = {  # name: (argument types, return type)
     ),  # fmt: skip
     "slimlm_add_rms_norm": ([ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, c_int, c_int], None),
     "slimlm_silu_mul": ([ptr, ptr, i64, i64, c_int, c_int], None),
-    "slimlm_rotary_kv_write": ([ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, c_int, c_int], None),
+    "slimlm_rotary_kv_write": (
+        [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, c_int, c_int, ptr, ptr, c_int],
+        None,
+    ),  # fmt: skip
 }
 
 
@@ -83,7 +86,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         f32 = ctypes.c_float
         if hasattr(lib, "slimlm_decode_layers"):  # not in revisions before it (kernels_ab.py builds those)
             lib.slimlm_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, f32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr,
-                                                 i64, i64, i64, i64, i64, f32, c_int, c_int, c_int]  # fmt: skip
+                                                 i64, i64, i64, i64, i64, f32, c_int, c_int, c_int, c_int]  # fmt: skip
             lib.slimlm_decode_layers.restype = c_int
         lib.slimlm_quant_matmul_bf16.argtypes = [c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, c_int,
                                                  i64, c_int]  # fmt: skip

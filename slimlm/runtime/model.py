@@ -216,7 +216,9 @@ class CausalLM(nn.Module):
             if not factory.applies(dtype, linears, attn.heads, attn.kv_heads, attn.head_dim):
                 return None
             layers.append(((layer.input_layernorm.weight, layer.post_attention_layernorm.weight), linears))
-        return factory(layers, self.model.norm.eps, attn.heads, attn.kv_heads, attn.head_dim)
+        scales = [layer.self_attn for layer in self.model.layers]  # their KV scales come after (loader.set_kv_cache)
+        return factory(layers, self.model.norm.eps, attn.heads, attn.kv_heads, attn.head_dim,
+                       lambda: [(a.k_scale, a.v_scale) for a in scales])  # fmt: skip
 
     def set_rope(self, max_positions: int, device: str) -> None:
         cos, sin = rope_tables(self.config, max_positions)

@@ -60,6 +60,29 @@ def test_silu_mul_matches_the_reference(dtype, rows, width):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("rows", [3, 20])
+def test_8bit_kv_writes_equal_the_reference_bit_for_bit(dtype, kv_dtype, rows):
+    """Keys and values quantized as quantized_kv does (divided, clamped, rounded to nearest even): values from
+    far below fp8's smallest subnormal to far past its largest normal, and int8's ties."""
+    heads, kv_heads, dim = 9, 3, 64
+    g = torch.Generator().manual_seed(rows)
+    magnitude = torch.exp2(torch.randint(-14, 12, (rows, (heads + 2 * kv_heads) * dim), generator=g).float())
+    qkv = (torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g) * magnitude).to(dtype)
+    qkv[0, -dim:] = torch.arange(dim) / 2 - 16  # halves: ties for int8 with a scale of 1
+    cos, sin = torch.randn(rows, dim, generator=g).to(dtype), torch.randn(rows, dim, generator=g).to(dtype)
+    k_scale, v_scale = torch.rand(kv_heads, generator=g) + 0.5, torch.tensor([1.0, 0.7, 1.3])
+    slots = torch.randperm(64, generator=g)[:rows]
+    caches = [torch.zeros(8, 8, kv_heads, dim, dtype=kv_dtype) for _ in range(4)]
+    expected = reference.rotary_kv_write(qkv, cos, sin, slots, caches[0], caches[1], k_scale, v_scale)
+    with torch_threads(2):
+        got = cpu_layer.rotary_kv_write(qkv, cos, sin, slots, caches[2], caches[3], k_scale, v_scale)
+    assert torch.equal(got, expected)
+    for ref, ours in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(ref.view(torch.uint8), ours.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, heads, kv_heads, dim", [(1, 9, 3, 64), (5, 4, 4, 32), (3, 8, 2, 128), (20, 3, 1, 64)])
 def test_rotary_kv_write_equals_the_reference_bit_for_bit(dtype, rows, heads, kv_heads, dim):
     g = torch.Generator().manual_seed(rows + heads)

@@ -106,23 +106,35 @@ def forward(model, ids, step, cache):
 @pytest.mark.parametrize("rows", [1, 3, 20])  # fp32 at 20 rows: the fused loop; 20: SiLU, rotary split in two
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("amx", [True, False], ids=["as-found", "without-amx"])
-def test_one_call_stack_equals_the_modules(joinable_w4, dtype, rows, amx, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn], ids=["kv-as-model", "int8", "fp8"])
+def test_one_call_stack_equals_the_modules(joinable_w4, dtype, rows, amx, kv_dtype, monkeypatch):
     if not amx:  # the loops a CPU without AMX runs (here too when it has none)
         monkeypatch.setattr(cpu_library, "has_amx", lambda: False)
     model = load_model(joinable_w4, dtype, "cpu", 128, "auto")
     assert model.decode_stack is not None and len(model.decode_stack.layers) == 3
-    ids, step, cache = decode_step(model, rows, dtype)
+    ids, step, cache = decode_step(model, rows, kv_dtype or dtype)
+    if kv_dtype is not None:  # an 8-bit cache: each layer's per-head scales, as loader.set_kv_cache sets them
+        g = torch.Generator().manual_seed(rows)
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.k_scale, attn.v_scale = (torch.rand(attn.kv_heads, generator=g) / 8 + 0.05 for _ in range(2))
     fused_cache, modules_cache = cache.clone(), cache.clone()
     with torch_threads(2):
         fused = forward(model, ids, step, fused_cache)
         stack, model.decode_stack = model.decode_stack, None
         modules = forward(model, ids, step, modules_cache)
         model.decode_stack = stack
+    if kv_dtype is not None:  # compared as codes; the stack ran, scales and all
+        fused_cache, modules_cache, cache = (c.view(torch.uint8) for c in (fused_cache, modules_cache, cache))
+        assert model.decode_stack._plans[(rows, dtype, kv_dtype)] is not None
     if dtype == torch.bfloat16:  # the same kernels in the same order: bit for bit
         assert torch.equal(fused, modules) and torch.equal(fused_cache, modules_cache)
     else:  # SiLU's exp: C's expf against torch's vectorized one, a last-bit difference
         assert torch.allclose(fused, modules, rtol=1e-5, atol=1e-5)
-        assert torch.allclose(fused_cache, modules_cache, rtol=1e-5, atol=1e-6)
+        if kv_dtype is None:
+            assert torch.allclose(fused_cache, modules_cache, rtol=1e-5, atol=1e-6)
+        else:  # such a difference moves a value across a rounding boundary rarely, by one code
+            assert (fused_cache != modules_cache).float().mean() < 1e-3
     written = step.slots  # the new tokens' K/V went where the modules put them, nothing else moved
     untouched = torch.ones(cache.shape[2] * 16, dtype=torch.bool)
     untouched[written] = False
