@@ -117,7 +117,8 @@ static inline uint8_t quantized(float x, float scale, int kind) {
 }
 
 // One row of slimlm_rotary_kv_write, for a literal dtype: q rotated into q; k rotated and v copied into the
-// cache rows k, v, or quantized there with their heads' scales (8-bit kinds; tmp: kv_heads·dim scratch).
+// cache rows k, v, or quantized there with their heads' scales (8-bit kinds; NULL: 1; tmp: kv_heads·dim
+// scratch).
 static inline __attribute__((always_inline)) void rotary_row(const char *x, int64_t heads, int64_t kv_heads,
                                                              int64_t dim, const char *cos, const char *sin, char *k,
                                                              char *v, char *q, int bf16, int kind,
@@ -131,14 +132,14 @@ static inline __attribute__((always_inline)) void rotary_row(const char *x, int6
         return;
     }
     for (int64_t i = 0; i < kv_heads * dim; i++) {
-        k[i] = (char)quantized(load(tmp, i, bf16), k_scale[i / dim], kind);
-        v[i] = (char)quantized(load(x + (heads + kv_heads) * head, i, bf16), v_scale[i / dim], kind);
+        k[i] = (char)quantized(load(tmp, i, bf16), k_scale ? k_scale[i / dim] : 1.f, kind);
+        v[i] = (char)quantized(load(x + (heads + kv_heads) * head, i, bf16), v_scale ? v_scale[i / dim] : 1.f, kind);
     }
 }
 
 // qkv [rows, (heads + 2·kv_heads)·dim]: q rotated into q_out [rows, heads, dim]; k rotated and v copied into
 // the caches' slot slots[r] (caches [slots, kv_heads, dim]: qkv's dtype, or 8-bit codes of `kind` with
-// k_scale, v_scale [kv_heads]). cos, sin [rows, dim].
+// k_scale, v_scale [kv_heads], NULL for 1). cos, sin [rows, dim].
 void slimlm_rotary_kv_write(const void *qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
                             const void *cos, const void *sin, const int64_t *slots, void *k_cache, void *v_cache,
                             void *q_out, int bf16, int kind, const float *k_scale, const float *v_scale,

@@ -58,7 +58,7 @@ def rotary_kv_write(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotated q [T, Hq, D]; rotated keys and the values written at `slots` into the caches: float ones of qkv's
-    dtype, unscaled, or 8-bit ones (int8, fp8 e4m3) with both per-head scales."""
+    dtype, unscaled, or 8-bit ones (int8, fp8 e4m3) with both per-head scales or neither (a scale of 1)."""
     if not _c_writes(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale):
         return reference.rotary_kv_write(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale)
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
@@ -75,11 +75,12 @@ def rotary_kv_write(
 
 def _c_writes(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale) -> bool:
     """Whether the C rotary + KV write takes these: flat tensors of one float dtype, and caches of that dtype
-    unscaled or 8-bit ones with both scales (a token's keys at most 16 × 256 values: the C code's scratch)."""
+    unscaled or 8-bit ones with both scales or neither (a token's keys at most 16 × 256 values: the C code's
+    scratch)."""
     flat = all(t.dtype == qkv.dtype and t.is_contiguous() for t in (qkv, cos, signed_sin))
     caches = k_cache.dtype == v_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
     if k_cache.dtype in (torch.int8, torch.float8_e4m3fn):
-        caches = caches and k_scale is not None and v_scale is not None and k_cache.shape[2] * k_cache.shape[3] <= 4096
+        caches = caches and (k_scale is None) == (v_scale is None) and k_cache.shape[2] * k_cache.shape[3] <= 4096
     else:
         caches = caches and k_cache.dtype == qkv.dtype and k_scale is None and v_scale is None
     return qkv.dtype in DTYPES and flat and caches and slots.dtype == torch.int64 and slots.is_contiguous()
@@ -127,15 +128,14 @@ class DecodeStack:
         if key not in self._plans:
             eight_bit = kv_dtype in (torch.int8, torch.float8_e4m3fn)
             scales = self.kv_scales() if self.kv_scales else [(None, None)] * len(self.layers)
-            if eight_bit:
-                scales = [(None, None) if k is None or v is None else (k.float().contiguous(), v.float().contiguous())
-                          for k, v in scales]  # fmt: skip
+            scales = [tuple(None if t is None else t.float().contiguous() for t in pair) for pair in scales]
             layers = []
             for (norms, linears), (k_scale, v_scale) in zip(self.layers, scales, strict=True):
                 loops = [LOOPS.get(cpu_gemm.path(rows, dtype, w)) for w in linears]
                 bf16 = dtype == torch.bfloat16  # bf16 x runs the bf16 loops only, fp32 x the others
+                scaled = (k_scale is not None, v_scale is not None)  # both or neither; only an 8-bit cache's
                 if (not all(loop is not None and (loop in BF16_LOOPS) == bf16 for loop in loops)
-                        or eight_bit != (k_scale is not None)):  # fmt: skip
+                        or scaled[0] != scaled[1] or (scaled[0] and not eight_bit)):  # fmt: skip
                     layers = None
                     break
                 linear = [_Linear(*w.kernel_args, w.bits, w.in_features, w.out_features, cpu_gemm.CODE_MAX_ROWS[w.bits],

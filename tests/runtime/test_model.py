@@ -156,7 +156,7 @@ def test_steps_the_one_call_stack_does_not_cover_run_the_modules(joinable_w4, ti
     forward(model, ids, prefill, cache)  # a two-token chunk of one sequence: the modules
     model.decode_stack = stack
     cos, sin = torch.zeros(2, 32), torch.zeros(2, 32)
-    ids, step, cache = decode_step(model, 2, torch.int8)  # a cache of another dtype: the stack declines
+    ids, step, cache = decode_step(model, 2, torch.float16)  # a cache of another float dtype: the stack declines
     assert stack(torch.zeros(2, 128), cos, sin, step.slots, cache, step.block_tables, step.seq_lens) is None
     ids, step, cache = decode_step(model, 2, torch.float32)  # int64 block tables: read as int32 they would lie
     assert stack(torch.zeros(2, 128), cos, sin, step.slots, cache, step.block_tables.long(), step.seq_lens) is None
