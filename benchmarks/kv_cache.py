@@ -9,8 +9,9 @@
             head dimension, fp16 scale and zero point per group) as they are written to a float32 cache, so
             attention reads exactly what an int4 cache would hold; wiki perplexity against float32 KV, and
             the bytes per element such a cache would need (capacity against 8-bit KV)
-  decode    one decode step at context 4096, batch 1 and 8, with the cache filled, against the floor:
-            (weight bytes + KV bytes read) / the bandwidth of a large copy measured in the same run
+  decode    one decode step at context 4096, batch 1 and 8, with the cache filled, the model in --dtype (float32;
+            bfloat16 runs the bf16 paths: tile-unit scores, the bf16 dot product over 8-bit values), against the
+            floor: (weight bytes + KV bytes read) / the bandwidth of a large copy measured in the same run
 
     .venv/bin/python benchmarks/kv_cache.py [--parts quality,capacity,decode] [--json out/kv.json]
 """
@@ -165,15 +166,19 @@ def decode(args) -> list[dict]:
 
     bandwidth = copy_bandwidth()
     rows = []
-    for label, model, kv_dtype in [("float32 KV", MODEL, "float32"), ("bfloat16 KV", MODEL, "bfloat16"),
-                                   ("fp8 tensor", checkpoint("fp8 tensor", args.cache), "auto"),
-                                   ("int8 attn_head", checkpoint("int8 attn_head", args.cache), "auto")]:  # fmt: skip
+    configs = [("bfloat16 KV", MODEL, "bfloat16"), ("fp8 tensor", checkpoint("fp8 tensor", args.cache), "auto"),
+               ("int8 attn_head", checkpoint("int8 attn_head", args.cache), "auto")]  # fmt: skip
+    if args.dtype == "float32":  # a bf16 model's cache is never wider than its activations
+        configs.insert(0, ("float32 KV", MODEL, "float32"))
+    for label, model, kv_dtype in configs:
         for batch in (1, 8):
             ctx = args.context
-            probe = Engine(model, EngineConfig(kv_cache_dtype=kv_dtype, kv_cache_memory=1 << 20, max_model_len=16))
+            probe = Engine(model, EngineConfig(dtype=args.dtype, kv_cache_dtype=kv_dtype, kv_cache_memory=1 << 20,
+                                               max_model_len=16))  # fmt: skip
             per_token = probe.runner.kv_bytes_per_token
             del probe
-            engine = Engine(model, EngineConfig(kv_cache_dtype=kv_dtype, kv_cache_memory=batch * ctx * per_token
+            engine = Engine(model, EngineConfig(dtype=args.dtype, kv_cache_dtype=kv_dtype,
+                                                kv_cache_memory=batch * ctx * per_token
                                                 + (16 << 20), max_model_len=ctx + 16))  # fmt: skip
             runner, bs = engine.runner, engine.config.block_size
             cache = runner.kv_cache
@@ -218,9 +223,11 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's, for decode")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    print(f"{MODEL}, fp32 weights, {torch.get_num_threads()} threads", flush=True)
+    print(f"{MODEL}, {args.dtype} weights (decode; quality and capacity: float32), {torch.get_num_threads()} threads",
+          flush=True)  # fmt: skip
     run_parts(args, {"quality": quality, "int4": int4, "capacity": capacity, "decode": decode})
 
 
