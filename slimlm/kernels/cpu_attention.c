@@ -25,22 +25,39 @@
 enum { KIND_F32, KIND_BF16, KIND_INT8, KIND_FP8 };
 #define ELEM(kind) ((kind) == KIND_F32 ? 4 : (kind) == KIND_BF16 ? 2 : 1)  // bytes per value
 
-// 16 cache values as fp32 (before any scale). bf16 is the top half of an fp32, so widening is a shift. An fp8
-// e4m3 byte's exponent and mantissa, moved up by 20 bits, are a float's with 120 less exponent bias, so
-// adding 120 to the exponent makes the value; the subnormals (exponent 0) are m·2⁻⁹. The NaN codes (0x7F,
-// 0xFF) would read as ±480: a cache written by quantized_kv never holds them (it saturates at ±448).
+// The 128 fp8 e4m3 magnitudes as bf16, exactly: m·2⁻⁹ for the subnormals, else the exponent and mantissa moved
+// up 4 bits with 120 more exponent bias; the NaN code (never written) as 480, as the AVX2 build reads it.
+static const uint16_t FP8_BF16[128] __attribute__((aligned(64))) = {
+    0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60, 0x3C80, 0x3C90, 0x3CA0, 0x3CB0, 0x3CC0, 0x3CD0, 0x3CE0, 0x3CF0,
+    0x3D00, 0x3D10, 0x3D20, 0x3D30, 0x3D40, 0x3D50, 0x3D60, 0x3D70, 0x3D80, 0x3D90, 0x3DA0, 0x3DB0, 0x3DC0, 0x3DD0, 0x3DE0, 0x3DF0,
+    0x3E00, 0x3E10, 0x3E20, 0x3E30, 0x3E40, 0x3E50, 0x3E60, 0x3E70, 0x3E80, 0x3E90, 0x3EA0, 0x3EB0, 0x3EC0, 0x3ED0, 0x3EE0, 0x3EF0,
+    0x3F00, 0x3F10, 0x3F20, 0x3F30, 0x3F40, 0x3F50, 0x3F60, 0x3F70, 0x3F80, 0x3F90, 0x3FA0, 0x3FB0, 0x3FC0, 0x3FD0, 0x3FE0, 0x3FF0,
+    0x4000, 0x4010, 0x4020, 0x4030, 0x4040, 0x4050, 0x4060, 0x4070, 0x4080, 0x4090, 0x40A0, 0x40B0, 0x40C0, 0x40D0, 0x40E0, 0x40F0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x4180, 0x4190, 0x41A0, 0x41B0, 0x41C0, 0x41D0, 0x41E0, 0x41F0,
+    0x4200, 0x4210, 0x4220, 0x4230, 0x4240, 0x4250, 0x4260, 0x4270, 0x4280, 0x4290, 0x42A0, 0x42B0, 0x42C0, 0x42D0, 0x42E0, 0x42F0,
+    0x4300, 0x4310, 0x4320, 0x4330, 0x4340, 0x4350, 0x4360, 0x4370, 0x4380, 0x4390, 0x43A0, 0x43B0, 0x43C0, 0x43D0, 0x43E0, 0x43F0,
+};
+
+// 32 fp8 e4m3 codes (x: one a 16-bit lane) as bf16, exactly: the magnitude's entry in FP8_BF16 (two 64-entry
+// permutes, which read an index's low 6 bits only, and a select on bit 6: 7 instructions per 32 values, where
+// the arithmetic took 10) and the sign bit moved up 8.
+static inline __attribute__((always_inline)) __m512i fp8_bf16(__m512i x) {
+    const __m512i t0 = _mm512_load_si512(FP8_BF16), t1 = _mm512_load_si512(FP8_BF16 + 32);
+    const __m512i t2 = _mm512_load_si512(FP8_BF16 + 64), t3 = _mm512_load_si512(FP8_BF16 + 96);
+    const __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, _mm512_set1_epi16(0x40)),
+                                              _mm512_permutex2var_epi16(t0, x, t1), _mm512_permutex2var_epi16(t2, x, t3));
+    return _mm512_ternarylogic_epi32(_mm512_slli_epi16(x, 8), _mm512_set1_epi16((short)0x8000), v, 0xEA);  // (A & B) | C
+}
+
+// 16 cache values as fp32 (before any scale): bf16 is the top half of an fp32, so widening is a shift (fp8
+// through bf16)
 static inline __attribute__((always_inline)) __m512 load16(const void *p, int kind) {
     if (kind == KIND_F32) return _mm512_loadu_ps(p);
-    if (kind == KIND_BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
     const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
     if (kind == KIND_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-    const __m512i x = _mm512_cvtepu8_epi32(bytes), em = _mm512_and_si512(x, _mm512_set1_epi32(0x7F));
-    const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23)));
-    const __m512 small = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(1.f / 512));
-    const __m512 v = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(8)), normal, small);
-    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
+    const __m256i words = kind == KIND_BF16 ? _mm256_loadu_si256((const __m256i *)p)
+                                            : _mm512_castsi512_si256(fp8_bf16(_mm512_cvtepu8_epi16(_mm256_zextsi128_si256(bytes))));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
 }
 
 // r[j] = Σ of a[j]'s 16 lanes, for 16 vectors at once: three rounds of pairwise shuffles and adds (45
@@ -140,38 +157,17 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
 }
 
 #ifdef __AVX512BF16__
-// The 128 fp8 e4m3 magnitudes as bf16, exactly: m·2⁻⁹ for the subnormals, else the exponent and mantissa moved
-// up 4 bits with 120 more exponent bias; the NaN code (never written) as 480, as load16 reads it.
-static const uint16_t FP8_BF16[128] __attribute__((aligned(64))) = {
-    0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60, 0x3C80, 0x3C90, 0x3CA0, 0x3CB0, 0x3CC0, 0x3CD0, 0x3CE0, 0x3CF0,
-    0x3D00, 0x3D10, 0x3D20, 0x3D30, 0x3D40, 0x3D50, 0x3D60, 0x3D70, 0x3D80, 0x3D90, 0x3DA0, 0x3DB0, 0x3DC0, 0x3DD0, 0x3DE0, 0x3DF0,
-    0x3E00, 0x3E10, 0x3E20, 0x3E30, 0x3E40, 0x3E50, 0x3E60, 0x3E70, 0x3E80, 0x3E90, 0x3EA0, 0x3EB0, 0x3EC0, 0x3ED0, 0x3EE0, 0x3EF0,
-    0x3F00, 0x3F10, 0x3F20, 0x3F30, 0x3F40, 0x3F50, 0x3F60, 0x3F70, 0x3F80, 0x3F90, 0x3FA0, 0x3FB0, 0x3FC0, 0x3FD0, 0x3FE0, 0x3FF0,
-    0x4000, 0x4010, 0x4020, 0x4030, 0x4040, 0x4050, 0x4060, 0x4070, 0x4080, 0x4090, 0x40A0, 0x40B0, 0x40C0, 0x40D0, 0x40E0, 0x40F0,
-    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x4180, 0x4190, 0x41A0, 0x41B0, 0x41C0, 0x41D0, 0x41E0, 0x41F0,
-    0x4200, 0x4210, 0x4220, 0x4230, 0x4240, 0x4250, 0x4260, 0x4270, 0x4280, 0x4290, 0x42A0, 0x42B0, 0x42C0, 0x42D0, 0x42E0, 0x42F0,
-    0x4300, 0x4310, 0x4320, 0x4330, 0x4340, 0x4350, 0x4360, 0x4370, 0x4380, 0x4390, 0x43A0, 0x43B0, 0x43C0, 0x43D0, 0x43E0, 0x43F0,
-};
-
-// n 8-bit codes (n a multiple of 32) as bf16, exactly: int8 through fp32; fp8 e4m3 by its magnitude's entry in
-// FP8_BF16 (two 64-entry permutes and a select on bit 6: 7 instructions per 32 values, against 10 for the
-// arithmetic) and its sign bit moved up 8.
+// n 8-bit codes (n a multiple of 32) as bf16, exactly: int8 through fp32, fp8 by fp8_bf16
 static inline __attribute__((always_inline)) void widen_bf16(const void *src, int64_t n, int kind, uint16_t *dst) {
-    const __m512i t0 = _mm512_load_si512(FP8_BF16), t1 = _mm512_load_si512(FP8_BF16 + 32);
-    const __m512i t2 = _mm512_load_si512(FP8_BF16 + 64), t3 = _mm512_load_si512(FP8_BF16 + 96);
     for (int64_t i = 0; i < n; i += 32) {
         const __m256i bytes = _mm256_loadu_si256((const __m256i *)((const uint8_t *)src + i));
         if (kind == KIND_INT8) {
             const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
             const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
             _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-            continue;
+        } else {
+            _mm512_storeu_si512(dst + i, fp8_bf16(_mm512_cvtepu8_epi16(bytes)));
         }
-        const __m512i x = _mm512_cvtepu8_epi16(bytes);  // a permute reads an index's low 6 bits only
-        const __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, _mm512_set1_epi16(0x40)),
-                                                  _mm512_permutex2var_epi16(t0, x, t1), _mm512_permutex2var_epi16(t2, x, t3));
-        // v | (x << 8 & 0x8000): 0xEA = (A & B) | C
-        _mm512_storeu_si512(dst + i, _mm512_ternarylogic_epi32(_mm512_slli_epi16(x, 8), _mm512_set1_epi16((short)0x8000), v, 0xEA));
     }
 }
 

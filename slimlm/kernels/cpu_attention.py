@@ -63,10 +63,11 @@ def kernel_takes(heads: int, kv_heads: int, head_dim: int) -> bool:
 
 # What the C kernels take a cache as (cpu_attention.c's KIND_*): fp32, bf16, or 8-bit codes with per-head scales
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
+EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)
 
 
 def _native_applies(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
-    return (k_cache.dtype in KINDS and (k_scale is None or k_cache.element_size() == 1) and k_cache.is_contiguous()
+    return (k_cache.dtype in KINDS and (k_scale is None or k_cache.dtype in EIGHT_BIT) and k_cache.is_contiguous()
             and kernel_takes(q.shape[1], k_cache.shape[2], q.shape[2]))  # fmt: skip
 
 

@@ -73,14 +73,17 @@ def rotary_kv_write(
     return q
 
 
+MAX_KV_VALUES = 16 * 256  # a token's keys, kv_heads·head_dim, that the C write's scratch holds (MAX_KV_BYTES)
+
+
 def _c_writes(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale) -> bool:
     """Whether the C rotary + KV write takes these: flat tensors of one float dtype, and caches of that dtype
-    unscaled or 8-bit ones with both scales or neither (a token's keys at most 16 × 256 values: the C code's
-    scratch)."""
+    unscaled or 8-bit ones with both scales or neither."""
     flat = all(t.dtype == qkv.dtype and t.is_contiguous() for t in (qkv, cos, signed_sin))
     caches = k_cache.dtype == v_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
-    if k_cache.dtype in (torch.int8, torch.float8_e4m3fn):
-        caches = caches and (k_scale is None) == (v_scale is None) and k_cache.shape[2] * k_cache.shape[3] <= 4096
+    if k_cache.dtype in cpu_attention.EIGHT_BIT:
+        fits = k_cache.shape[2] * k_cache.shape[3] <= MAX_KV_VALUES
+        caches = caches and (k_scale is None) == (v_scale is None) and fits
     else:
         caches = caches and k_cache.dtype == qkv.dtype and k_scale is None and v_scale is None
     return qkv.dtype in DTYPES and flat and caches and slots.dtype == torch.int64 and slots.is_contiguous()
@@ -126,23 +129,22 @@ class DecodeStack:
         scales they point to (kept alive with them); None where a layer cannot run in the call."""
         key = (rows, dtype, kv_dtype)
         if key not in self._plans:
-            eight_bit = kv_dtype in (torch.int8, torch.float8_e4m3fn)
             scales = self.kv_scales() if self.kv_scales else [(None, None)] * len(self.layers)
-            scales = [tuple(None if t is None else t.float().contiguous() for t in pair) for pair in scales]
-            layers = []
+            layers, held = [], []
             for (norms, linears), (k_scale, v_scale) in zip(self.layers, scales, strict=True):
                 loops = [LOOPS.get(cpu_gemm.path(rows, dtype, w)) for w in linears]
                 bf16 = dtype == torch.bfloat16  # bf16 x runs the bf16 loops only, fp32 x the others
-                scaled = (k_scale is not None, v_scale is not None)  # both or neither; only an 8-bit cache's
                 if (not all(loop is not None and (loop in BF16_LOOPS) == bf16 for loop in loops)
-                        or scaled[0] != scaled[1] or (scaled[0] and not eight_bit)):  # fmt: skip
+                        or (k_scale is None) != (v_scale is None)
+                        or (k_scale is not None and kv_dtype not in cpu_attention.EIGHT_BIT)):  # fmt: skip
                     layers = None
                     break
                 linear = [_Linear(*w.kernel_args, w.bits, w.in_features, w.out_features, cpu_gemm.CODE_MAX_ROWS[w.bits],
                                   loop) for w, loop in zip(linears, loops, strict=True)]  # fmt: skip
-                pointers = [0 if t is None else t.data_ptr() for t in (k_scale, v_scale)]
+                pointers, tensors = cpu_attention._scales(k_scale, v_scale)
+                held.append(tensors)
                 layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *pointers, (_Linear * 4)(*linear)))
-            self._plans[key] = None if layers is None else ((_Layer * len(layers))(*layers), scales)
+            self._plans[key] = None if layers is None else ((_Layer * len(layers))(*layers), held)
         return self._plans[key]
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
@@ -152,10 +154,10 @@ class DecodeStack:
         sequence, x becoming the stream; kv_caches [layers, 2, blocks, block_size, kv_heads, head_dim]. None when
         these tensors are not what the C code takes (the caller runs the modules instead)."""
         indices = ((slots, torch.int64), (block_tables, torch.int32), (seq_lens, torch.int32))
-        cache_ok = kv_caches.dtype in (x.dtype, torch.int8, torch.float8_e4m3fn) and kv_caches.is_contiguous()
+        cache_ok = kv_caches.dtype in (x.dtype, *cpu_attention.EIGHT_BIT) and kv_caches.is_contiguous()
         if (not cache_ok or any(t.dtype != x.dtype or not t.is_contiguous() for t in (x, cos, signed_sin))
                 or any(t.dtype != dtype or not t.is_contiguous() for t, dtype in indices)
-                or kv_caches.shape[-2] * kv_caches.shape[-1] > 4096):  # fmt: skip
+                or kv_caches.shape[-2] * kv_caches.shape[-1] > MAX_KV_VALUES):  # fmt: skip
             return None
         plan = self._plan(x.shape[0], x.dtype, kv_caches.dtype)
         if plan is None:
