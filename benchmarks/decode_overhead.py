@@ -91,6 +91,7 @@ def measure(model: str, dtype: str, bandwidth: float, budget_s: float) -> dict:
     while time.perf_counter() < end or min(map(len, times.values())) < 10:
         for name, backend in variants.items():  # in turn: both share the machine's moods
             runner.model.set_backend(backend)
+            step_s()  # untimed: the first step after set_backend builds the one-call plan, once per server
             times[name].append(step_s())
     floor_s = (runner.weight_bytes() + CONTEXT * runner.kv_bytes_per_token) / bandwidth
     result = {"model": model, "dtype": dtype, "floor_ms": 1e3 * floor_s, "variants": {}}
