@@ -15,6 +15,7 @@ and the read bandwidth (a sum over 1 GiB: the most that loads alone move here).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -72,7 +73,7 @@ def main() -> None:
             cpu_gemm.quant_matmul(x[w.in_features], w)
 
     big = torch.ones(1 << 28)
-    passes = {name: (lambda ws=ws, f=dense if name.startswith("dense") else quantized: f(ws))
+    passes = {name: functools.partial(dense if name.startswith("dense") else quantized, ws)
               for name, ws in sets.items()}  # fmt: skip
     passes["read 1 GiB"] = lambda: big.sum()
     nbytes["read 1 GiB"] = big.nbytes

@@ -25,7 +25,7 @@
 int slimlm_vector_bits(void) { return 512; }
 
 // The codes `AHEAD` bytes past c asked into L2 now: as many as one step of the loops below reads at c (at
-// most 64 bytes of 4-bit codes, 128 of 8-bit). The hardware prefetcher alone restarts at every weight block
+// most 64 bytes of 4-bit codes, 128 of 8-bit, 256 of dense bf16 weights). The hardware prefetcher alone restarts at every weight block
 // (18–36 KB apart per thread) and ramps up slowly: the default model's GEMMs at one row read 7 GB/s without
 // this and ~10 with it (of the ~15 that two cores could stream on the EPYC). Past a block's end it fetches
 // the next block, where the thread goes next. Into L2 (T1), not L1: an L1 prefetch holds one of the core's
@@ -33,8 +33,7 @@ int slimlm_vector_bits(void) { return 512; }
 // read from memory, ran 1.08× (4-bit) and 1.10× (8-bit) faster with T1 than with T0 (no prefetch: 0.43×).
 #define AHEAD 4096
 static inline __attribute__((always_inline)) void prefetch_codes(int bits, const uint8_t *c) {
-    _mm_prefetch((const char *)c + AHEAD, _MM_HINT_T1);
-    if (bits == 8) _mm_prefetch((const char *)c + AHEAD + 64, _MM_HINT_T1);
+    for (int b = 0; b < 16 * bits; b += 64) _mm_prefetch((const char *)c + AHEAD + b, _MM_HINT_T1);
 }
 
 static inline __attribute__((always_inline)) void
@@ -149,6 +148,10 @@ void slimlm_dequantize_f32(int bits, int64_t K, const uint8_t *codes, const uint
 // Many rows (weight tiles): the dot products are the cost, and the per-segment correction would add ~10%.
 // So each chunk of one weight block is dequantized once into a buffer of bf16 weights (rounded to
 // nearest even, as torch rounds) and tiles of 6 rows read it: the inner loop of a dense bf16 GEMM.
+//
+// Dense bf16 weights (bits 16, packed.pack_dense) are stored as those pairs already: both ways read them in
+// place, with no scales (torch's own bf16 matmul reads one row of x at 18-30 GB/s here, about half of what
+// the weight bytes allow).
 #define KC 1024       // inputs per chunk: KC/2 pairs × 64 features × 4 bytes = 128 KB of buffer, in L2.
                       // Fewer chunks mean fewer reloads of y's tiles, whose rows (N·4 bytes apart, often a
                       // multiple of 64 KB) collide in the caches: chunks of 256 halved lm_head's speed.
@@ -157,7 +160,9 @@ void slimlm_dequantize_f32(int bits, int64_t K, const uint8_t *codes, const uint
 
 // Codes of weight rows k and k + 1 (at c) as four registers of bf16 pairs, features 16i..16i+15 in w[i].
 static inline __attribute__((always_inline)) void code_pairs(int bits, const uint8_t *c, __m512i w[4]) {
-    if (bits == 4) {
+    if (bits == 16) {  // dense bf16 weights, stored as the pairs themselves
+        for (int i = 0; i < 4; i++) w[i] = _mm512_loadu_si512(c + 64 * i);
+    } else if (bits == 4) {
         // byte j of a row: feature j in the low nibble, j + 32 in the high one. Dword l of t gathers the
         // bytes of features l and l + 16 at k (bytes 0, 1) and at k + 1 (bytes 2, 3).
         static const uint8_t gather[64] = {
@@ -207,6 +212,14 @@ code_tile(int bits, int rows, const uint16_t *x, int64_t K, int64_t group, int64
             prefetch_codes(bits, codes + k * (BN * bits / 8));
             code_pairs(bits, codes + k * (BN * bits / 8), w);
             dot_pair(rows, x + k, K, w, acc);
+        }
+        if (bits == 16) {  // y += acc
+            for (int r = 0; r < rows; r++)
+                for (int i = 0; i < 4; i++) {
+                    const __m512 v = sk == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * N + 16 * i);
+                    _mm512_storeu_ps(y + r * N + 16 * i, _mm512_add_ps(acc[r][i], v));
+                }
+            continue;
         }
         // y += scale · unit · acc − scale · (zero + offset) · Σx
         const int64_t g = sk / group;
@@ -317,7 +330,7 @@ static inline int64_t tile_rows(int64_t m, int64_t m1, int64_t most) {
 
 // Literal bits and rows: each case compiles to its own unrolled loop with the tile in registers.
 #define CODE_TILE(B, R) code_tile(B, R, x + m * K, K, group, seg, c, s, z, k0, kc, xs + m * S, S, acc + (m - m0) * BN, BN)
-#define WEIGHT_TILE(R) weight_tile(R, x + m * K, K, k0, kc, buf, acc + (m - m0) * BN, BN)
+#define WEIGHT_TILE(R) weight_tile(R, x + m * K, K, k0, kc, wt, acc + (m - m0) * BN, BN)
 #define CASES(TILE, ...)                                                                                  \
     switch (rows) {                                                                                       \
         case 1: TILE(__VA_ARGS__ 1); break;                                                               \
@@ -357,8 +370,8 @@ int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, 
     int64_t seg = group < KC ? group : KC;  // segments lie inside one group and one chunk and have even length
     while (group % seg != 0 || seg % 2 != 0) seg--;
     const int64_t S = K / seg, chunk = KC / seg * seg;
-    float *xs = NULL;  // Σ x over each segment, per row (code tiles only)
-    if (codes_only) {
+    float *xs = NULL;  // Σ x over each segment, per row (code tiles of codes only)
+    if (codes_only && bits != 16) {
         xs = malloc(sizeof(float) * M * S);
         if (xs == NULL) return -1;
         for (int64_t m = 0; m < M; m++)
@@ -380,8 +393,8 @@ int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, 
         // per thread: the results of one block's rows until the last chunk (then written to y, in y's dtype,
         // without the padding), and the dequantized chunk of the weight tiles
         float *acc = aligned_alloc(64, sizeof(float) * BN * part_rows);
-        __m512i *buf = codes_only ? NULL : aligned_alloc(64, sizeof(__m512i) * KC / 2 * 4);
-        failed = acc == NULL || (!codes_only && buf == NULL);
+        __m512i *buf = codes_only || bits == 16 ? NULL : aligned_alloc(64, sizeof(__m512i) * KC / 2 * 4);
+        failed = acc == NULL || (!codes_only && bits != 16 && buf == NULL);
 #pragma omp for collapse(2) schedule(static)
         for (int64_t nb = 0; nb < nblocks; nb++) {
             for (int64_t part = 0; part < parts; part++) {
@@ -395,10 +408,13 @@ int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, 
                     if (codes_only) {
                         for (int64_t m = m0, rows; m < m1; m += rows) {
                             rows = tile_rows(m, m1, CODE_ROWS);
-                            if (bits == 4) { CASES(CODE_TILE, 4,) } else { CASES(CODE_TILE, 8,) }
+                            if (bits == 4) { CASES(CODE_TILE, 4,) }
+                            else if (bits == 8) { CASES(CODE_TILE, 8,) }
+                            else { CASES(CODE_TILE, 16,) }
                         }
                     } else {
-                        dequantize_chunk(bits, group, c, s, z, k0, kc, buf);
+                        const __m512i *wt = bits == 16 ? (const __m512i *)(c + k0 * (BN * 2)) : buf;
+                        if (bits != 16) dequantize_chunk(bits, group, c, s, z, k0, kc, buf);
                         for (int64_t m = m0, rows; m < m1; m += rows) {
                             rows = tile_rows(m, m1, WEIGHT_ROWS);
                             CASES(WEIGHT_TILE,)
@@ -580,16 +596,20 @@ int slimlm_quant_matmul_amx(int bits, const uint16_t *x, int64_t M, int64_t K, c
                 if (failed || m0 >= M) continue;
                 for (int64_t k0 = 0; m1 - m0 > TM && k0 < K; k0 += KC) {
                     const int64_t kc = K - k0 < KC ? K - k0 : KC;
-                    for (int64_t b = 0; b < n; b++)
+                    const __m512i *wt = buf;  // dense bf16 weights are read in place (K a multiple of TK)
+                    if (bits == 16) wt = (const __m512i *)(codes + (nb0 * K + k0) * (BN * 2));
+                    for (int64_t b = 0; bits != 16 && b < n; b++)
                         dequantize_tiles(bits, group, codes + (nb0 + b) * K * (BN * bits / 8),
                                          scales + (nb0 + b) * G * BN, zeros + (nb0 + b) * G * BN, k0, kc,
                                          buf + b * buf_step);
-                    amx_chunk(m1 - m0, xp + m0 * Kp + k0, Kp, (kc + TK - 1) / TK * TK, buf, buf_step, acc, acc_step,
-                              n, k0 == 0);
+                    amx_chunk(m1 - m0, xp + m0 * Kp + k0, Kp, (kc + TK - 1) / TK * TK, wt,
+                              bits == 16 ? K * 2 : buf_step, acc, acc_step, n, k0 == 0);
                 }
                 for (int64_t nb = nb0; nb < nb0 + n; nb++) {
                     float *a = acc + (nb - nb0) * acc_step;
-                    if (m1 - m0 == TM)
+                    if (m1 - m0 == TM && bits == 16)
+                        amx_row_tile(xp + m0 * Kp, Kp, K, (const __m512i *)(codes + nb * K * (BN * 2)), a, 1);
+                    else if (m1 - m0 == TM)
                         amx_streamed_row_tile(bits, group, codes + nb * K * (BN * bits / 8), scales + nb * G * BN,
                                               zeros + nb * G * BN, K, xp + m0 * Kp, Kp, buf, a);
                     write_block(a, m0, m1 < M ? m1 : M, y, y_cols, y_bf16, nb * BN);

@@ -13,6 +13,9 @@ Which loop runs, by CPU and by x (thresholds measured with benchmarks/kernels_cp
     AVX-512 without BF16      fused fp32 loop; bf16 x above FUSED_MAX_ROWS_BF16 rows: bf16 matmul on
                               dequantized slices
     AVX2                      fused fp32 loop; above FUSED_MAX_ROWS_AVX2 rows: fp32 matmul on dequantized slices
+
+Dense bf16 weights (packed.pack_dense, where dense_fits) take the bf16 loops above, as they are (x is
+rounded to bf16 if it is not).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from slimlm import SlimlmError
 from slimlm.kernels import cpu_library
 from slimlm.kernels.packed import BLOCK_N, PackedWeight
 
-CODE_MAX_ROWS = {4: 32, 8: 16}  # AVX-512 BF16: code tiles up to here (bf16 rows), weight tiles above
-AMX_MIN_ROWS = 6  # AMX CPUs, bf16 x: the tile unit from here on; code tiles below (measured on Sapphire Rapids)
+CODE_MAX_ROWS = {4: 32, 8: 16, 16: 4}  # AVX-512 BF16: code tiles up to here (bf16 rows), weight tiles above
+AMX_MIN_ROWS = {4: 6, 8: 6, 16: 3}  # AMX CPUs, bf16 x: the tile unit from here on, by bits; code tiles below
+# (measured on Sapphire Rapids: dense weights, with nothing to unpack, gain from 3 rows)
 FUSED_MAX_ROWS_BF16 = 16  # AVX-512 without BF16: above this, bf16 matmul on dequantized slices wins
 FUSED_MAX_ROWS_AVX2 = 24  # AVX2: above this, fp32 matmul on dequantized slices wins, for either dtype of x
 FUSED_MAX_ROWS_AMX = 96  # AMX CPUs, fp32 x: above this, fp32 matmul on dequantized fp32 slices wins
@@ -33,6 +37,8 @@ SLICE_BLOCKS = 16  # weight blocks (of BLOCK_N features) dequantized at a time: 
 
 def quant_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """x [M, K] @ W.T -> [M, out_features] in x's dtype."""
+    if w.bits == 16 and x.dtype != torch.bfloat16:
+        return quant_matmul(x.to(torch.bfloat16), w).to(x.dtype)
     if w.perm is not None:
         x = x[:, w.perm]
     dtype = x.dtype
@@ -72,8 +78,8 @@ def path(rows: int, dtype: torch.dtype, w: PackedWeight) -> str:
     pairs = w.in_features % 2 == 0 and w.group_size % 2 == 0  # the bf16 dot product takes inputs in pairs
     if cpu_library.has_bf16_gemm() and pairs:
         limit = CODE_MAX_ROWS[w.bits]
-        if dtype == torch.bfloat16:
-            if rows >= AMX_MIN_ROWS and cpu_library.has_amx():
+        if dtype == torch.bfloat16 or w.bits == 16:
+            if rows >= AMX_MIN_ROWS[w.bits] and cpu_library.has_amx():
                 return "bf16-amx"
             return "bf16-codes" if rows <= limit else "bf16-weights"
         if cpu_library.has_amx():
@@ -82,6 +88,12 @@ def path(rows: int, dtype: torch.dtype, w: PackedWeight) -> str:
     if cpu_library.vector_bits() == 512:
         return "dequant-slices" if dtype == torch.bfloat16 and rows > FUSED_MAX_ROWS_BF16 else "fused"
     return "dequant-slices" if rows > FUSED_MAX_ROWS_AVX2 else "fused"
+
+
+def dense_fits(weight: torch.Tensor) -> bool:
+    """Whether a float weight runs here as pack_dense's bf16 pairs: bf16, on a CPU with the bf16 dot product,
+    K a multiple of 32 (the tile unit's step, read in place)."""
+    return weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and cpu_library.has_bf16_gemm()
 
 
 def _dequantized_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:

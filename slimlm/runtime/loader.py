@@ -1,9 +1,11 @@
 """Build a runtime model from a checkpoint directory: float, compressed-tensors, GPTQ v1 or AWQ GEMM.
 
 Quantized linears are repacked once into the kernels' layout (slimlm.kernels.packed) and never exist as
-float matrices. Widths the kernels do not cover (2- and 3-bit) run as dequantized float weights, with a
-warning, rather than being refused. The KV cache's dtype is decided here too: what the checkpoint's
-kv_cache_scheme says, or what was asked for, with the checkpoint's calibrated scales when it has them.
+float matrices. So are a bf16 model's float linears on CPUs whose C loops take them (cpu_gemm.dense_fits):
+those read one row of x ~2× faster than torch's bf16 matmul here, and a decode step is made of such rows.
+Widths the kernels do not cover (2- and 3-bit) run as dequantized float weights, with a warning, rather
+than being refused. The KV cache's dtype is decided here too: what the checkpoint's kv_cache_scheme says,
+or what was asked for, with the checkpoint's calibrated scales when it has them.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import torch
 
 from slimlm import SlimlmError, kernels
 from slimlm.formats import kv_cache, reader
-from slimlm.kernels import pack
-from slimlm.kernels.packed import KERNEL_BITS
-from slimlm.runtime.model import CausalLM
+from slimlm.kernels import cpu_gemm, pack
+from slimlm.kernels.packed import KERNEL_BITS, pack_dense
+from slimlm.runtime.model import CausalLM, Linear
 
 
 def hf_config(model_dir: Path):
@@ -59,9 +61,14 @@ def load_model(
         module, _, attr = name.rpartition(".")
         weight = torch.nn.Parameter(tensors[name].to(device, dtype), requires_grad=False)
         setattr(model.get_submodule(module), attr, weight)
+    backend = kernels.select(device)
+    if backend.name == "cpu":
+        for module in model.modules():
+            if isinstance(module, Linear) and module.packed is None and cpu_gemm.dense_fits(module.weight):
+                module.set_packed(pack_dense(module.weight))
     model.fuse_projections()
     model.set_rope(max_positions, device)
-    model.set_backend(kernels.select(device))
+    model.set_backend(backend)
     set_kv_cache(model, kv_cache_dtype, scheme, scales, device)
     return model.eval()
 

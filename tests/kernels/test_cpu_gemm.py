@@ -3,7 +3,7 @@ import torch
 
 from slimlm import SlimlmError
 from slimlm.kernels import cpu_gemm, cpu_library, reference
-from slimlm.kernels.packed import dequantize
+from slimlm.kernels.packed import dequantize, pack_dense
 from tests.kernels.problems import Spy, quantized_weight, relative_error, torch_threads
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="needs gcc and AVX-512 or AVX2")
@@ -47,7 +47,7 @@ needs_amx = pytest.mark.skipif(
 
 @needs_amx
 @pytest.mark.parametrize("bits,group_size,sym,act_order,n,k", SHAPES)
-@pytest.mark.parametrize("m", [cpu_gemm.AMX_MIN_ROWS, 16, 17, 40])
+@pytest.mark.parametrize("m", [cpu_gemm.AMX_MIN_ROWS[4], 16, 17, 40])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_amx_tiles_round_the_weights_as_torch(poisoned, bits, group_size, sym, act_order, n, k, m, threads):
     """From AMX_MIN_ROWS bf16 rows on, an AMX CPU multiplies the weight tiles on the tile unit: the same
@@ -245,10 +245,10 @@ def test_amx_cpus_run_the_tile_unit_from_amx_min_rows(monkeypatch):
     _, w = quantized_weight(64, 128, 4, 64, False)
     spy = Spy(cpu_library.load())
     monkeypatch.setattr(cpu_library, "load", lambda: spy)
-    for rows in (cpu_gemm.AMX_MIN_ROWS - 1, cpu_gemm.AMX_MIN_ROWS, 300):
+    for rows in (cpu_gemm.AMX_MIN_ROWS[4] - 1, cpu_gemm.AMX_MIN_ROWS[4], 300):
         spy.calls = []
         cpu_gemm.quant_matmul(torch.randn(rows, 128).bfloat16(), w)
-        assert spy.calls == ["slimlm_quant_matmul_" + ("amx" if rows >= cpu_gemm.AMX_MIN_ROWS else "bf16")], rows
+        assert spy.calls == ["slimlm_quant_matmul_" + ("amx" if rows >= cpu_gemm.AMX_MIN_ROWS[4] else "bf16")], rows
 
 
 @needs_bf16
@@ -275,3 +275,41 @@ def test_cpus_without_bf16_run_the_loop_path_names_over_every_slice(poisoned, ot
         assert set(spy.calls) == ({"slimlm_dequantize"} if slices else {"slimlm_quant_matmul"}), (rows, dtype)
         tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
         assert relative_error(out, reference.quant_matmul(x.double(), w)) < tolerance
+
+
+@needs_bf16
+@pytest.mark.parametrize("n,k", [(100, 64), (960, 576), (70, 2080)])  # ragged N; 2080: chunks of 1024, 1024, 32
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 17, 40])
+@pytest.mark.parametrize("amx", [False, True])
+def test_dense_bf16_weights_give_the_float64_product(poisoned, monkeypatch, n, k, m, amx):
+    """pack_dense's pairs are read in place by every bf16 loop: only fp32 accumulation separates the result
+    from the float64 product (code tiles up to 4 rows, weight tiles above; on the tile unit from 3 rows: one
+    row tile streamed, a pair of them over chunks, a pair and a last single one)."""
+    if amx and not cpu_library.has_amx():
+        pytest.skip("needs AMX")
+    monkeypatch.setattr(cpu_library, "has_amx", lambda: amx)
+    weight, x = torch.randn(n, k).bfloat16(), torch.randn(m, k).bfloat16()
+    w = pack_dense(weight)
+    kernel = cpu_gemm.path(m, torch.bfloat16, w)
+    assert kernel == ("bf16-amx" if amx and m >= 3 else "bf16-codes" if m <= 4 else "bf16-weights")
+    ref = x.double() @ weight.double().T
+    fp32 = torch.empty(m, n)
+    args = (16, x.data_ptr(), m, k, *w.kernel_args, fp32.data_ptr(), n, 0)
+    with torch_threads(2):
+        lib = cpu_library.load()
+        if kernel == "bf16-amx":
+            assert lib.slimlm_quant_matmul_amx(*args, 2) == 0
+        else:
+            assert lib.slimlm_quant_matmul_bf16(*args, cpu_gemm.CODE_MAX_ROWS[16], 2) == 0
+        assert relative_error(fp32.double(), ref) < 1e-5
+        y = cpu_gemm.quant_matmul(x, w)
+    assert y.dtype == torch.bfloat16 and relative_error(y.double(), ref) < 4e-3  # the output's bf16 rounding
+    y32 = cpu_gemm.quant_matmul(x.float(), w)  # fp32 x is rounded to bf16 for these loops
+    assert y32.dtype == torch.float32 and relative_error(y32.double(), ref) < 4e-3
+
+
+def test_dense_weights_fit_where_bf16_pairs_and_tile_steps_do():
+    fits = cpu_library.available() and cpu_library.has_bf16_gemm()
+    assert cpu_gemm.dense_fits(torch.zeros(8, 64, dtype=torch.bfloat16)) == fits
+    assert not cpu_gemm.dense_fits(torch.zeros(8, 64))  # fp32 weights keep torch's fp32 matmul
+    assert not cpu_gemm.dense_fits(torch.zeros(8, 48, dtype=torch.bfloat16))  # K not a multiple of 32

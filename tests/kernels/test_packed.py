@@ -47,3 +47,19 @@ def test_to_a_device_keeps_every_field(act_order):
         assert (a is None and b is None) or (b.device.type == "cpu" and torch.equal(a, b))
     assert (moved.bits, moved.group_size, moved.out_features) == (p.bits, p.group_size, p.out_features) == (4, 64, 70)
     assert (moved.perm is None) == (not act_order)
+
+
+def test_dense_weights_pack_as_bf16_pairs_in_blocks():
+    weight = torch.randn(70, 96).bfloat16()
+    p = packed.pack_dense(weight)
+    assert (p.bits, p.out_features, p.padded_out_features, p.in_features) == (16, 70, 128, 96)
+    assert p.codes.shape == (2, 96, 64) and p.nbytes() == 128 * 96 * 2  # no scales or zeros
+    pairs = p.codes.reshape(2, 48, 64, 2)
+    assert torch.equal(pairs[1, 5, 3], weight[64 + 3, 10:12])  # block 1, inputs 10 and 11 of feature 67
+    assert torch.equal(pairs[1, :, 6:].float(), torch.zeros(48, 58, 2))  # padding features
+    assert torch.equal(packed.dequantize(p, torch.bfloat16)[:70], weight)
+    x = torch.randn(3, 96, dtype=torch.float64)
+    assert relative_error(reference.quant_matmul(x, p), x @ weight.double().T) < 1e-12
+    with pytest.raises(SlimlmError) as e:
+        packed.pack_dense(torch.randn(4, 5))
+    assert str(e.value) == "a dense weight packs in pairs of inputs; 5 inputs is odd"

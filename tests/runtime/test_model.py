@@ -3,6 +3,7 @@ import torch
 
 from slimlm.formats.quantized import QuantArgs
 from slimlm.kernels import cpu_gemm, cpu_library
+from slimlm.kernels.packed import dequantize
 from slimlm.runtime.loader import load_model
 from slimlm.runtime.model import Linear, fuse
 from tests.kernels.problems import quantized_weight, torch_threads
@@ -78,14 +79,21 @@ def test_the_loaded_model_runs_joined_projections(tiny_llama):
 
 
 @pytest.fixture(scope="module")
-def joinable_w4(tmp_path_factory):
-    """A tiny Llama whose q/k/v and gate/up join (widths in whole 64-feature blocks), quantized RTN W4 g32."""
-    from tests.conftest import make_text, make_tiny_llama
+def joinable(tmp_path_factory):
+    """A tiny Llama whose q/k/v and gate/up join (widths in whole 64-feature blocks)."""
+    from tests.conftest import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("joinable") / "m", hidden=128, intermediate=128, layers=3)
+
+
+@pytest.fixture(scope="module")
+def joinable_w4(joinable):
+    """joinable quantized RTN W4 g32."""
+    from tests.conftest import make_text
     from tests.runtime.test_loader import quantize
 
-    src = make_tiny_llama(tmp_path_factory.mktemp("joinable") / "m", hidden=128, intermediate=128, layers=3)
-    (src.parent / "calib.txt").write_text(make_text(50))
-    return quantize(src, src.parent / "w4", "rtn", QuantArgs(4, 32, False))
+    (joinable.parent / "calib.txt").write_text(make_text(50))
+    return quantize(joinable, joinable.parent / "w4", "rtn", QuantArgs(4, 32, False))
 
 
 def decode_step(model, rows: int, kv_dtype: torch.dtype, seed: int = 0):
@@ -140,6 +148,35 @@ def test_one_call_stack_equals_the_modules(joinable_w4, dtype, rows, amx, kv_dty
     untouched[written] = False
     flat = fused_cache.flatten(2, 3)
     assert torch.equal(flat[:, :, untouched], cache.flatten(2, 3)[:, :, untouched])
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("rows", [1, 3, 20])  # code tiles, the tile unit (or weight tiles), several row tiles
+def test_a_bf16_float_model_runs_its_linears_as_dense_pairs(joinable, tiny_llama, rows):
+    """A bf16 model's float linears are packed as bf16 pairs (loader, cpu_gemm.dense_fits): the one-call stack
+    then covers it, bit for bit with the modules, and both give torch's bf16 linears' logits up to the order
+    of fp32 accumulation. An fp32 model keeps torch's fp32 matmul."""
+    model = load_model(joinable, torch.bfloat16, "cpu", 128, "auto")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None and m.packed.bits == 16 and m.weight is None for m in linears)
+    assert model.decode_stack is not None
+    reference = load_model(joinable, torch.bfloat16, "cpu", 128, "auto")
+    for module in reference.modules():
+        if isinstance(module, Linear):  # torch's F.linear over the same bf16 weights
+            module.weight, module.packed = torch.nn.Parameter(dequantize(module.packed, torch.bfloat16)[
+                : module.packed.out_features], requires_grad=False), None  # fmt: skip
+    reference.decode_stack = None
+    ids, step, cache = decode_step(model, rows, torch.bfloat16)
+    with torch_threads(2):
+        fused = forward(model, ids, step, cache.clone())
+        stack, model.decode_stack = model.decode_stack, None
+        modules = forward(model, ids, step, cache.clone())
+        model.decode_stack = stack
+        expected = forward(reference, ids, step, cache.clone())
+    assert torch.equal(fused, modules)
+    assert (fused.float() - expected.float()).abs().max() < 0.05 * expected.float().abs().max()
+    assert all(m.packed is None for m in load_model(tiny_llama, torch.float32, "cpu", 128, "auto").modules()
+               if isinstance(m, Linear))  # fmt: skip
 
 
 @needs_bf16_gemm
