@@ -6,8 +6,9 @@ from cache once the steps run back to back. A user's 8B model does not: every st
 memory. This measures that case: --layers decoder layers of the 8B shapes (q 4096², k/v 1024×4096, o 4096²,
 gate/up 14336×4096, down 4096×14336), each matrix in its own memory, all of them multiplied by one row of x in
 turn, so that every byte comes from memory (the set is checked against the L3 size). Candidates, interleaved
-round by round: dense bf16 (torch's linear), 4-bit and 8-bit groups of 128 (cpu_gemm.quant_matmul, bf16 x),
-and the read bandwidth (a sum over 1 GiB: the most that loads alone move here).
+round by round: dense bf16 through torch's linear, 4-bit and 8-bit groups of 128 (cpu_gemm.quant_matmul, bf16 x),
+dense bf16 through the C loops as the runtime packs it on CPUs with the bf16 dot product (packed.pack_dense, the same C loops), and
+the read bandwidth (a sum over 1 GiB: the most that loads alone move here).
 
     PYTHONPATH=. .venv/bin/python benchmarks/gemv_memory.py [--layers 8] [--rows 1] [--seconds 40]
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from slimlm.kernels import cpu_gemm
-from slimlm.kernels.packed import PackedWeight
+from slimlm.kernels.packed import PackedWeight, pack_dense
 from tests.kernels.problems import quantized_weight
 
 LAYER = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
@@ -52,7 +53,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    sets = {"dense bf16": [torch.randn(n, k, generator=g).bfloat16() for n, k in LAYER for _ in range(args.layers)]}
+    sets = {"torch bf16": [torch.randn(n, k, generator=g).bfloat16() for n, k in LAYER for _ in range(args.layers)]}
+    if cpu_gemm.dense_fits(sets["torch bf16"][0]):
+        sets["C bf16"] = [pack_dense(w) for w in sets["torch bf16"]]
     for bits in (4, 8):
         sets[f"W{bits} g128"] = [c for n, k in LAYER for c in copies(quantized_weight(n, k, bits, 128, True)[1],
                                                                          args.layers)]  # fmt: skip
@@ -73,7 +76,7 @@ def main() -> None:
             cpu_gemm.quant_matmul(x[w.in_features], w)
 
     big = torch.ones(1 << 28)
-    passes = {name: functools.partial(dense if name.startswith("dense") else quantized, ws)
+    passes = {name: functools.partial(dense if isinstance(ws[0], torch.Tensor) else quantized, ws)
               for name, ws in sets.items()}  # fmt: skip
     passes["read 1 GiB"] = lambda: big.sum()
     nbytes["read 1 GiB"] = big.nbytes
@@ -87,7 +90,7 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - start)
     rate = {name: nbytes[name] / statistics.median(ts) for name, ts in times.items()}
-    dense_s = statistics.median(times["dense bf16"])
+    dense_s = statistics.median(times["torch bf16"])
     print(f"{args.layers} layers of Llama-3-8B shapes, {args.rows} row(s) of bf16 x, {args.threads} threads; "
           f"L3 {l3_bytes() / 1e6:.0f} MB")  # fmt: skip
     print(f"{'':12s} {'MB/pass':>8s} {'ms/pass':>8s} {'GB/s':>6s} {'÷read':>6s} {'speedup':>8s}")
