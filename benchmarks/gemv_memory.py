@@ -6,9 +6,9 @@ from cache once the steps run back to back. A user's 8B model does not: every st
 memory. This measures that case: --layers decoder layers of the 8B shapes (q 4096², k/v 1024×4096, o 4096²,
 gate/up 14336×4096, down 4096×14336), each matrix in its own memory, all of them multiplied by one row of x in
 turn, so that every byte comes from memory (the set is checked against the L3 size). Candidates, interleaved
-round by round: dense bf16 through torch's linear, 4-bit and 8-bit groups of 128 (cpu_gemm.quant_matmul, bf16 x),
-dense bf16 through the C loops as the runtime packs it on CPUs with the bf16 dot product (packed.pack_dense, the same C loops), and
-the read bandwidth (a sum over 1 GiB: the most that loads alone move here).
+round by round: dense bf16 through torch's linear and through the C loops (packed as the runtime packs it on
+CPUs with the bf16 dot product: packed.pack_dense), 4-bit and 8-bit groups of 128 (cpu_gemm.quant_matmul,
+bf16 x), and the read bandwidth (a sum over 1 GiB: the most that loads alone move here).
 
     PYTHONPATH=. .venv/bin/python benchmarks/gemv_memory.py [--layers 8] [--rows 1] [--seconds 40]
 """

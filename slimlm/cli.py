@@ -181,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", default="1,8,32,64", help="decode batch sizes")
     p.add_argument("--context", type=positive_int, default=512, help="KV tokens per sequence in the decode steps")
     p.add_argument("--prefill-len", type=positive_int, default=512)
+    p.add_argument("--rounds", type=positive_int, default=3, help="offline measurements of each model, in turn "
+                   "(the median is kept)")  # fmt: skip
     p.add_argument("--requests", type=positive_int, default=24, help="Poisson workload: requests")
     p.add_argument("--rate", type=float, default=2.0, help="Poisson workload: arrivals per second (inf: all at once)")
     p.add_argument("--prompt-len", default="64,256", help="Poisson workload: prompt lengths, uniform in LO,HI")
@@ -407,6 +409,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
     if not (a.rate > 0 and a.slo_ttft > 0 and a.slo_itl > 0):  # nan is neither
         raise SlimlmError("--rate, --slo-ttft and --slo-itl must be positive")
     config = bench.BenchConfig(batches=_int_list(a.batch, "--batch"), context=a.context, prefill_len=a.prefill_len,
+                               rounds=a.rounds,
                                kv_cache_memory=a.kv_cache_memory, dtype=a.dtype, requests=a.requests, rate=a.rate,
                                prompt_len=spans["--prompt-len"], output_len=spans["--output-len"],
                                slo_ttft_s=a.slo_ttft, slo_itl_s=a.slo_itl, seed=a.seed, http=a.http)  # fmt: skip

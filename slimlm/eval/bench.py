@@ -16,7 +16,11 @@ and the output throughput against the workload's roofline (`plan.serving_rooflin
 matmul rate and its bytes at the copy bandwidth, both measured in this run, or its last arrival; a rate of
 inf sends every request at once, which saturates the engine).
 The baseline (by default the float source named in the checkpoint's slimlm.json) is measured in the same
-process, each part interleaved with the checkpoint's, and every figure gets a ratio.
+process and every figure gets a ratio. The offline part runs in `rounds`, the baseline and the checkpoint in
+turn, and keeps each timing's median over the rounds: on a shared machine a neighbour's burst can slow one
+system's whole measurement (a demo run beside a test suite once reported an 88× RTN speedup from one such
+baseline), and alternating rounds put both systems through the same minutes. The online workload runs once
+per system, the baseline first.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class BenchConfig:
     context: int = 512
     prefill_len: int = 512
     steps: int = 5  # decode steps timed per batch size (the median is kept)
+    rounds: int = 3  # offline measurements of each system, in turn (the median of each figure is kept)
     kv_cache_memory: int | None = None  # None: what the largest decode batch at `context` needs
     dtype: str = "float32"
     requests: int = 24
@@ -295,6 +300,19 @@ def http_client(url: str, requests: list[dict]) -> tuple[dict[str, list[float]],
     return asyncio.run(run())
 
 
+def merged(rounds: list[dict]) -> dict:
+    """One system's offline figures over its rounds: the median of each timing and of the peak memory."""
+    out = {**rounds[0], "rounds": len(rounds), "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in rounds)}
+    out["decode"] = []
+    for i, first in enumerate(rounds[0]["decode"]):
+        step_ms = statistics.median(r["decode"][i]["step_ms"] for r in rounds)
+        out["decode"].append({**first, "step_ms": step_ms, "tok_s": 1e3 * first["batch"] / step_ms,
+                              "floor_ratio": step_ms / first["floor_ms"]})  # fmt: skip
+    peaks = [r["peak_rss_bytes"] for r in rounds if r["peak_rss_bytes"]]
+    out["peak_rss_bytes"] = statistics.median(peaks) if peaks else None
+    return out
+
+
 def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool = True) -> dict:
     """Both models, part by part (offline, then online), the baseline first in each part."""
     from slimlm import models
@@ -307,9 +325,13 @@ def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool 
     result = {"config": asdict(config), "bandwidth_bytes_s": bandwidth, "matmul_flops": peak,
               "threads": torch.get_num_threads(),
               "systems": {name: {"path": path} for name, path in systems.items()}}  # fmt: skip
-    for name, path in systems.items():
-        log(f"[bench] offline: {name} ({path})")
-        result["systems"][name]["offline"] = offline(path, config, bandwidth)
+    runs = {name: [] for name in systems}
+    for turn in range(config.rounds):
+        for name, path in systems.items():
+            log(f"[bench] offline, round {turn + 1} of {config.rounds}: {name} ({path})")
+            runs[name].append(offline(path, config, bandwidth))
+    for name, rounds in runs.items():
+        result["systems"][name]["offline"] = merged(rounds)
     tokenizer = models.load_tokenizer(models.resolve(model))
     requests = workload(config, tokenizer)
     for name, path in systems.items():

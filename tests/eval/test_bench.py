@@ -70,6 +70,20 @@ def test_percentiles():
     assert bench._percentiles([2.0]) == {"p50": 2.0, "p90": 2.0, "p99": 2.0}
 
 
+def test_rounds_keep_the_median_of_each_figure():
+    def run(prefill, steps, peak):
+        return {"prefill_tok_s": prefill, "peak_rss_bytes": peak, "weight_bytes": 10,
+                "decode": [{"batch": b, "step_ms": ms, "tok_s": 1e3 * b / ms, "floor_ms": 2.0, "floor_ratio": ms / 2}
+                           for b, ms in steps]}  # fmt: skip
+
+    disturbed = run(2.0, [(1, 400.0), (8, 900.0)], None)  # a neighbour's burst through one whole round
+    merged = bench.merged([run(100.0, [(1, 4.0), (8, 10.0)], 50), disturbed, run(120.0, [(1, 5.0), (8, 12.0)], 70)])
+    assert merged["rounds"] == 3 and merged["weight_bytes"] == 10
+    assert merged["prefill_tok_s"] == 100.0 and merged["peak_rss_bytes"] == 60
+    assert [(d["batch"], d["step_ms"], d["floor_ratio"]) for d in merged["decode"]] == [(1, 5.0, 2.5), (8, 12.0, 6.0)]
+    assert [d["tok_s"] for d in merged["decode"]] == pytest.approx([200.0, 8e3 / 12])
+
+
 def test_the_command_measures_the_source_beside_a_checkpoint(tiny_llama, tmp_path, capsys):
     out = tmp_path / "w4"
     assert main(["rtn", "--model", str(tiny_llama), "--group-size", "32", "--out", str(out)]) == 0
@@ -77,12 +91,13 @@ def test_the_command_measures_the_source_beside_a_checkpoint(tiny_llama, tmp_pat
     assert bench.baseline_of(out) == str(tiny_llama)
     args = ["bench", str(out), "--batch", "1,2", "--context", "32", "--prefill-len", "16", "--requests", "3",
             "--rate", "inf", "--prompt-len", "8,12", "--output-len", "2,4", "--kv-cache-memory", "4M",
-            "--json", str(tmp_path / "bench.json")]  # fmt: skip
+            "--rounds", "2", "--json", str(tmp_path / "bench.json")]  # fmt: skip
     assert main(args) == 0
     table = capsys.readouterr().out
     assert "ratio" in table and "decode b2 / floor" in table and "goodput req/s" in table
     result = json.loads((tmp_path / "bench.json").read_text())
     assert set(result["systems"]) == {"baseline", "model"} and result["systems"]["baseline"]["path"] == str(tiny_llama)
+    assert all(result["systems"][n]["offline"]["rounds"] == 2 for n in ("model", "baseline"))
     w4, base = (result["systems"][n]["offline"]["weight_bytes"] for n in ("model", "baseline"))
     assert w4 < base  # the packed linears read fewer bytes
     assert "online / roofline" in table and result["matmul_flops"] > 0
