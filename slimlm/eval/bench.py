@@ -26,6 +26,7 @@ per system, the baseline first.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import random
 import statistics
@@ -301,15 +302,15 @@ def http_client(url: str, requests: list[dict]) -> tuple[dict[str, list[float]],
 
 
 def merged(rounds: list[dict]) -> dict:
-    """One system's offline figures over its rounds: the median of each timing and of the peak memory."""
+    """One system's offline figures over its rounds: the median of each timing; the peak memory of the first
+    round (later ones start beside what the allocator kept of earlier engines: it read 1.3× the float model's
+    for a W4 checkpoint)."""
     out = {**rounds[0], "rounds": len(rounds), "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in rounds)}
     out["decode"] = []
     for i, first in enumerate(rounds[0]["decode"]):
         step_ms = statistics.median(r["decode"][i]["step_ms"] for r in rounds)
         out["decode"].append({**first, "step_ms": step_ms, "tok_s": 1e3 * first["batch"] / step_ms,
                               "floor_ratio": step_ms / first["floor_ms"]})  # fmt: skip
-    peaks = [r["peak_rss_bytes"] for r in rounds if r["peak_rss_bytes"]]
-    out["peak_rss_bytes"] = statistics.median(peaks) if peaks else None
     return out
 
 
@@ -330,6 +331,7 @@ def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool 
         for name, path in systems.items():
             log(f"[bench] offline, round {turn + 1} of {config.rounds}: {name} ({path})")
             runs[name].append(offline(path, config, bandwidth))
+            gc.collect()  # the engine's memory back before the next one loads
     for name, rounds in runs.items():
         result["systems"][name]["offline"] = merged(rounds)
     tokenizer = models.load_tokenizer(models.resolve(model))
