@@ -25,7 +25,7 @@
 int slimlm_vector_bits(void) { return 512; }
 
 // The codes `AHEAD` bytes past c asked into L2 now: as many as one step of the loops below reads at c (at
-// most 64 bytes of 4-bit codes, 128 of 8-bit, 256 of dense bf16 weights). The hardware prefetcher alone restarts at every weight block
+// most 64 bytes of 4-bit codes, 128 of 8-bit, 256 of dense bf16 or fp32 weights). The hardware prefetcher alone restarts at every weight block
 // (18–36 KB apart per thread) and ramps up slowly: the default model's GEMMs at one row read 7 GB/s without
 // this and ~10 with it (of the ~15 that two cores could stream on the EPYC). Past a block's end it fetches
 // the next block, where the thread goes next. Into L2 (T1), not L1: an L1 prefetch holds one of the core's
@@ -33,11 +33,15 @@ int slimlm_vector_bits(void) { return 512; }
 // read from memory, ran 1.08× (4-bit) and 1.10× (8-bit) faster with T1 than with T0 (no prefetch: 0.43×).
 #define AHEAD 4096
 static inline __attribute__((always_inline)) void prefetch_codes(int bits, const uint8_t *c) {
-    for (int b = 0; b < 16 * bits; b += 64) _mm_prefetch((const char *)c + AHEAD + b, _MM_HINT_T1);
+    for (int b = 0; b < (bits == 32 ? 256 : 16 * bits); b += 64) _mm_prefetch((const char *)c + AHEAD + b, _MM_HINT_T1);
 }
 
 static inline __attribute__((always_inline)) void
 weights_at(int bits, const uint8_t *c, const __m512 s[4], const __m512 zs[4], __m512 w[4]) {
+    if (bits == 32) {  // dense fp32 weights (packed.pack_dense), as they are
+        for (int i = 0; i < 4; i++) w[i] = _mm512_loadu_ps(c + 64 * i);
+        return;
+    }
     if (bits == 4) {
         // byte j: feature j in the low nibble, feature j + 32 in the high one
         const __m256i b = _mm256_loadu_si256((const __m256i *)c);
@@ -73,8 +77,8 @@ tile(int bits, int rows, const float *x, int64_t K, int64_t group, const uint8_t
     for (int r = 0; r < rows; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < K / group; g++) {
-        __m512 s[4], zs[4];
-        group_scales(scales + g * BN, zeros + g * BN, 0.0f, s, zs);
+        __m512 s[4], zs[4];  // dense fp32 weights (bits 32, one group) have none
+        if (bits != 32) group_scales(scales + g * BN, zeros + g * BN, 0.0f, s, zs);
         for (int64_t k = g * group; k < (g + 1) * group; k++) {
             __m512 w[4];
             prefetch_codes(bits, codes + k * row_bytes);
@@ -694,6 +698,13 @@ void slimlm_quant_matmul(int bits, const float *x, int64_t M, int64_t K, const u
                     case 2: TILE(4, 2); break;
                     case 3: TILE(4, 3); break;
                     default: TILE(4, 4);
+                }
+            } else if (bits == 32) {
+                switch (rows) {
+                    case 1: TILE(32, 1); break;
+                    case 2: TILE(32, 2); break;
+                    case 3: TILE(32, 3); break;
+                    default: TILE(32, 4);
                 }
             } else {
                 switch (rows) {

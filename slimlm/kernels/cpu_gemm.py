@@ -14,8 +14,9 @@ Which loop runs, by CPU and by x (thresholds measured with benchmarks/kernels_cp
                               dequantized slices
     AVX2                      fused fp32 loop; above FUSED_MAX_ROWS_AVX2 rows: fp32 matmul on dequantized slices
 
-Dense bf16 weights (packed.pack_dense, where dense_fits) take the bf16 loops above, as they are (x is
-rounded to bf16 if it is not).
+Dense weights (packed.pack_dense, where dense_fits) take the same loops, as they are, with x in their dtype:
+bf16 ones the bf16 loops; fp32 ones (AVX-512 CPUs) the fused loop up to FUSED_MAX_ROWS_DENSE rows and above,
+torch's batched fp32 matmul of x by every block as it lies (no copy of the weights).
 """
 
 from __future__ import annotations
@@ -32,17 +33,21 @@ AMX_MIN_ROWS = {4: 6, 8: 6, 16: 3}  # AMX CPUs, bf16 x: the tile unit from here 
 FUSED_MAX_ROWS_BF16 = 16  # AVX-512 without BF16: above this, bf16 matmul on dequantized slices wins
 FUSED_MAX_ROWS_AVX2 = 24  # AVX2: above this, fp32 matmul on dequantized slices wins, for either dtype of x
 FUSED_MAX_ROWS_AMX = 96  # AMX CPUs, fp32 x: above this, fp32 matmul on dequantized fp32 slices wins
+FUSED_MAX_ROWS_DENSE = 32  # dense fp32 weights: above this, torch's matmul block by block (measured on Sapphire Rapids)
 SLICE_BLOCKS = 16  # weight blocks (of BLOCK_N features) dequantized at a time: a few MB, stays in cache
 
 
 def quant_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """x [M, K] @ W.T -> [M, out_features] in x's dtype."""
-    if w.bits == 16 and x.dtype != torch.bfloat16:
-        return quant_matmul(x.to(torch.bfloat16), w).to(x.dtype)
+    dense = {16: torch.bfloat16, 32: torch.float32}.get(w.bits)
+    if dense is not None and x.dtype != dense:
+        return quant_matmul(x.to(dense), w).to(x.dtype)
     if w.perm is not None:
         x = x[:, w.perm]
     dtype = x.dtype
     kernel = path(x.shape[0], dtype, w)
+    if kernel == "dense-blocks":  # [blocks, M, BLOCK_N] -> [M, N]
+        return torch.matmul(x, w.codes).transpose(0, 1).reshape(x.shape[0], -1)[:, : w.out_features]
     if kernel == "dequant-slices":  # fp32 slices for fp32 x, and for any x where there are no bf16 ones (AVX2)
         slices = torch.bfloat16 if cpu_library.vector_bits() == 512 and dtype == torch.bfloat16 else torch.float32
         return _dequantized_matmul(x.to(slices).contiguous(), w).to(dtype)
@@ -75,6 +80,8 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
 
 def path(rows: int, dtype: torch.dtype, w: PackedWeight) -> str:
     """The loop quant_matmul runs for `rows` rows of `dtype` against `w` on this CPU (see the module doc)."""
+    if w.bits == 32:
+        return "fused" if rows <= FUSED_MAX_ROWS_DENSE else "dense-blocks"
     pairs = w.in_features % 2 == 0 and w.group_size % 2 == 0  # the bf16 dot product takes inputs in pairs
     if cpu_library.has_bf16_gemm() and pairs:
         limit = CODE_MAX_ROWS[w.bits]
@@ -91,9 +98,11 @@ def path(rows: int, dtype: torch.dtype, w: PackedWeight) -> str:
 
 
 def dense_fits(weight: torch.Tensor) -> bool:
-    """Whether a float weight runs here as pack_dense's bf16 pairs: bf16, on a CPU with the bf16 dot product,
-    K a multiple of 32 (the tile unit's step, read in place)."""
-    return weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and cpu_library.has_bf16_gemm()
+    """Whether a float weight runs here, packed by pack_dense: bf16 on a CPU with the bf16 dot product, K a
+    multiple of 32 (the tile unit's step, read in place); fp32 on an AVX-512 CPU."""
+    if weight.dtype == torch.bfloat16:
+        return weight.shape[1] % 32 == 0 and cpu_library.has_bf16_gemm()
+    return weight.dtype == torch.float32 and cpu_library.vector_bits() == 512
 
 
 def _dequantized_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:

@@ -11,9 +11,10 @@ cut into blocks of `BLOCK_N` and each block is stored k-major:
     zeros   uint8 [N/BLOCK_N, K/group, BLOCK_N]    unsigned codes: w = scale · (code − zero)
 
 Codes are stored unsigned (signed code − qmin), so symmetric and asymmetric weights take the same path.
-Dense bf16 weights (bits 16, pack_dense) take the same blocks: codes bf16 [N/BLOCK_N, K, BLOCK_N] holding,
-for each pair of inputs k, k+1, the block's features with their two weights side by side (the operand of the
-CPU's bf16 dot product, and its tile unit's), and no scales or zeros.
+Dense weights (pack_dense) take the same blocks, with no scales or zeros: fp32 (bits 32) as codes fp32
+[N/BLOCK_N, K, BLOCK_N], k-major; bf16 (bits 16) as codes bf16 [N/BLOCK_N, K, BLOCK_N] holding, for each pair
+of inputs k, k+1, the block's features with their two weights side by side (the operand of the CPU's bf16
+dot product, and its tile unit's).
 With act-order (a g_idx), input columns are permuted once so every group is contiguous; the kernels then
 read x[:, perm]. N is padded to a multiple of BLOCK_N with zero weights that the caller slices off.
 """
@@ -108,15 +109,19 @@ def pack(q: QuantizedWeight) -> PackedWeight:
 
 
 def pack_dense(weight: torch.Tensor) -> PackedWeight:
-    """A float weight [N, K] (K even) as bf16 pairs in the kernel's blocks (see the module doc)."""
+    """A float weight [N, K], fp32 or bf16 (then K even), in the kernel's blocks (see the module doc)."""
     n, k = weight.shape
-    if k % 2:
-        raise SlimlmError(f"a dense weight packs in pairs of inputs; {k} inputs is odd")
-    w = torch.cat([weight.to(torch.bfloat16), weight.new_zeros(-n % BLOCK_N, k, dtype=torch.bfloat16)])
+    bits = {torch.float32: 32, torch.bfloat16: 16}[weight.dtype]
+    if bits == 16 and k % 2:
+        raise SlimlmError(f"a bf16 weight packs in pairs of inputs; {k} inputs is odd")
+    w = torch.cat([weight, weight.new_zeros(-n % BLOCK_N, k)])
     blocks = w.shape[0] // BLOCK_N
-    pairs = w.reshape(blocks, BLOCK_N, k // 2, 2).transpose(1, 2)  # [blocks, K/2, BLOCK_N, 2]
+    if bits == 16:  # [blocks, K/2, BLOCK_N, 2]
+        w = w.reshape(blocks, BLOCK_N, k // 2, 2).transpose(1, 2).reshape(blocks, k, BLOCK_N)
+    else:
+        w = w.reshape(blocks, BLOCK_N, k).transpose(1, 2)
     none = torch.empty(blocks, 0, BLOCK_N)
-    return PackedWeight(pairs.reshape(blocks, k, BLOCK_N).contiguous(), none.half(), none.byte(), 16, k, n)
+    return PackedWeight(w.contiguous(), none.half(), none.byte(), bits, k, n)
 
 
 def unpacked_codes(p: PackedWeight) -> torch.Tensor:
@@ -125,6 +130,8 @@ def unpacked_codes(p: PackedWeight) -> torch.Tensor:
     if p.bits == 16:
         blocks, k = c.shape[:2]
         return c.reshape(blocks, k // 2, BLOCK_N, 2).transpose(1, 2).reshape(blocks * BLOCK_N, k)
+    if p.bits == 32:
+        return c.transpose(1, 2).reshape(p.padded_out_features, p.in_features)
     if p.bits == 4:
         c = torch.cat([c & 0xF, c >> 4], dim=-1)
     return c.transpose(1, 2).reshape(p.padded_out_features, p.in_features)
@@ -132,7 +139,7 @@ def unpacked_codes(p: PackedWeight) -> torch.Tensor:
 
 def dequantize(p: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Float weight [N_padded, K] in the permuted column order (what x[:, perm] multiplies)."""
-    if p.bits == 16:
+    if p.bits in (16, 32):
         return unpacked_codes(p).to(dtype)
     per_row = p.scales.shape[1]
     scales = p.scales.to(dtype).transpose(1, 2).reshape(-1, per_row).repeat_interleave(p.group_size, dim=1)

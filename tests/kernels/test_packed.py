@@ -61,5 +61,13 @@ def test_dense_weights_pack_as_bf16_pairs_in_blocks():
     x = torch.randn(3, 96, dtype=torch.float64)
     assert relative_error(reference.quant_matmul(x, p), x @ weight.double().T) < 1e-12
     with pytest.raises(SlimlmError) as e:
-        packed.pack_dense(torch.randn(4, 5))
-    assert str(e.value) == "a dense weight packs in pairs of inputs; 5 inputs is odd"
+        packed.pack_dense(torch.randn(4, 5).bfloat16())
+    assert str(e.value) == "a bf16 weight packs in pairs of inputs; 5 inputs is odd"
+
+
+def test_dense_fp32_weights_pack_k_major_in_blocks():
+    weight = torch.randn(70, 5)
+    p = packed.pack_dense(weight)
+    assert (p.bits, p.out_features, p.padded_out_features, p.in_features) == (32, 70, 128, 5)
+    assert p.codes.shape == (2, 5, 64) and p.codes[1, 3, 5] == weight[69, 3] and p.codes[1, :, 6:].abs().sum() == 0
+    assert torch.equal(packed.dequantize(p)[:70], weight)
