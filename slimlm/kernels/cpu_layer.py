@@ -139,8 +139,9 @@ class DecodeStack:
                         or (k_scale is not None and kv_dtype not in cpu_attention.EIGHT_BIT)):  # fmt: skip
                     layers = None
                     break
-                linear = [_Linear(*w.kernel_args, w.bits, w.in_features, w.out_features, cpu_gemm.CODE_MAX_ROWS[w.bits],
-                                  loop) for w, loop in zip(linears, loops, strict=True)]  # fmt: skip
+                code_rows = [cpu_gemm.CODE_MAX_ROWS.get(w.bits, 0) for w in linears]  # dense fp32: none
+                linear = [_Linear(*w.kernel_args, w.bits, w.in_features, w.out_features, rows, loop)
+                          for w, rows, loop in zip(linears, code_rows, loops, strict=True)]  # fmt: skip
                 pointers, tensors = cpu_attention._scales(k_scale, v_scale)
                 held.append(tensors)
                 layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *pointers, (_Linear * 4)(*linear)))
