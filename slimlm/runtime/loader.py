@@ -61,12 +61,12 @@ def load_model(
         module, _, attr = name.rpartition(".")
         weight = torch.nn.Parameter(tensors[name].to(device, dtype), requires_grad=False)
         setattr(model.get_submodule(module), attr, weight)
+    model.fuse_projections()  # float parts join as they are, before packing: any widths
     backend = kernels.select(device)
     if backend.name == "cpu":
         for module in model.modules():
             if isinstance(module, Linear) and module.packed is None and cpu_gemm.dense_fits(module.weight):
                 module.set_packed(pack_dense(module.weight))
-    model.fuse_projections()
     model.set_rope(max_positions, device)
     model.set_backend(backend)
     set_kv_cache(model, kv_cache_dtype, scheme, scales, device)

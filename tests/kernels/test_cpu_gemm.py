@@ -308,8 +308,24 @@ def test_dense_bf16_weights_give_the_float64_product(poisoned, monkeypatch, n, k
     assert y32.dtype == torch.float32 and relative_error(y32.double(), ref) < 4e-3
 
 
-def test_dense_weights_fit_where_bf16_pairs_and_tile_steps_do():
+def test_dense_weights_fit_where_the_loops_take_them():
     fits = cpu_library.available() and cpu_library.has_bf16_gemm()
     assert cpu_gemm.dense_fits(torch.zeros(8, 64, dtype=torch.bfloat16)) == fits
-    assert not cpu_gemm.dense_fits(torch.zeros(8, 64))  # fp32 weights keep torch's fp32 matmul
+    assert cpu_gemm.dense_fits(torch.zeros(8, 5)) == (cpu_library.available() and cpu_library.vector_bits() == 512)
+    assert not cpu_gemm.dense_fits(torch.zeros(8, 64, dtype=torch.float16))
     assert not cpu_gemm.dense_fits(torch.zeros(8, 48, dtype=torch.bfloat16))  # K not a multiple of 32
+
+
+@pytest.mark.skipif(not (cpu_library.available() and cpu_library.vector_bits() == 512), reason="needs AVX-512")
+@pytest.mark.parametrize("n,k", [(100, 64), (960, 576), (70, 5)])
+@pytest.mark.parametrize("m", [1, 3, 4, 9, cpu_gemm.FUSED_MAX_ROWS_DENSE, cpu_gemm.FUSED_MAX_ROWS_DENSE + 1])
+def test_dense_fp32_weights_give_the_float64_product(poisoned, n, k, m):
+    """pack_dense's fp32 blocks: the fused loop reads them as they are (no scales), torch's matmul takes them
+    block by block above FUSED_MAX_ROWS_DENSE rows; either way fp32 accuracy."""
+    weight, x = torch.randn(n, k), torch.randn(m, k)
+    w = pack_dense(weight)
+    assert cpu_gemm.path(m, torch.float32, w) == ("fused" if m <= cpu_gemm.FUSED_MAX_ROWS_DENSE else "dense-blocks")
+    with torch_threads(2):
+        y = cpu_gemm.quant_matmul(x, w)
+    assert y.shape == (m, n) and relative_error(y.double(), x.double() @ weight.double().T) < 1e-6
+    assert cpu_gemm.quant_matmul(x.bfloat16(), w).dtype == torch.bfloat16  # other x: in the weights' dtype

@@ -155,7 +155,7 @@ def test_one_call_stack_equals_the_modules(joinable_w4, dtype, rows, amx, kv_dty
 def test_a_bf16_float_model_runs_its_linears_as_dense_pairs(joinable, tiny_llama, rows):
     """A bf16 model's float linears are packed as bf16 pairs (loader, cpu_gemm.dense_fits): the one-call stack
     then covers it, bit for bit with the modules, and both give torch's bf16 linears' logits up to the order
-    of fp32 accumulation. An fp32 model keeps torch's fp32 matmul."""
+    of fp32 accumulation. An fp32 model's are packed k-major for the fused fp32 loop (AVX-512 CPUs)."""
     model = load_model(joinable, torch.bfloat16, "cpu", 128, "auto")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None and m.packed.bits == 16 and m.weight is None for m in linears)
@@ -175,12 +175,12 @@ def test_a_bf16_float_model_runs_its_linears_as_dense_pairs(joinable, tiny_llama
         expected = forward(reference, ids, step, cache.clone())
     assert torch.equal(fused, modules)
     assert (fused.float() - expected.float()).abs().max() < 0.05 * expected.float().abs().max()
-    assert all(m.packed is None for m in load_model(tiny_llama, torch.float32, "cpu", 128, "auto").modules()
-               if isinstance(m, Linear))  # fmt: skip
+    fp32 = [m for m in load_model(tiny_llama, torch.float32, "cpu", 128, "auto").modules() if isinstance(m, Linear)]
+    assert all(m.packed is not None and m.packed.bits == 32 for m in fp32) == (cpu_library.vector_bits() == 512)
 
 
 @needs_bf16_gemm
-def test_steps_the_one_call_stack_does_not_cover_run_the_modules(joinable_w4, tiny_llama):
+def test_steps_the_one_call_stack_does_not_cover_run_the_modules(joinable_w4, tiny_llama, monkeypatch):
     model = load_model(joinable_w4, torch.float32, "cpu", 128, "auto")
 
     def refuse(*args):
@@ -197,6 +197,7 @@ def test_steps_the_one_call_stack_does_not_cover_run_the_modules(joinable_w4, ti
     assert stack(torch.zeros(2, 128), cos, sin, step.slots, cache, step.block_tables, step.seq_lens) is None
     ids, step, cache = decode_step(model, 2, torch.float32)  # int64 block tables: read as int32 they would lie
     assert stack(torch.zeros(2, 128), cos, sin, step.slots, cache, step.block_tables.long(), step.seq_lens) is None
+    monkeypatch.setattr(cpu_gemm, "dense_fits", lambda weight: False)
     assert load_model(tiny_llama, torch.float32, "cpu", 128, "auto").decode_stack is None  # float linears
 
 
