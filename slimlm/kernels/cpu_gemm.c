@@ -570,7 +570,7 @@ static inline int64_t amx_group(int64_t M, int64_t K, int64_t nblocks, int nthre
 }
 
 // y[M, y_cols] = x[M, K] bf16 · Wᵀ on the tile unit, as fp32 or bf16 (y_bf16). K and the group size must be
-// even. Returns -1 if out of memory.
+// even; for dense bf16 weights (bits 16, read in place) K a multiple of TK. Returns -1 if out of memory.
 int slimlm_quant_matmul_amx(int bits, const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
                             const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
                             void *y, int64_t y_cols, int y_bf16, int nthreads) {
