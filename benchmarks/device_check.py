@@ -182,12 +182,15 @@ def to_w4(engine) -> None:
     from slimlm.compress.quantize import quantize_rtn
     from slimlm.formats.quantized import QuantArgs
     from slimlm.kernels import pack
+    from slimlm.kernels.packed import dequantize
     from slimlm.runtime.model import Linear
 
     args = QuantArgs(4, 128 if not DRY else 32, True)
     for name, module in engine.model.named_modules():
         if isinstance(module, Linear) and name.startswith("model.layers."):
-            module.set_packed(pack(quantize_rtn(module.weight.float(), args)))
+            dense = module.packed  # on a CPU (the dry run) the float weights are packed already (pack_dense)
+            weight = module.weight if dense is None else dequantize(dense)[: dense.out_features]
+            module.set_packed(pack(quantize_rtn(weight.float(), args)))
 
 
 def end_to_end(device: str, copy_gbps: float) -> list[dict]:
