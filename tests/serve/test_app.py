@@ -207,7 +207,8 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(chat_llama):
     from slimlm.serve.app import serve_in_thread
 
     engine = Engine(str(chat_llama), EngineConfig(kv_cache_memory=4 << 20, max_num_seqs=1))
-    body = {"prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    # long enough that the first request still runs when the last of the burst arrives (60 tokens once were not)
+    body = {"prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
     with serve_in_thread(engine, NAME, max_waiting=2) as url:
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             responses = list(pool.map(lambda _: httpx.post(f"{url}/v1/completions", json=body, timeout=60), range(12)))
