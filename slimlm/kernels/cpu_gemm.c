@@ -25,8 +25,8 @@
 int slimlm_vector_bits(void) { return 512; }
 
 // The codes `AHEAD` bytes past c asked into L2 now: as many as one step of the loops below reads at c (at
-// most 64 bytes of 4-bit codes, 128 of 8-bit, 256 of dense bf16 or fp32 weights). The hardware prefetcher alone restarts at every weight block
-// (18–36 KB apart per thread) and ramps up slowly: the default model's GEMMs at one row read 7 GB/s without
+// most 64 bytes of 4-bit codes, 128 of 8-bit, 256 of dense bf16 or fp32 weights). The hardware prefetcher
+// alone restarts at every weight block (18–36 KB apart per thread) and ramps up slowly: the default model's GEMMs at one row read 7 GB/s without
 // this and ~10 with it (of the ~15 that two cores could stream on the EPYC). Past a block's end it fetches
 // the next block, where the thread goes next. Into L2 (T1), not L1: an L1 prefetch holds one of the core's
 // few fill buffers for a whole trip to memory, and on the Sapphire Rapids host 8B-shaped layers at one row,
@@ -417,7 +417,7 @@ int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, 
                             else { CASES(CODE_TILE, 16,) }
                         }
                     } else {
-                        const __m512i *wt = bits == 16 ? (const __m512i *)(c + k0 * (BN * 2)) : buf;
+                        const __m512i *wt = bits == 16 ? (const __m512i *)(c + k0 * (BN * bits / 8)) : buf;
                         if (bits != 16) dequantize_chunk(bits, group, c, s, z, k0, kc, buf);
                         for (int64_t m = m0, rows; m < m1; m += rows) {
                             rows = tile_rows(m, m1, WEIGHT_ROWS);

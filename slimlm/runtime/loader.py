@@ -61,6 +61,7 @@ def load_model(
         module, _, attr = name.rpartition(".")
         weight = torch.nn.Parameter(tensors[name].to(device, dtype), requires_grad=False)
         setattr(model.get_submodule(module), attr, weight)
+    tensors.clear()  # the modules hold what is needed: joining and packing below then free each original
     model.fuse_projections()  # float parts join as they are, before packing: any widths
     backend = kernels.select(device)
     if backend.name == "cpu":
