@@ -120,6 +120,12 @@ def test_bad_input_is_one_line(tiny_llama, capsys, args, fragment):
     assert fragment in err and err.count("\n") == 1
 
 
+def test_rounds_must_be_a_positive_integer(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "smollm2-135m", "--rounds", "0"])
+    assert e.value.code == 2 and "argument --rounds: '0' must be a positive integer" in capsys.readouterr().err
+
+
 def test_a_checkpoint_without_a_source_needs_a_baseline(tmp_path):
     (tmp_path / "slimlm.json").write_text("{}")
     with pytest.raises(SlimlmError, match="pass --baseline"):
