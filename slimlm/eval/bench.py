@@ -20,7 +20,8 @@ process and every figure gets a ratio. The offline part runs in `rounds`, the ba
 turn, and keeps each timing's median over the rounds: on a shared machine a neighbour's burst can slow one
 system's whole measurement (a demo run beside a test suite once reported an 88× RTN speedup from one such
 baseline), and alternating rounds put both systems through the same minutes. The online workload runs once
-per system, the baseline first.
+per system, the baseline first. Each part also records how many cores other processes (and the hypervisor)
+kept busy meanwhile, and the result carries a warning where that was enough to move the ratios.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 import random
 import statistics
 import time
@@ -122,6 +124,48 @@ def _status(key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+# Other processes' load, in cores, above which a part's timings get a warning. Two CPU hogs beside a 2-core run
+# slowed both systems alike (b1 ratio 3.44x against 3.51x quiet); a demo beside a test suite did not (62x).
+BUSY_CORES = 0.5
+
+
+def _cpu_seconds() -> tuple[float, float] | None:
+    """Busy seconds of all CPUs (time the hypervisor took, steal, included) and this process's CPU seconds;
+    None where /proc/stat is not there."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    return busy, time.process_time()
+
+
+@contextlib.contextmanager
+def others_load() -> Iterator[dict]:
+    """Yields a dict that holds, once the block is done, `other_cores`: the cores other processes kept busy
+    while it ran, on average (None where it cannot be told)."""
+    seen: dict = {"other_cores": None}
+    start, first = time.perf_counter(), _cpu_seconds()
+    yield seen
+    wall, last = time.perf_counter() - start, _cpu_seconds()
+    if first and last and wall > 0:
+        seen["other_cores"] = max(0.0, (last[0] - first[0] - (last[1] - first[1])) / wall)
+
+
+def busy_warnings(result: dict) -> list[str]:
+    """One line per system and part whose measurement ran beside other work (BUSY_CORES or more)."""
+    lines = []
+    for name, system in result["systems"].items():
+        for part in ("offline", "online"):
+            cores = system.get(part, {}).get("other_cores") or 0.0
+            if cores >= BUSY_CORES:
+                lines.append(f"warning: other processes kept {cores:.1f} of {os.cpu_count()} cores busy during "
+                             f"the {name}'s {part} measurement: its figures and ratios may not hold on a quiet "
+                             "machine")  # fmt: skip
+    return lines
 
 
 @torch.inference_mode()
@@ -306,6 +350,8 @@ def merged(rounds: list[dict]) -> dict:
     round (later ones start beside what the allocator kept of earlier engines: it read 1.3× the float model's
     for a W4 checkpoint)."""
     out = {**rounds[0], "rounds": len(rounds), "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in rounds)}
+    loads = [r["other_cores"] for r in rounds if r.get("other_cores") is not None]
+    out["other_cores"] = max(loads) if loads else None  # the busiest round's: any one can move a median
     out["decode"] = []
     for i, first in enumerate(rounds[0]["decode"]):
         step_ms = statistics.median(r["decode"][i]["step_ms"] for r in rounds)
@@ -330,7 +376,9 @@ def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool 
     for turn in range(config.rounds):
         for name, path in systems.items():
             log(f"[bench] offline, round {turn + 1} of {config.rounds}: {name} ({path})")
-            runs[name].append(offline(path, config, bandwidth))
+            with others_load() as load:
+                runs[name].append(offline(path, config, bandwidth))
+            runs[name][-1]["other_cores"] = load["other_cores"]
             gc.collect()  # the engine's memory back before the next one loads
     for name, rounds in runs.items():
         result["systems"][name]["offline"] = merged(rounds)
@@ -338,7 +386,9 @@ def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool 
     requests = workload(config, tokenizer)
     for name, path in systems.items():
         log(f"[bench] online: {name}, {config.requests} requests at {config.rate}/s")
-        on = result["systems"][name]["online"] = online(path, config, requests)
+        with others_load() as load:
+            on = result["systems"][name]["online"] = online(path, config, requests)
+        on["other_cores"] = load["other_cores"]
         off = result["systems"][name]["offline"]
         on["roofline"] = plan.serving_roofline(
             plan.Dims.from_config(models.read_config(models.resolve(path))),
@@ -348,6 +398,9 @@ def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool 
     for name, path in systems.items() if config.http else ():
         log(f"[bench] online over HTTP: {name} behind compress serve")
         result["systems"][name]["http"] = online_http(path, config, requests)
+    result["warnings"] = busy_warnings(result)
+    for line in result["warnings"]:
+        log(f"[bench] {line}")
     return result
 
 

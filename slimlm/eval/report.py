@@ -86,7 +86,8 @@ def _bench_figures(bench: dict) -> dict:
            "mb_per_token": (off["weight_bytes"] + bench["config"]["context"] * off["kv_bytes_per_token"]) / 1e6,
            "floors": [{"batch": d["batch"], "predicted_ms": d["floor_ms"], "measured_ms": d["step_ms"],
                        "ratio": d["floor_ratio"]} for d in off["decode"]],
-           "bandwidth_gb_s": bench["bandwidth_bytes_s"] / 1e9, "threads": bench.get("threads")}  # fmt: skip
+           "bandwidth_gb_s": bench["bandwidth_bytes_s"] / 1e9, "threads": bench.get("threads"),
+           "bench_warnings": bench.get("warnings", [])}  # fmt: skip
     if base is not None:
         base_b1 = {d["batch"]: d for d in base["offline"]["decode"]}.get(b1["batch"])
         out["speedup_b1"] = b1["tok_s"] / base_b1["tok_s"] if base_b1 else None
@@ -204,4 +205,5 @@ def main_table(runs: list[dict]) -> str:
                      f"{cell(weight, '10.1f')} {cell(r.get('decode_b1_tok_s'), '9.1f')} "
                      f"{cell(r.get('speedup_b1'), '8.2f')} {cell(r.get('output_tok_s'), '10.1f')} "
                      f"{cell(r.get('ttft_p50_s'), '9.3f')}")  # fmt: skip
+    lines += [f"{r['name']}: {w}" for r in runs for w in r.get("bench_warnings", [])]
     return "\n".join(lines)

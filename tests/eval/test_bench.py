@@ -84,6 +84,30 @@ def test_rounds_keep_the_median_of_each_figure():
     assert [d["tok_s"] for d in merged["decode"]] == pytest.approx([200.0, 8e3 / 12])
 
 
+def test_the_busiest_round_sets_the_load_beside_it():
+    rounds = [{"prefill_tok_s": 1.0, "decode": [], "other_cores": c} for c in (0.1, 1.4, None)]
+    assert bench.merged(rounds)["other_cores"] == 1.4
+    assert bench.merged([{**r, "other_cores": None} for r in rounds])["other_cores"] is None
+
+
+def test_other_processes_load_is_measured_and_warned_about():
+    import subprocess
+    import sys
+
+    with bench.others_load() as idle:
+        pass
+    assert idle["other_cores"] is not None and idle["other_cores"] >= 0
+    spin = "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"
+    with bench.others_load() as load:
+        subprocess.run([sys.executable, "-c", spin], check=True)  # another process, busy while we wait
+    assert load["other_cores"] >= 0.5  # one spinning core (less what a startup in sleep costs), at least half
+    quiet = {"offline": {"other_cores": 0.2}, "online": {"other_cores": None}}
+    result = {"systems": {"baseline": {"offline": {"other_cores": 1.6}, "online": {"other_cores": 0.1}},
+                          "model": quiet}}  # fmt: skip
+    (line,) = bench.busy_warnings(result)
+    assert line.startswith("warning: other processes kept 1.6 of") and "the baseline's offline measurement" in line
+
+
 def test_the_command_measures_the_source_beside_a_checkpoint(tiny_llama, tmp_path, capsys):
     out = tmp_path / "w4"
     assert main(["rtn", "--model", str(tiny_llama), "--group-size", "32", "--out", str(out)]) == 0
@@ -98,6 +122,9 @@ def test_the_command_measures_the_source_beside_a_checkpoint(tiny_llama, tmp_pat
     result = json.loads((tmp_path / "bench.json").read_text())
     assert set(result["systems"]) == {"baseline", "model"} and result["systems"]["baseline"]["path"] == str(tiny_llama)
     assert all(result["systems"][n]["offline"]["rounds"] == 2 for n in ("model", "baseline"))
+    parts = [result["systems"][n][p] for n in ("model", "baseline") for p in ("offline", "online")]
+    assert all(part["other_cores"] >= 0 for part in parts)
+    assert result["warnings"] == bench.busy_warnings(result)
     w4, base = (result["systems"][n]["offline"]["weight_bytes"] for n in ("model", "baseline"))
     assert w4 < base  # the packed linears read fewer bytes
     assert "online / roofline" in table and result["matmul_flops"] > 0

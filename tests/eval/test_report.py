@@ -51,6 +51,17 @@ def test_the_report_shows_each_runs_own_numbers(runs, tmp_path, capsys):
     assert html.count("<img") == 3 and "data:image/png;base64," in html and html.count("<tr") >= 2 + 4 + 7
 
 
+def test_a_busy_machine_is_flagged_in_the_report(runs, tmp_path):
+    busy = tmp_path / "busy"
+    shutil.copytree(runs[1], busy)
+    bench = json.loads((busy / "bench.json").read_text())
+    bench["warnings"] = ["warning: other processes kept 1.9 of 2 cores busy during the baseline's offline measurement"]
+    (busy / "bench.json").write_text(json.dumps(bench))
+    result = report.render([runs[0], busy], tmp_path / "report.html")
+    assert "rtn-w4: warning: other processes kept 1.9" in report.main_table(result["runs"])
+    assert "rtn-w4: warning: other processes kept 1.9" in (tmp_path / "report.html").read_text()
+
+
 def test_pareto_keeps_the_points_nothing_beats():
     points = [(10.0, 5.0), (20.0, 6.0), (15.0, 7.0), (5.0, 4.0), (20.0, 5.5)]
     assert report.pareto(points, x_higher=True) == [0, 3, 4]  # (15, 7) and (20, 6) are beaten
