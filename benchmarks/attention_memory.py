@@ -5,20 +5,25 @@ spends about half its time in attention, so the rate attention reads the cache a
 Here each layer's cache is its own memory (as the runtime's pool lays them out), every sequence owns
 consecutive blocks, and one pass runs the decode kernel over every layer; the read loop (a sum over 1 GiB)
 is the most that loads alone move here. Passes alternate with the read loop, so both share the machine's
-moods.
+moods. Given git revisions, each one's kernel library (built as benchmarks/kernels_ab.py builds it) takes a
+turn, and the ratios are against the first.
 
     PYTHONPATH=. .venv/bin/python benchmarks/attention_memory.py --batch 32 --context 512 --kv bfloat16
+    PYTHONPATH=. .venv/bin/python benchmarks/attention_memory.py HEAD~1 HEAD
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from slimlm.kernels import cpu_attention
+from benchmarks.kernels_ab import build
+from slimlm.kernels import cpu_attention, cpu_library
 
 SHAPES = {"smollm2": (30, 9, 3, 64), "llama3-8b": (32, 32, 8, 128)}  # layers, query heads, KV heads, head dim
 BLOCK = 16
@@ -26,6 +31,7 @@ BLOCK = 16
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("revs", nargs="*", help="git revisions (default: the working tree's kernels)")
     parser.add_argument("--shape", choices=SHAPES, default="smollm2")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=512)
@@ -53,13 +59,18 @@ def main() -> None:
     starts = torch.arange(args.batch + 1, dtype=torch.int32)
     lengths = [1] * args.batch
 
-    def attention() -> None:
+    def attention(lib) -> None:
+        cpu_library.load = lambda: lib  # every kernel call asks cpu_library.load()
         for k, v in caches:
             cpu_attention.paged_attention(q, k, v, tables, lens, starts, dim**-0.5, *scales, query_lens=lengths)
 
+    cpu_library.has_amx()  # the dispatch's one-time questions, asked of the working tree's library
+    tmp = tempfile.TemporaryDirectory()
+    libs = {rev: build(rev, Path(tmp.name)) for rev in args.revs} or {"attention": cpu_library.load()}
     big = torch.ones(1 << 28)
-    passes = {"attention": attention, "read 1 GiB": big.sum}
-    nbytes = {"attention": sum(k.nbytes + v.nbytes for k, v in caches), "read 1 GiB": big.nbytes}
+    passes = {rev: lambda lib=lib: attention(lib) for rev, lib in libs.items()}
+    passes["read 1 GiB"] = big.sum
+    nbytes = {rev: sum(k.nbytes + v.nbytes for k, v in caches) for rev in libs} | {"read 1 GiB": big.nbytes}
     times = {name: [] for name in passes}
     for fn in passes.values():
         fn()
@@ -72,9 +83,11 @@ def main() -> None:
     rate = {name: nbytes[name] / statistics.median(ts) for name, ts in times.items()}
     print(f"{args.shape}: {layers} layers, {heads}/{kv_heads} heads of {dim}, {args.batch} × {args.context} tokens, "
           f"{args.kv} KV, {args.query} queries, {args.threads} threads")  # fmt: skip
+    first = statistics.median(times[next(iter(libs))])
     for name, ts in times.items():
+        speed = "" if name.startswith("read") else f"{first / statistics.median(ts):6.2f}×"
         print(f"{name:12s} {nbytes[name] / 1e6:8.0f} MB {1e3 * statistics.median(ts):8.2f} ms "
-              f"{rate[name] / 1e9:6.1f} GB/s {rate[name] / rate['read 1 GiB']:6.2f} of read")  # fmt: skip
+              f"{rate[name] / 1e9:6.1f} GB/s {rate[name] / rate['read 1 GiB']:6.2f} of read {speed}")  # fmt: skip
 
 
 if __name__ == "__main__":
