@@ -8,7 +8,7 @@ import struct
 from pathlib import Path
 
 import torch
-from safetensors.torch import safe_open, save_file
+from safetensors.torch import save_file
 
 from slimlm import SlimlmError
 
@@ -100,35 +100,69 @@ def total_size(model_dir: Path) -> int:
     return sum(p.stat().st_size for p in weight_files(model_dir))
 
 
-def check_layout(path: Path) -> None:
-    """Header and length of one safetensors file, without reading its data."""
+def _layout(f, path: Path) -> tuple[int, dict]:
+    """The data's start and the header of one open safetensors file, checked against its length."""
     bad = f"{path} is truncated or corrupt"
+    size = path.stat().st_size
+    head = f.read(8)
+    if len(head) < 8:
+        raise SlimlmError(f"{bad} (file is {size} bytes); re-create or re-download it")
+    (n,) = struct.unpack("<Q", head)
+    if n > size - 8:
+        raise SlimlmError(f"{bad} (header length {n} exceeds file size {size}); re-create or re-download it")
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise SlimlmError(f"{bad} (file is {size} bytes); re-create or re-download it")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise SlimlmError(f"{bad} (header length {n} exceeds file size {size}); re-create or re-download it")
-            header = json.loads(f.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    except OSError as e:
-        raise SlimlmError(f"cannot read {path}: {e.strerror or e}") from None
+        header = json.loads(f.read(n))
+        entries = {k: v for k, v in header.items() if k != "__metadata__"}
+        end = max((v["data_offsets"][1] for v in entries.values()), default=0)
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError, TypeError, IndexError):
         raise SlimlmError(f"{bad} (unreadable header); re-create or re-download it") from None
     if 8 + n + end != size:
         raise SlimlmError(f"{bad} (expected {8 + n + end} bytes, found {size}); re-create or re-download it")
+    return 8 + n, entries
+
+
+def check_layout(path: Path) -> None:
+    """Header and length of one safetensors file, without reading its data."""
+    try:
+        with open(path, "rb") as f:
+            _layout(f, path)
+    except OSError as e:
+        raise SlimlmError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+          "I16": torch.int16, "I8": torch.int8, "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16,
+          "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
 
 
 def read(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, each read into memory of its own. Not mapped from the file (as
+    safetensors' safe_open does): a mapped file's pages count as the process's memory for as long as any
+    tensor from it lives, so a float model, whose embedding lives on, held its weights twice (measured:
+    1.46 GB resident for 0.54 GB of fp32 weights once its linears were packed)."""
     tensors = {}
     for path in weight_files(model_dir):
         try:
-            with safe_open(path, framework="pt") as f:
-                for k in f.keys():
-                    tensors[k] = f.get_tensor(k)
+            with open(path, "rb") as f:
+                start, entries = _layout(f, path)
+                for name, entry in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                    tensors[name] = _read_tensor(f, start, entry, f"{path}: tensor {name}")
         except OSError as e:
             raise SlimlmError(f"cannot read {path}: {e.strerror or e}") from None
     return tensors
+
+
+def _read_tensor(f, start: int, entry: dict, what: str) -> torch.Tensor:
+    dtype = DTYPES.get(entry.get("dtype"))
+    if dtype is None:
+        raise SlimlmError(f"{what} has dtype {entry.get('dtype')!r}, which slimlm does not read")
+    lo, hi = entry["data_offsets"]
+    shape = [int(d) for d in entry["shape"]]
+    if hi - lo != dtype.itemsize * torch.Size(shape).numel():
+        raise SlimlmError(f"{what}: {hi - lo} bytes do not hold shape {shape} of {entry['dtype']}; the file is corrupt")
+    raw = torch.empty(hi - lo, dtype=torch.uint8)
+    f.seek(start + lo)
+    if f.readinto(raw.numpy()) != hi - lo:
+        raise SlimlmError(f"{what} is cut short; the file is truncated")
+    return raw.view(dtype).reshape(shape)

@@ -117,10 +117,54 @@ def test_an_empty_safetensors_file_has_no_data_after_its_header(tmp_path):
 
 
 def test_read_names_a_file_it_cannot_open_and_why(tmp_path):
-    (tmp_path / "model.safetensors").mkdir()  # safetensors cannot map a directory: ENODEV
+    (tmp_path / "model.safetensors").mkdir()
     with pytest.raises(SlimlmError) as e:
         shards.read(tmp_path)
-    assert str(e.value) == f"cannot read {tmp_path}/model.safetensors: No such device (os error 19)"
+    assert str(e.value) == f"cannot read {tmp_path}/model.safetensors: Is a directory"
+
+
+def test_read_gives_back_every_dtype_bit_for_bit(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, generator=g)
+    written = {"f32": x, "bf16": x.bfloat16(), "f16": x.half(), "f64": x.double(),
+               "fp8": x.to(torch.float8_e4m3fn), "i8": (x * 9).to(torch.int8), "u8": (x.abs() * 9).to(torch.uint8),
+               "i32": (x * 1e6).int(), "i64": torch.arange(7), "bool": x > 0, "scalar": torch.tensor(2.5),
+               "empty": torch.empty(0, 4)}  # fmt: skip
+    shards.write(tmp_path, written)
+    read = shards.read(tmp_path)
+    assert set(read) == set(written)
+    for name, t in written.items():
+        assert read[name].dtype == t.dtype and read[name].shape == t.shape, name
+        assert torch.equal(read[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+def test_read_tensors_hold_their_own_memory_not_the_files(tmp_path):
+    """A tensor mapped from the file keeps the file's pages counted as the process's memory while it lives
+    (a float model held its weights twice) and changes when the file does."""
+    shards.write(tmp_path, tensors(3))
+    path = tmp_path / "model.safetensors"
+    read = shards.read(tmp_path)
+    n = int.from_bytes(path.read_bytes()[:8], "little")
+    with open(path, "r+b") as f:  # the data overwritten in place, the file's pages changed
+        f.seek(8 + n)
+        f.write(bytes(path.stat().st_size - 8 - n))
+    assert all(torch.equal(read[k], v) for k, v in tensors(3).items())
+
+
+def test_read_names_a_tensor_it_cannot_take(tmp_path):
+    path = tmp_path / "model.safetensors"
+
+    def file_with(entry: dict, data: bytes) -> str:
+        header = json.dumps({"w": {"data_offsets": [0, len(data)], **entry}}).encode()
+        path.write_bytes(len(header).to_bytes(8, "little") + header + data)
+        with pytest.raises(SlimlmError) as e:
+            shards.read(tmp_path)
+        return str(e.value)
+
+    unknown = file_with({"dtype": "Q4", "shape": [2]}, b"\0")
+    assert unknown == f"{path}: tensor w has dtype 'Q4', which slimlm does not read"
+    short = file_with({"dtype": "F32", "shape": [3]}, bytes(8))
+    assert short == f"{path}: tensor w: 8 bytes do not hold shape [3] of F32; the file is corrupt"
 
 
 def test_shards_carry_the_pt_format_tag_and_the_index_is_indented_json(tmp_path):
