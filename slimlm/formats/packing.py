@@ -8,6 +8,7 @@ codes straddle word boundaries.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -41,13 +42,29 @@ def _pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_int32(packed: torch.Tensor, bits: int, n: int, dim: int = 1) -> torch.Tensor:
     """Inverse of pack_int32: `n` signed int8 codes per row (or per column when dim=0)."""
-    p = packed.transpose(0, 1) if dim == 0 else packed
-    p = p.to(torch.int64) & 0xFFFFFFFF
-    p = torch.nn.functional.pad(p, (0, 1))
+    rows_first = packed.transpose(0, 1) if dim == 0 else packed
+    if bits in (4, 8) and sys.byteorder == "little":
+        codes = _unpack_bytes(rows_first.contiguous(), bits, n)
+    else:  # a few rows at a time, as in pack_int32: the int64 temporaries stay small
+        step = max(1, CHUNK_ELEMENTS // max(n, 1))
+        codes = torch.cat([_unpack_rows(rows_first[r : r + step], bits, n) for r in range(0, len(rows_first), step)])
+    return codes.transpose(0, 1).contiguous() if dim == 0 else codes
+
+
+def _unpack_bytes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """4 and 8 bits: a little-endian word's bytes are its codes in order (4-bit: low nibble first), so they
+    unpack in bytes, with no int64 temporaries (those were ~8x the codes: a GB for an 8-bit lm_head)."""
+    b = packed.view(torch.uint8)
+    if bits == 4:
+        b = torch.stack((b & 15, b >> 4), dim=-1).flatten(1)
+    return (b[:, :n].to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
+
+
+def _unpack_rows(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    p = torch.nn.functional.pad(packed.to(torch.int64) & 0xFFFFFFFF, (0, 1))
     start = torch.arange(n, device=p.device) * bits
     word, offset = start // 32, start % 32
     # Two adjacent words as one 64-bit value cover any code, straddling or not.
     pair = p[:, word] | (p[:, word + 1] << 32)
     u = (pair >> offset) & ((1 << bits) - 1)
-    codes = (u - (1 << (bits - 1))).to(torch.int8)
-    return codes.transpose(0, 1).contiguous() if dim == 0 else codes
+    return (u - (1 << (bits - 1))).to(torch.int8)

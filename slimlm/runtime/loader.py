@@ -53,11 +53,14 @@ def load_model(
     narrow = sorted({q.args.bits for q in quantized.values()} - set(KERNEL_BITS))
     if narrow:
         warnings.warn(f"no kernel for {narrow}-bit weights: they run dequantized to {dtype}", stacklevel=2)
-    for name, q in quantized.items():
+    while quantized:  # each checkpoint original freed as its packed copy is made
+        name, q = quantized.popitem()
         if q.args.bits in KERNEL_BITS:
             model.get_submodule(name).set_packed(pack(q).to(device))
         else:
             tensors[f"{name}.weight"] = q.dequantize(dtype)
+        del q
+    release_freed()
     for name, _ in list(model.named_parameters()):  # each original freed as its converted copy takes its place
         module, _, attr = name.rpartition(".")
         weight = torch.nn.Parameter(tensors.pop(name).to(device, dtype), requires_grad=False)
@@ -70,6 +73,7 @@ def load_model(
             if isinstance(module, Linear) and module.packed is None and cpu_gemm.dense_fits(module.weight):
                 module.set_packed(pack_dense(module.weight))
                 release_freed()
+    release_freed()
     model.set_rope(max_positions, device)
     model.set_backend(backend)
     set_kv_cache(model, kv_cache_dtype, scheme, scales, device)
