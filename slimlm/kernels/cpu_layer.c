@@ -249,6 +249,24 @@ typedef struct {
     float *qf, *padded;  // the attention's fp32 query and output; the fused fp32 loop's padded output
 } Buffers;
 
+// Built with -DSLIMLM_PHASE_TIMES (benchmarks/step_phases.py), decode_layer adds the seconds each of its calls
+// takes to slimlm_phase_seconds, in call order; otherwise PHASE compiles to nothing.
+#ifdef SLIMLM_PHASE_TIMES
+#include <time.h>
+double slimlm_phase_seconds[9];
+#define PHASE_START struct timespec phase_t0; clock_gettime(CLOCK_MONOTONIC, &phase_t0)
+#define PHASE(i)                                                                                    \
+    do {                                                                                            \
+        struct timespec t;                                                                          \
+        clock_gettime(CLOCK_MONOTONIC, &t);                                                         \
+        slimlm_phase_seconds[i] += (t.tv_sec - phase_t0.tv_sec) + 1e-9 * (t.tv_nsec - phase_t0.tv_nsec); \
+        phase_t0 = t;                                                                               \
+    } while (0)
+#else
+#define PHASE_START
+#define PHASE(i)
+#endif
+
 // One decoder layer: its two RMSNorms' weights, its KV cache's per-head scales (8-bit caches; NULL for a float
 // one) and its four packed linears (qkv, o, gate_up, down)
 typedef struct {
@@ -269,22 +287,33 @@ static int decode_layer(void *x, void *residual, const Layer *layer, float eps, 
                         const Buffers *b) {
     const Linear *w = layer->w;
     const int64_t hidden = w[1].out_features, inter = w[3].in_features;
+    PHASE_START;
     slimlm_add_rms_norm(x, residual, layer->norm1, b->h, rows, hidden, eps, bf16, nthreads);
+    PHASE(0);
     if (!residual) residual = x;
     if (linear(&w[0], b->h, rows, b->qkv, b->padded, nthreads)) return -1;
+    PHASE(1);
     slimlm_rotary_kv_write(b->qkv, rows, heads, kv_heads, dim, cos, sin, slots, k_cache, v_cache, b->q, bf16, kind,
                            layer->k_scale, layer->v_scale, nthreads);
+    PHASE(2);
     float *of = b->qf + rows * heads * dim;  // the attention kernel reads and writes fp32
     for (int64_t i = 0; i < rows * heads * dim; i++) b->qf[i] = load(b->q, i, bf16);
     if (slimlm_paged_decode(b->qf, k_cache, v_cache, kind, layer->k_scale, layer->v_scale, tables, width, seq_lens,
                             rows, heads, kv_heads, dim, block_size, scale, amx, of, nthreads))
         return -1;
     for (int64_t i = 0; i < rows * heads * dim; i++) store(b->attn, i, of[i], bf16);
+    PHASE(3);
     if (linear(&w[1], b->attn, rows, out, b->padded, nthreads)) return -1;
+    PHASE(4);
     slimlm_add_rms_norm(out, residual, layer->norm2, b->h, rows, hidden, eps, bf16, nthreads);
+    PHASE(5);
     if (linear(&w[2], b->h, rows, b->gu, b->padded, nthreads)) return -1;
+    PHASE(6);
     slimlm_silu_mul(b->gu, b->act, rows, inter, bf16, nthreads);
-    return linear(&w[3], b->act, rows, out, b->padded, nthreads);
+    PHASE(7);
+    const int status = linear(&w[3], b->act, rows, out, b->padded, nthreads);
+    PHASE(8);
+    return status;
 }
 
 // A decode step through all n layers in one call (each ~30 µs of Python and ctypes less, measured).
