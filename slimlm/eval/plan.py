@@ -129,14 +129,15 @@ def _linear_bytes(d: Dims, w: WeightFormat) -> float:
     return d.layers * total
 
 
-def _linear_params(d: Dims) -> int:
+def linear_params(d: Dims) -> int:
+    """Weights of the decoder layers' linears (2 FLOPs each per token)."""
     return d.layers * sum(i * o for i, o in linear_shapes(d))
 
 
 def weight_bytes(d: Dims, w: WeightFormat) -> int:
     """What the weights take in memory: the linears at the format, the rest (embeddings, head, norms,
     biases) in the float dtype."""
-    return round(_linear_bytes(d, w) + (parameters(d)["total"] - _linear_params(d)) * FLOAT_BYTES[w.dtype])
+    return round(_linear_bytes(d, w) + (parameters(d)["total"] - linear_params(d)) * FLOAT_BYTES[w.dtype])
 
 
 def read_bytes(d: Dims, w: WeightFormat) -> int:
@@ -153,10 +154,10 @@ def decode_step(d: Dims, w: WeightFormat, kv_dtype: str, batch: int, context: in
     kv = batch * kv_bytes_per_token(d, kv_dtype) * context
     moved = read_bytes(d, w) + kv
     tau = moved / device.bandwidth
-    matmul = _linear_params(d) + d.vocab * d.hidden  # 2 FLOPs per weight per token, the head included
+    matmul = linear_params(d) + d.vocab * d.hidden  # 2 FLOPs per weight per token, the head included
     compute = 2 * batch * matmul / device.peak_flops  # the linears' arithmetic at the device's peak
     return {"batch": batch, "context": context, "kv_bytes": kv, "bytes_moved": moved, "step_ms": 1e3 * tau,
-            "tokens_per_s": batch / tau, "linear_intensity": 2 * batch * _linear_params(d) / _linear_bytes(d, w),
+            "tokens_per_s": batch / tau, "linear_intensity": 2 * batch * linear_params(d) / _linear_bytes(d, w),
             "attention_intensity": 2 * (d.heads / d.kv_heads) / KV_BYTES[kv_dtype], "compute_ms": 1e3 * compute,
             "bound": "compute" if compute > tau else "bandwidth",
             "roofline_tokens_per_s": batch / max(tau, compute)}  # fmt: skip
@@ -229,7 +230,7 @@ def serving_roofline(d: Dims, requests: list[tuple[float, int, int]], max_seqs: 
     prompts, outputs = sum(p for _, p, _ in requests), sum(o for _, _, o in requests)
     decode_context = sum((o - 1) * p + (o - 1) * o // 2 for _, p, o in requests)
     context = sum(p * (p + 1) // 2 for _, p, _ in requests) + decode_context
-    flops = (2 * _linear_params(d) * (prompts + outputs) + 2 * d.vocab * d.hidden * outputs
+    flops = (2 * linear_params(d) * (prompts + outputs) + 2 * d.vocab * d.hidden * outputs
              + 4 * d.layers * d.heads * d.head_dim * context)  # fmt: skip
     steps = max(max(o for _, _, o in requests), -(-outputs // max_seqs))
     moved = steps * read_bytes + kv_bytes_per_token * decode_context

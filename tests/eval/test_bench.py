@@ -5,13 +5,14 @@ gets a ratio column, goodput follows the SLO, bad input is named."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from slimlm import SlimlmError
 from slimlm.cli import main
-from slimlm.eval import bench
+from slimlm.eval import bench, plan
 
 SMALL = bench.BenchConfig(batches=[1, 3], context=40, prefill_len=32, steps=2, kv_cache_memory=4 << 20,
                           requests=5, rate=50.0, prompt_len=(8, 16), output_len=(3, 6))  # fmt: skip
@@ -108,7 +109,8 @@ def test_other_processes_load_is_measured_and_warned_about():
     assert line.startswith("warning: other processes kept 1.6 of") and "the baseline's offline measurement" in line
 
 
-def test_the_command_measures_the_source_beside_a_checkpoint(tiny_llama, tmp_path, capsys):
+def test_the_command_measures_the_source_beside_a_checkpoint(tiny_llama, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(plan, "matmul_rate", lambda *args: 1.0)  # a probe slower than the models' own kernels
     out = tmp_path / "w4"
     assert main(["rtn", "--model", str(tiny_llama), "--group-size", "32", "--out", str(out)]) == 0
     capsys.readouterr()
@@ -132,6 +134,9 @@ def test_the_command_measures_the_source_beside_a_checkpoint(tiny_llama, tmp_pat
         on, off = result["systems"][name]["online"], result["systems"][name]["offline"]
         assert on["roofline"]["arrivals_s"] == 0 and on["roofline"]["bytes"] >= 4 * off["weight_bytes"]
         assert on["of_roofline"] == pytest.approx(on["output_tok_s"] / on["roofline"]["output_tok_s"])
+        # the arithmetic bound holds for the system's own kernels too: at least the rate its prefill reached
+        dims = plan.Dims.from_config(json.loads((Path(result["systems"][name]["path"]) / "config.json").read_text()))
+        assert on["roofline"]["peak_flops"] == pytest.approx(off["prefill_tok_s"] * 2 * plan.linear_params(dims))
 
 
 @pytest.mark.parametrize("args,fragment", [
