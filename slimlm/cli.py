@@ -181,8 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", default="1,8,32,64", help="decode batch sizes")
     p.add_argument("--context", type=positive_int, default=512, help="KV tokens per sequence in the decode steps")
     p.add_argument("--prefill-len", type=positive_int, default=512)
-    p.add_argument("--rounds", type=positive_int, default=3, help="offline measurements of each model, in turn "
-                   "(the median is kept)")  # fmt: skip
+    p.add_argument("--rounds", type=positive_int, default=3, help="measurements of each model, in turn (offline: "
+                   "each figure's median; online: the run of median throughput)")  # fmt: skip
     p.add_argument("--requests", type=positive_int, default=24, help="Poisson workload: requests")
     p.add_argument("--rate", type=float, default=2.0, help="Poisson workload: arrivals per second (inf: all at once)")
     p.add_argument("--prompt-len", default="64,256", help="Poisson workload: prompt lengths, uniform in LO,HI")

@@ -19,9 +19,11 @@ The baseline (by default the float source named in the checkpoint's slimlm.json)
 process and every figure gets a ratio. The offline part runs in `rounds`, the baseline and the checkpoint in
 turn, and keeps each timing's median over the rounds: on a shared machine a neighbour's burst can slow one
 system's whole measurement (a demo run beside a test suite once reported an 88× RTN speedup from one such
-baseline), and alternating rounds put both systems through the same minutes. The online workload runs once
-per system, the baseline first. Each part also records how many cores other processes (and the hypervisor)
-kept busy meanwhile, and the result carries a warning where that was enough to move the ratios.
+baseline), and alternating rounds put both systems through the same minutes. The online workload runs in as
+many rounds, in turn too, and keeps each system's run of median throughput (one run per system moved the
+ratio 0.94-1.13x between two runs of one command). Each part also records how many cores other processes
+(and the hypervisor) kept busy meanwhile, and the result carries a warning where that was enough to move the
+ratios.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class BenchConfig:
     context: int = 512
     prefill_len: int = 512
     steps: int = 5  # decode steps timed per batch size (the median is kept)
-    rounds: int = 3  # offline measurements of each system, in turn (the median of each figure is kept)
+    rounds: int = 3  # measurements of each system, in turn (offline: each figure's median; online: the median run)
     kv_cache_memory: int | None = None  # None: what the largest decode batch at `context` needs
     dtype: str = "float32"
     requests: int = 24
@@ -350,14 +352,28 @@ def merged(rounds: list[dict]) -> dict:
     round (later ones start beside what the allocator kept of earlier engines: it read 1.3× the float model's
     for a W4 checkpoint)."""
     out = {**rounds[0], "rounds": len(rounds), "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in rounds)}
-    loads = [r["other_cores"] for r in rounds if r.get("other_cores") is not None]
-    out["other_cores"] = max(loads) if loads else None  # the busiest round's: any one can move a median
+    out["other_cores"] = busiest(rounds)
     out["decode"] = []
     for i, first in enumerate(rounds[0]["decode"]):
         step_ms = statistics.median(r["decode"][i]["step_ms"] for r in rounds)
         out["decode"].append({**first, "step_ms": step_ms, "tok_s": 1e3 * first["batch"] / step_ms,
                               "floor_ratio": step_ms / first["floor_ms"]})  # fmt: skip
     return out
+
+
+def median_run(runs: list[dict]) -> dict:
+    """One system's online figures over its rounds: the run of median output throughput, whole (its latencies
+    belong to that run), with every round's throughput beside it and the busiest round's load."""
+    out = dict(sorted(runs, key=lambda r: r["output_tok_s"])[len(runs) // 2])
+    out["rounds_output_tok_s"] = [r["output_tok_s"] for r in runs]
+    out["other_cores"] = busiest(runs)
+    return out
+
+
+def busiest(rounds: list[dict]) -> float | None:
+    """The most cores other processes kept busy in any round: any one round can move a median."""
+    loads = [r["other_cores"] for r in rounds if r.get("other_cores") is not None]
+    return max(loads) if loads else None
 
 
 def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool = True) -> dict:
@@ -384,11 +400,16 @@ def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool 
         result["systems"][name]["offline"] = merged(rounds)
     tokenizer = models.load_tokenizer(models.resolve(model))
     requests = workload(config, tokenizer)
+    online_runs = {name: [] for name in systems}
+    for turn in range(config.rounds):
+        for name, path in systems.items():
+            log(f"[bench] online, round {turn + 1} of {config.rounds}: {name}, {config.requests} requests at "
+                f"{config.rate}/s")  # fmt: skip
+            with others_load() as load:
+                online_runs[name].append(online(path, config, requests))
+            online_runs[name][-1]["other_cores"] = load["other_cores"]
     for name, path in systems.items():
-        log(f"[bench] online: {name}, {config.requests} requests at {config.rate}/s")
-        with others_load() as load:
-            on = result["systems"][name]["online"] = online(path, config, requests)
-        on["other_cores"] = load["other_cores"]
+        on = result["systems"][name]["online"] = median_run(online_runs[name])
         off = result["systems"][name]["offline"]
         dims = plan.Dims.from_config(models.read_config(models.resolve(path)))
         # The probe's matmul is not always the fastest arithmetic here: on an EPYC torch's fp32 matmul ran

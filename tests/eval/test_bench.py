@@ -85,6 +85,15 @@ def test_rounds_keep_the_median_of_each_figure():
     assert [d["tok_s"] for d in merged["decode"]] == pytest.approx([200.0, 8e3 / 12])
 
 
+def test_online_rounds_keep_the_run_of_median_throughput_whole():
+    runs = [{"output_tok_s": tok_s, "ttft_s": {"p50": ttft}, "other_cores": load}
+            for tok_s, ttft, load in ((500.0, 1.0, 0.1), (90.0, 9.0, 1.2), (520.0, 0.9, None))]  # fmt: skip
+    kept = bench.median_run(runs)
+    assert kept["output_tok_s"] == 500.0 and kept["ttft_s"] == {"p50": 1.0}  # its own latencies, not a mix
+    assert kept["rounds_output_tok_s"] == [500.0, 90.0, 520.0] and kept["other_cores"] == 1.2
+    assert "rounds_output_tok_s" not in runs[0]  # the runs themselves stay as they were
+
+
 def test_the_busiest_round_sets_the_load_beside_it():
     rounds = [{"prefill_tok_s": 1.0, "decode": [], "other_cores": c} for c in (0.1, 1.4, None)]
     assert bench.merged(rounds)["other_cores"] == 1.4
@@ -124,6 +133,9 @@ def test_the_command_measures_the_source_beside_a_checkpoint(tiny_llama, tmp_pat
     result = json.loads((tmp_path / "bench.json").read_text())
     assert set(result["systems"]) == {"baseline", "model"} and result["systems"]["baseline"]["path"] == str(tiny_llama)
     assert all(result["systems"][n]["offline"]["rounds"] == 2 for n in ("model", "baseline"))
+    for n in ("model", "baseline"):  # the online workload in as many rounds: the run of median throughput kept
+        on = result["systems"][n]["online"]
+        assert len(on["rounds_output_tok_s"]) == 2 and on["output_tok_s"] == max(on["rounds_output_tok_s"])
     parts = [result["systems"][n][p] for n in ("model", "baseline") for p in ("offline", "online")]
     assert all(part["other_cores"] >= 0 for part in parts)
     assert result["warnings"] == bench.busy_warnings(result)
