@@ -200,15 +200,16 @@ def test_api_key_is_required_when_set(chat_llama):
         assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
 
 
-def test_a_full_waiting_queue_answers_503_with_retry_after(chat_llama):
+def test_a_full_waiting_queue_answers_503_with_retry_after(smollm2):
     import concurrent.futures
 
     from slimlm.runtime.engine import Engine, EngineConfig
     from slimlm.serve.app import serve_in_thread
 
-    engine = Engine(str(chat_llama), EngineConfig(kv_cache_memory=4 << 20, max_num_seqs=1))
-    # long enough that the first request still runs when the last of the burst arrives (60 tokens once were not)
-    body = {"prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    # The real model, so that the first request still runs when the last of the burst arrives: the tiny one's
+    # 400 tokens once all finished, one after another, before the burst was in (beside a demo run).
+    engine = Engine(str(smollm2), EngineConfig(kv_cache_memory=32 << 20, max_num_seqs=1, max_model_len=512))
+    body = {"prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0, "ignore_eos": True}
     with serve_in_thread(engine, NAME, max_waiting=2) as url:
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             responses = list(pool.map(lambda _: httpx.post(f"{url}/v1/completions", json=body, timeout=60), range(12)))
