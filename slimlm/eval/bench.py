@@ -376,6 +376,20 @@ def busiest(rounds: list[dict]) -> float | None:
     return max(loads) if loads else None
 
 
+def in_turns(systems: dict[str, str], rounds: int, measure, part: str, log) -> dict[str, list[dict]]:
+    """measure(path) for every system, `rounds` times, the systems taking turns; each result with the cores
+    other processes kept busy meanwhile."""
+    runs = {name: [] for name in systems}
+    for turn in range(rounds):
+        for name, path in systems.items():
+            log(f"[bench] {part}, round {turn + 1} of {rounds}: {name} ({path})")
+            with others_load() as load:
+                runs[name].append(measure(path))
+            runs[name][-1]["other_cores"] = load["other_cores"]
+            gc.collect()  # the engine's memory back before the next one loads
+    return runs
+
+
 def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool = True) -> dict:
     """Both models, part by part (offline, then online), the baseline first in each part."""
     from slimlm import models
@@ -388,26 +402,13 @@ def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool 
     result = {"config": asdict(config), "bandwidth_bytes_s": bandwidth, "matmul_flops": peak,
               "threads": torch.get_num_threads(),
               "systems": {name: {"path": path} for name, path in systems.items()}}  # fmt: skip
-    runs = {name: [] for name in systems}
-    for turn in range(config.rounds):
-        for name, path in systems.items():
-            log(f"[bench] offline, round {turn + 1} of {config.rounds}: {name} ({path})")
-            with others_load() as load:
-                runs[name].append(offline(path, config, bandwidth))
-            runs[name][-1]["other_cores"] = load["other_cores"]
-            gc.collect()  # the engine's memory back before the next one loads
+    runs = in_turns(systems, config.rounds, lambda path: offline(path, config, bandwidth), "offline", log)
     for name, rounds in runs.items():
         result["systems"][name]["offline"] = merged(rounds)
     tokenizer = models.load_tokenizer(models.resolve(model))
     requests = workload(config, tokenizer)
-    online_runs = {name: [] for name in systems}
-    for turn in range(config.rounds):
-        for name, path in systems.items():
-            log(f"[bench] online, round {turn + 1} of {config.rounds}: {name}, {config.requests} requests at "
-                f"{config.rate}/s")  # fmt: skip
-            with others_load() as load:
-                online_runs[name].append(online(path, config, requests))
-            online_runs[name][-1]["other_cores"] = load["other_cores"]
+    online_runs = in_turns(systems, config.rounds, lambda path: online(path, config, requests),
+                           f"online ({config.requests} requests at {config.rate}/s)", log)  # fmt: skip
     for name, path in systems.items():
         on = result["systems"][name]["online"] = median_run(online_runs[name])
         off = result["systems"][name]["offline"]
