@@ -446,3 +446,17 @@ def test_linears_sharing_a_hessian_get_the_codes_each_would_get_alone(args, act_
     storages = {t.untyped_storage().data_ptr() for q in out.values() for t in (q.codes, q.scale, q.zero, q.g_idx)
                 if t is not None}  # fmt: skip
     assert len(storages) == sum(t is not None for q in out.values() for t in (q.codes, q.scale, q.zero, q.g_idx))
+
+
+@pytest.mark.parametrize("n", [7, 300, 1100])
+def test_the_inverse_hessian_factor_is_the_upper_cholesky_factor_of_the_inverse(n):
+    """Against its definition: U upper triangular with a positive diagonal and UᵀU = (H + λI)⁻¹ (unique), as
+    float64 computes it by inverting H and factoring the inverse. 300 and 1100 take the recursive halves."""
+    from slimlm.compress.gptq import _inverse_hessian_factor
+
+    H = hessian(correlated_inputs(4 * n, n, seed=n))
+    U = _inverse_hessian_factor(H, 0.01, "x")
+    Hd = H.double() + 0.01 * H.diag().mean().item() * torch.eye(n, dtype=torch.float64)
+    ref = torch.linalg.cholesky(torch.linalg.inv(Hd), upper=True)
+    assert torch.equal(U, U.triu()) and (U.diag() > 0).all()
+    assert (U.double() - ref).abs().max() <= 1e-4 * ref.abs().max()
