@@ -163,18 +163,34 @@ class AWQ:
         return best_s.to(originals[0].dtype)
 
     def _clip(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Per group, the shrink of the weight range (1.0 … 0.5) that best preserves x·wᵀ within the group.
-        The products run in the search dtype: they only rank the shrinks."""
-        rows = max(1, CLIP_CHUNK_ELEMENTS // (x.shape[0] * w.shape[1]))
-        gs = w.shape[1] if self.args.group_size == -1 else self.args.group_size
-        xg = x.to(self._dtype_for_search(w)).reshape(x.shape[0], -1, gs)
-        return torch.cat([self._clip_rows(w[r : r + rows], xg) for r in range(0, w.shape[0], rows)])
+        """Per group, the shrink of the weight range (1.0 … 0.5) that best preserves x·wᵀ within the group."""
+        tokens, gs = x.shape[0], w.shape[1] if self.args.group_size == -1 else self.args.group_size
+        xg = x.float().reshape(tokens, -1, gs)
+        if gs < tokens:
+            # mean_t (x_tg·d_og)² = d_og C_g d_ogᵀ with C_g the group's input covariance: out·in·gs products per
+            # shrink in place of out·in·tokens (8× fewer at g128 over 1024 tokens), and no [out, tokens, groups]
+            # intermediate (a Qwen2.5-1.5B layer's clipping took 60 s the other way on 2 AVX2 cores).
+            cov = torch.einsum("tgk,tgl->gkl", xg, xg) / tokens
 
-    def _clip_rows(self, w: torch.Tensor, xg: torch.Tensor) -> torch.Tensor:
-        """xg: the tokens [tokens, G, gs], in the dtype the products run in."""
+            def error(d: torch.Tensor) -> torch.Tensor:
+                return (torch.einsum("ogk,gkl->ogl", d, cov) * d).sum(-1)
+
+            rows = max(1, CLIP_CHUNK_ELEMENTS // w.shape[1])
+        else:
+            # Per-channel groups wider than the token sample: the products themselves, in the search dtype (they
+            # only rank the shrinks); x·(ŵ − w)ᵀ rather than x·ŵᵀ − x·wᵀ, so bf16 has no cancellation to lose.
+            xs = xg.to(self._dtype_for_search(w))
+
+            def error(d: torch.Tensor) -> torch.Tensor:
+                return torch.einsum("ogk,tgk->otg", d.to(xs.dtype), xs).float().pow(2).mean(dim=1)
+
+            rows = max(1, CLIP_CHUNK_ELEMENTS // (tokens * w.shape[1]))
+        return torch.cat([self._clip_rows(w[r : r + rows], gs, error) for r in range(0, w.shape[0], rows)])
+
+    def _clip_rows(self, w: torch.Tensor, gs: int, error) -> torch.Tensor:
+        """`error(ŵ − w)`: the mean squared output error per row and group, [out, G], of grouped differences."""
         args = self.args
         out_f, in_f = w.shape
-        gs = xg.shape[-1]
         wg = w.float().reshape(out_f, -1, gs)  # [out, G, gs]
         amax = wg.abs().amax(dim=-1, keepdim=True)
         best_err = torch.full((out_f, wg.shape[1]), float("inf"), device=w.device)
@@ -184,8 +200,7 @@ class AWQ:
             clipped = wg.clamp(-cur, cur).reshape(out_f, in_f)
             scale, zero = compute_qparams(clipped, args)
             deq = quantize(clipped, scale, zero, args).dequantize().reshape(out_f, -1, gs)
-            # x·(ŵ − w)ᵀ rather than x·ŵᵀ − x·wᵀ: no cancellation, so bf16 products rank the shrinks as well
-            err = torch.einsum("ogk,tgk->otg", (deq - wg).to(xg.dtype), xg).float().pow(2).mean(dim=1)  # [out, G]
+            err = error(deq - wg)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_max = torch.where(better[..., None], cur, best_max)

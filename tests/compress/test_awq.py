@@ -246,3 +246,17 @@ def test_clipping_is_the_per_group_search_of_the_reference(args, monkeypatch):
     monkeypatch.setattr(awq_module, "CLIP_CHUNK_ELEMENTS", 2 * 32 * 64)  # two rows at a time
     assert torch.allclose(awq._clip(w, x), expected, atol=1e-6)
     assert awq._clip(w.bfloat16(), x).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("args", [QuantArgs(3, 32, False), QuantArgs(4, 32, True)])
+def test_clipping_over_more_tokens_than_a_group_is_the_reference_search(args):
+    """With more tokens than a group's width the search measures each group's error through its input
+    covariance: the same objective as the reference's products, shrink for shrink."""
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(40, 64, generator=g), torch.randn(256, 64, generator=g) * torch.linspace(0.1, 3, 64)
+    w[3, 5] = 15.0
+    x[:, 48:] = 0.0  # a group no token sees: every shrink ties at zero error, the first (none) is kept
+    expected = reference_clip(w, x, args)
+    got = AWQ(args, search_dtype="bfloat16")._clip(w, x)  # fp32 whatever the search dtype
+    assert torch.allclose(got, expected, atol=1e-6)
+    assert not torch.equal(expected, w)
