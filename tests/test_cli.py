@@ -238,6 +238,20 @@ def test_quantize_lm_head(capsys, calib_txt, tmp_path, tied, flag, bits):
     assert torch.allclose(torch.tensor(got), model_logprobs(theirs, ids), atol=1e-4)
 
 
+@pytest.mark.parametrize("flags,head_bits", [([], 8), (["--float-lm-head"], None), (["--format", "gptq"], None),
+                                             (["--format", "gptq", "--bits", "8"], 8)])  # fmt: skip
+def test_lm_head_is_8_bit_unless_kept_float_or_the_format_cannot_hold_it(capsys, tiny_llama, tmp_path, flags,
+                                                                          head_bits):  # fmt: skip
+    from slimlm.formats import reader
+
+    out = tmp_path / "q"
+    code, _, err = run_cli(capsys, "rtn", "--model", str(tiny_llama), "--group-size", "32", *flags, "--out", str(out))
+    assert code == 0, err
+    quantized, _ = reader.read_checkpoint(out)
+    assert (quantized["lm_head"].args.bits if "lm_head" in quantized else None) == head_bits
+    assert json.loads((out / "slimlm.json").read_text())["arguments"]["lm_head_bits"] == head_bits
+
+
 def test_gptq_format_refuses_an_lm_head_of_other_bits(capsys, tiny_llama, out_dir):
     code, _, err = run_cli(capsys, "rtn", "--model", str(tiny_llama), "--group-size", "32", "--format", "gptq",
                            "--quantize-lm-head", "--out", out_dir)  # fmt: skip

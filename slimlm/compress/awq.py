@@ -23,7 +23,7 @@ from torch import nn
 from slimlm import SlimlmError, arch, devices
 from slimlm.arch import Mapping
 from slimlm.compress.pipeline import StepResult, cast_floats, in_dtype
-from slimlm.compress.quantize import compute_qparams, quantize, quantize_rtn
+from slimlm.compress.quantize import fake_quantize
 from slimlm.formats.quantized import QuantArgs
 
 GRID = 20
@@ -153,7 +153,7 @@ class AWQ:
             s = s / (s.max() * s.min()).sqrt()
             for mod, w in zip(mods, originals, strict=True):
                 scaled = w.float() * s[None, :]
-                mod.weight.data = (quantize_rtn(scaled, self.args).dequantize() / s[None, :]).to(dtype)
+                mod.weight.data = (fake_quantize(scaled, self.args) / s[None, :]).to(dtype)
             out = self._block_output(block, inputs)
             loss = sum(((o - r).float().pow(2).mean() for o, r in zip(out, ref, strict=True)), 0.0)
             if loss.item() < best:
@@ -198,8 +198,7 @@ class AWQ:
         for i in range(int(CLIP_MAX_SHRINK * CLIP_GRID) + 1):
             cur = amax * (1 - i / CLIP_GRID)
             clipped = wg.clamp(-cur, cur).reshape(out_f, in_f)
-            scale, zero = compute_qparams(clipped, args)
-            deq = quantize(clipped, scale, zero, args).dequantize().reshape(out_f, -1, gs)
+            deq = fake_quantize(clipped, args).reshape(out_f, -1, gs)
             err = error(deq - wg)
             better = err < best_err
             best_err = torch.where(better, err, best_err)

@@ -50,3 +50,16 @@ def quantize_rtn(w: torch.Tensor, args: QuantArgs) -> QuantizedWeight:
     """Round-to-nearest: min-max qparams from the weight itself, then round."""
     scale, zero = compute_qparams(w, args)
     return quantize(w, scale, zero, args)
+
+
+def fake_quantize(w: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    """quantize_rtn(w, args).dequantize(), bit for bit, computed on [out, groups, group_size] views with the
+    qparams broadcast rather than gathered per column: what a search that tries many candidates calls (AWQ
+    spent a fifth of a Qwen2.5-1.5B layer in the gathers)."""
+    scale, zero = compute_qparams(w, args)
+    g, s = w.reshape(w.shape[0], scale.shape[1], -1), scale[..., None]
+    z = torch.round(g / s)
+    if zero is None:
+        return (z.clamp_(args.qmin, args.qmax) * s).reshape(w.shape)
+    z0 = zero.to(w.dtype)[..., None]
+    return (z.add_(z0).clamp_(args.qmin, args.qmax).sub_(z0) * s).reshape(w.shape)

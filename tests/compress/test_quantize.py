@@ -99,3 +99,15 @@ def test_g_idx_groups_columns_by_index():
 def test_unsupported_settings(kw, msg):
     with pytest.raises(SlimlmError, match=msg):
         QuantArgs(**kw)
+
+
+@pytest.mark.parametrize("args", [QuantArgs(4, 32, True), QuantArgs(3, 64, False), QuantArgs(2, -1, False),
+                                  QuantArgs(8, -1, True)], ids=str)  # fmt: skip
+def test_fake_quantize_is_rtn_then_dequantize_bit_for_bit(args):
+    from slimlm.compress.quantize import fake_quantize
+
+    g = torch.Generator().manual_seed(args.bits)
+    w = torch.randn(24, 128, generator=g) * torch.logspace(-3, 1, 128)  # rows and groups of all magnitudes
+    w[3] = 0.0  # an all-zero row: scale 1, codes at the zero point
+    w[5, :64] = w[5, :64].abs()  # a group with no negative weights: its range still holds 0
+    assert torch.equal(fake_quantize(w, args), quantize_rtn(w, args).dequantize())
