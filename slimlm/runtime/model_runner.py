@@ -35,7 +35,8 @@ class ModelRunner:
         self.num_blocks = kv_cache_bytes // per_block
         if self.num_blocks == 0:
             raise SlimlmError(f"a KV cache pool of {kv_cache_bytes} bytes holds less than one block ({per_block} "
-                              f"bytes, {block_size} tokens); give it at least {per_block} bytes (--kv-cache-memory)")  # fmt: skip
+                              f"bytes, {block_size} tokens); give it at least {per_block} bytes "
+                              "(--kv-cache-memory)")  # fmt: skip
         # one preallocated pool: [layer, K/V, block, offset, kv_head, head_dim]
         shape = (layers, 2, self.num_blocks, block_size, attn.kv_heads, attn.head_dim)
         pool = self.num_blocks * per_block
