@@ -6,7 +6,9 @@
 // hand large batches to (torch's bf16 matmul runs ~1 GFLOP/s on such CPUs), so the large-M path
 // dequantizes slices to fp32 for torch's fp32 matmul (slimlm_dequantize).
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <immintrin.h>
 
 #define BN 64  // output features per block (packed.BLOCK_N)
@@ -92,6 +94,118 @@ tile(int bits, int rows, const float *x, int64_t K, int64_t group, const uint8_t
     }
     for (int r = 0; r < rows; r++)
         for (int i = 0; i < 8; i++) _mm256_storeu_ps(y + r * N + 8 * i, acc[r][i]);
+}
+
+// ---- 4-bit weights times int8 activations (llama.cpp's way on AVX2: its Q4 × Q8 dot products) ----
+//
+// The fp32 loop above spends ~4 instructions per weight converting codes to floats, so one row of x runs at
+// a fraction of memory bandwidth. Here x is quantized per run of XB inputs to int8 (x̂ = sx·q, |q| ≤ 127)
+// and the codes multiply q as bytes: vpmaddubsw sums two code·q products into 16 bits, so 32 weights take one
+// instruction. The result is exactly W·x̂ (W the dequantized weights), up to fp32 rounding.
+//
+// Four k-rows of a block are transposed in registers so that each 32-bit lane holds one feature's four codes
+// (k..k+3): lane order within a register is features 4j..4j+3 (low 128 bits) and 16+4j..16+4j+3 (high), for
+// j = 0..3, per half (features 0–31 from the low nibbles, 32–63 from the high ones).
+#define XB 32  // inputs per activation scale: 8 steps of 4 rows, whose 16-bit sums stay below 2^15
+
+// x [M, K] → q int8 [M, K], one scale per XB inputs and the scaled sum of each run's q (for the zero points).
+static void quantize_x(const float *x, int64_t M, int64_t K, int8_t *q, float *scale, float *qsum) {
+    for (int64_t b = 0; b < M * K / XB; b++) {
+        const float *xb = x + b * XB;
+        float amax = 0.f;
+        for (int i = 0; i < XB; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int sum = 0;
+        for (int i = 0; i < XB; i++) {
+            const int v = (int)nearbyintf(xb[i] * inv);
+            q[b * XB + i] = (int8_t)v;
+            sum += v;
+        }
+        scale[b] = s;
+        qsum[b] = s * (float)sum;
+    }
+}
+
+static inline __attribute__((always_inline)) __m256 lanes_of(const float *v, int h, int j) {
+    return _mm256_loadu2_m128(v + 32 * h + 16 + 4 * j, v + 32 * h + 4 * j);  // (high, low)
+}
+
+// One row of x̂ against one 4-bit weight block: y[0..63] = Σ_k W[f, k]·x̂[k]. (8-bit codes stay with the fp32
+// loop: at one byte a weight it already reads at memory bandwidth, and vpmaddubsw would need them as two
+// nibbles, which measured slower from two rows on.)
+static void tile_i8(const int8_t *q, const float *xs, const float *xsum, int64_t K, int64_t group,
+                    const uint8_t *codes, const uint16_t *scales, const uint8_t *zeros, float *y) {
+    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < K / group; g++) {
+        float s[BN], zs[BN];
+        group_params(scales + g * BN, zeros + g * BN, s, zs);
+        __m256 part[8];
+        for (int i = 0; i < 8; i++) part[i] = _mm256_setzero_ps();
+        float total = 0.f;  // Σ x̂ over the group
+        for (int64_t b = g * group / XB; b < (g + 1) * group / XB; b++) {
+            total += xsum[b];
+            const __m256 sx = _mm256_set1_ps(xs[b]);
+            for (int h = 0; h < 2; h++) {  // features 0–31 from the low nibbles, then 32–63 from the high ones
+                __m256i sum16[4];
+                for (int j = 0; j < 4; j++) sum16[j] = _mm256_setzero_si256();
+                for (int64_t k = b * XB; k < (b + 1) * XB; k += 4) {
+                    __m256i r[4];
+                    for (int i = 0; i < 4; i++) {
+                        r[i] = _mm256_loadu_si256((const __m256i *)(codes + (k + i) * (BN / 2)));
+                        r[i] = _mm256_and_si256(h ? _mm256_srli_epi16(r[i], 4) : r[i], mask);
+                    }
+                    const __m256i t0 = _mm256_unpacklo_epi8(r[0], r[1]), t1 = _mm256_unpackhi_epi8(r[0], r[1]);
+                    const __m256i t2 = _mm256_unpacklo_epi8(r[2], r[3]), t3 = _mm256_unpackhi_epi8(r[2], r[3]);
+                    const __m256i u[4] = {_mm256_unpacklo_epi16(t0, t2), _mm256_unpackhi_epi16(t0, t2),
+                                          _mm256_unpacklo_epi16(t1, t3), _mm256_unpackhi_epi16(t1, t3)};
+                    int32_t four;
+                    __builtin_memcpy(&four, q + k, 4);
+                    const __m256i xq = _mm256_set1_epi32(four);
+                    for (int j = 0; j < 4; j++) sum16[j] = _mm256_add_epi16(sum16[j], _mm256_maddubs_epi16(u[j], xq));
+                }
+                for (int j = 0; j < 4; j++) {
+                    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[j], ones));
+                    part[4 * h + j] = _mm256_fmadd_ps(dot, sx, part[4 * h + j]);
+                }
+            }
+        }
+        const __m256 t = _mm256_set1_ps(total);
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < 4; j++) {
+                __m256 *a = &acc[4 * h + j];
+                *a = _mm256_fmadd_ps(part[4 * h + j], lanes_of(s, h, j), *a);
+                *a = _mm256_fnmadd_ps(t, lanes_of(zs, h, j), *a);
+            }
+    }
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++) {
+            _mm_storeu_ps(y + 32 * h + 4 * j, _mm256_castps256_ps128(acc[4 * h + j]));
+            _mm_storeu_ps(y + 32 * h + 16 + 4 * j, _mm256_extractf128_ps(acc[4 * h + j], 1));
+        }
+}
+
+// y [M, nblocks·BN] = x̂ · Wᵀ for 4-bit weights; K and the group size multiples of XB. Returns 1 when out of
+// memory for the quantized x, 0 otherwise.
+int slimlm_quant_matmul_i8(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *scales,
+                           const uint8_t *zeros, int64_t nblocks, int64_t group, float *y, int nthreads) {
+    const int64_t N = nblocks * BN, G = K / group;
+    int8_t *q = malloc(M * K);
+    float *xs = malloc(sizeof(float) * M * K / XB), *xsum = malloc(sizeof(float) * M * K / XB);
+    if (!q || !xs || !xsum) {
+        free(q), free(xs), free(xsum);
+        return 1;
+    }
+    quantize_x(x, M, K, q, xs, xsum);
+    // n-blocks outermost: every row of x passes over a weight block while it is in cache
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t nb = 0; nb < nblocks; nb++)
+        for (int64_t m = 0; m < M; m++)
+            tile_i8(q + m * K, xs + m * K / XB, xsum + m * K / XB, K, group, codes + nb * K * (BN / 2),
+                    scales + nb * G * BN, zeros + nb * G * BN, y + m * N + nb * BN);
+    free(q), free(xs), free(xsum);
+    return 0;
 }
 
 // Weight blocks [b0, b1) dequantized to fp32, written k-major into out [K, (b1 − b0)·BN].

@@ -51,10 +51,15 @@ def library_path(march: str = "native") -> Path:
     return cache_dir() / "kernels" / digest.hexdigest()[:16] / "libslimlm_cpu.so"
 
 
+def load(march: str | None = None) -> ctypes.CDLL:
+    """The library built for this CPU: gcc -march=native, or $SLIMLM_CPU_MARCH. Another -march (e.g. haswell:
+    the AVX2 kernels) runs the other ISAs' kernels on a CPU that also has them: the tests check them so, and
+    benchmarks measure what an AVX2 machine would run."""
+    return _load(march or os.environ.get("SLIMLM_CPU_MARCH", "native"))
+
+
 @functools.cache
-def load(march: str = "native") -> ctypes.CDLL:
-    """The library built for this CPU. Another gcc -march (e.g. haswell: the AVX2 kernels) lets the tests run
-    the other ISAs' kernels on a CPU that also has them; the product always uses "native"."""
+def _load(march: str) -> ctypes.CDLL:
     path = library_path(march)
     if not path.exists():
         compiler = os.environ.get("CC", "gcc")
@@ -78,6 +83,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.slimlm_dequantize.argtypes = DEQUANTIZE
     if hasattr(lib, "slimlm_dequantize_f32"):  # AVX-512 builds (the AVX2 slimlm_dequantize writes fp32 already)
         lib.slimlm_dequantize_f32.argtypes = DEQUANTIZE
+    if hasattr(lib, "slimlm_quant_matmul_i8"):  # AVX2 builds
+        lib.slimlm_quant_matmul_i8.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, c_int]
+        lib.slimlm_quant_matmul_i8.restype = c_int
     if hasattr(lib, "slimlm_paged_prefill"):  # AVX-512 builds only
         lib.slimlm_paged_prefill.argtypes = [ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64,
                                              i64, i64, ctypes.c_float, c_int, c_int, ptr, c_int]  # fmt: skip

@@ -27,6 +27,14 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight, dtype: torch.dtype | None = N
     return (x.to(dtype) @ dequantize(w, dtype).T)[:, : w.out_features]
 
 
+def int8_activations(x: torch.Tensor, run: int = 32) -> torch.Tensor:
+    """x̂: x [M, K] quantized per `run` inputs to int8 (scale max|x|/127, nearest, ties to even) and back, as
+    the AVX2 4-bit kernel multiplies it (cpu_gemm's "int8" loop, llama.cpp's Q8 activations)."""
+    runs = x.reshape(x.shape[0], -1, run)
+    scale = runs.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(runs / torch.where(scale > 0, scale, 1)) * scale).reshape(x.shape)
+
+
 def dequantized(kv: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """Cached K or V [..., Hkv, D] in `dtype`, times its per-head scale (fp8/int8 caches)."""
     kv = kv.to(dtype)

@@ -28,10 +28,19 @@ SHAPES = [  # bits, group, sym, act-order, n, k: ragged N, chunks of 256 inputs,
 def test_fp32_rows_match_reference_to_fp32_accuracy(poisoned, bits, group_size, sym, act_order, n, k, m):
     _, w = quantized_weight(n, k, bits, group_size, sym, act_order, seed=m)
     x = torch.randn(m, k)
-    ref = reference.quant_matmul(x.double(), w)
+    ref = reference.quant_matmul(x_as_multiplied(x, w), w)
     out = cpu_gemm.quant_matmul(x, w)
     assert out.shape == (m, n) and out.dtype == torch.float32
     assert relative_error(out, ref) < 1e-5  # fp32 accumulation, whichever loop ran
+
+
+def x_as_multiplied(x: torch.Tensor, w) -> torch.Tensor:
+    """x in float64 as the loop for its rows multiplies it: AVX2's 4-bit loop quantizes it to int8 (x̂)."""
+    if cpu_gemm.path(x.shape[0], x.dtype, w) != "int8":
+        return x.double()
+    permuted = x if w.perm is None else x[:, w.perm]
+    x_hat = reference.int8_activations(permuted.double())
+    return x_hat if w.perm is None else torch.empty_like(x_hat).index_copy_(1, w.perm, x_hat)
 
 
 @pytest.fixture
@@ -200,8 +209,13 @@ def test_the_loop_for_each_row_count_on_cpus_without_bf16(other_isa):
     _, w = quantized_weight(64, 128, 4, 64, False)
     if other_isa == "haswell":  # AVX2: fp32 slices above FUSED_MAX_ROWS_AVX2 rows, for either dtype of x
         limit = cpu_gemm.FUSED_MAX_ROWS_AVX2
+        _, w8 = quantized_weight(64, 128, 8, 64, False)
+        _, narrow = quantized_weight(64, 144, 4, -1, False)  # 144 inputs: not whole runs of INT8_RUN
         for dtype in (torch.float32, torch.bfloat16):
-            assert [cpu_gemm.path(m, dtype, w) for m in (1, limit, limit + 1)] == ["fused", "fused", "dequant-slices"]
+            assert [cpu_gemm.path(m, dtype, w) for m in (1, limit, limit + 1)] == ["int8", "int8", "dequant-slices"]
+            assert [cpu_gemm.path(m, dtype, w8) for m in (1, limit, limit + 1)] == ["fused", "fused",
+                                                                                    "dequant-slices"]  # fmt: skip
+            assert cpu_gemm.path(1, dtype, narrow) == "fused"
     else:  # AVX-512 without BF16: bf16 slices above FUSED_MAX_ROWS_BF16 bf16 rows; fp32 rows always fused
         limit = cpu_gemm.FUSED_MAX_ROWS_BF16
         assert [cpu_gemm.path(m, torch.bfloat16, w) for m in (1, limit, limit + 1)] == ["fused", "fused",
@@ -220,7 +234,36 @@ def test_cpus_without_bf16_match_the_reference_on_every_loop(poisoned, other_isa
     out = cpu_gemm.quant_matmul(x, w)
     assert out.shape == (m, 1100) and out.dtype == dtype
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16 x gives a bf16 result; fp32 accumulates in fp32
-    assert relative_error(out, reference.quant_matmul(x.double(), w)) < tolerance
+    assert relative_error(out, reference.quant_matmul(x_as_multiplied(x.float(), w), w)) < tolerance
+
+
+@pytest.mark.parametrize("bits,group_size,sym,act_order,n,k", [s for s in SHAPES if s[0] == 4 and s[5] % 32 == 0])
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_avx2_int8_loop_is_the_weights_times_x_hat(poisoned, monkeypatch, bits, group_size, sym, act_order, n, k, m):
+    """AVX2's 4-bit loop multiplies x̂ (x quantized to int8 per run of 32 inputs): to fp32 accuracy the
+    product of the dequantized weights with exactly that x̂, and within int8's error of the product with x.
+    Scales of 1e-3 to 1e3 across runs, and a run of zeros, check each run's scale is its own."""
+    lib = haswell_library(monkeypatch)
+    _, w = quantized_weight(n, k, bits, group_size, sym, act_order, seed=m)
+    x = torch.randn(m, k) * torch.logspace(-3, 3, k // 32).repeat_interleave(32)
+    x[:, 32:64] = 0
+    assert cpu_gemm.path(m, torch.float32, w) == "int8"
+    out = cpu_gemm.quant_matmul(x, w)
+    assert lib.calls.count("slimlm_quant_matmul_i8") == 1
+    assert relative_error(out, reference.quant_matmul(x_as_multiplied(x, w), w)) < 1e-5
+    assert relative_error(out, reference.quant_matmul(x.double(), w)) < 2e-2
+
+
+def haswell_library(monkeypatch) -> Spy:
+    """The AVX2 build, spied on, in place of this CPU's (skips where this CPU cannot run it)."""
+    if not (cpu_library.available() and (cpu_library.vector_bits() == 256 or cpu_library.has_bf16_gemm())):
+        pytest.skip("needs an AVX2 CPU or one that runs every build")
+    spy = Spy(cpu_library.load("haswell"))
+    spy.calls = []
+    monkeypatch.setattr(cpu_library, "load", lambda: spy)
+    monkeypatch.setattr(cpu_library, "vector_bits", lambda: 256)
+    monkeypatch.setattr(cpu_library, "has_bf16_gemm", lambda: False)
+    return spy
 
 
 @needs_bf16
@@ -267,14 +310,14 @@ def test_cpus_without_bf16_run_the_loop_path_names_over_every_slice(poisoned, ot
     _, w = quantized_weight(2112, 128, 4, 64, sym=True)
     spy = Spy(cpu_library.load())
     monkeypatch.setattr(cpu_library, "load", lambda: spy)
+    called = {"dequant-slices": "slimlm_dequantize", "int8": "slimlm_quant_matmul_i8", "fused": "slimlm_quant_matmul"}
     for rows, dtype in ((2, torch.float32), (40, torch.bfloat16), (40, torch.float32)):
         spy.calls = []
         x = torch.randn(rows, 128).to(dtype)
         out = cpu_gemm.quant_matmul(x, w)
-        slices = cpu_gemm.path(rows, dtype, w) == "dequant-slices"
-        assert set(spy.calls) == ({"slimlm_dequantize"} if slices else {"slimlm_quant_matmul"}), (rows, dtype)
+        assert set(spy.calls) == {called[cpu_gemm.path(rows, dtype, w)]}, (rows, dtype)
         tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
-        assert relative_error(out, reference.quant_matmul(x.double(), w)) < tolerance
+        assert relative_error(out, reference.quant_matmul(x_as_multiplied(x.float(), w), w)) < tolerance
 
 
 @needs_bf16

@@ -1,0 +1,117 @@
+"""What AVX2's 4-bit loop gains in batch-1 decode and costs in perplexity by quantizing x to int8 (cpu_gemm's
+"int8" loop, against the fused fp32 loop it replaced), on one checkpoint loaded once, in one run.
+
+Decode: steps at batch 1 with 256 cached tokens (random KV), the two loops in turns, against the bandwidth
+floor (the packed weights read once per step, at the read bandwidth measured here). Perplexity: the same
+windows through each loop, with the loop forced for every row count, so the prefill that scores the windows
+multiplies x̂ exactly as a decode step does. On a CPU with AVX-512, SLIMLM_CPU_MARCH=haswell runs the AVX2
+build (the machine's memory, AVX2's instructions; torch's own matmuls keep this CPU's).
+
+    SLIMLM_CPU_MARCH=haswell PYTHONPATH=. .venv/bin/python benchmarks/int8_activations.py CKPT \
+        [--max-tokens 4096] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from slimlm.eval import perplexity
+from slimlm.eval.bench import _step_inputs
+from slimlm.kernels import cpu_gemm, cpu_library
+from slimlm.kernels.packed import PackedWeight
+
+CONTEXT = 256
+RUN = 10  # steps back to back per loop and turn
+
+
+@contextlib.contextmanager
+def forced(loop: str):
+    """cpu_gemm.path answering `loop` wherever the int8 loop would run one row."""
+    path = cpu_gemm.path
+    cpu_gemm.path = lambda rows, dtype, w: loop if path(1, dtype, w) == "int8" else path(rows, dtype, w)
+    try:
+        yield
+    finally:
+        cpu_gemm.path = path
+
+
+def read_bandwidth() -> float:
+    big = torch.ones(1 << 28)
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        big.sum()
+        times.append(time.perf_counter() - start)
+    return big.nbytes / statistics.median(times)
+
+
+def weight_bytes(model) -> int:
+    total = 0
+    for module in model.modules():
+        packed: PackedWeight | None = getattr(module, "packed", None)
+        if packed is not None:
+            total += packed.codes.nbytes + packed.scales.nbytes + packed.zeros.nbytes
+        elif getattr(module, "weight", None) is not None and module is not model.model.embed_tokens:
+            total += module.weight.nbytes
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--max-tokens", type=int, default=4096)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if cpu_library.vector_bits() != 256:
+        raise SystemExit("this CPU runs the AVX-512 build; set SLIMLM_CPU_MARCH=haswell to measure the AVX2 one")
+    engine = perplexity.engine_for(args.model, args.seq_len, dtype="float32")
+    runner, loops = engine.runner, ("fused", "int8")
+    runner.kv_cache.normal_()
+    step, ids = _step_inputs(1, CONTEXT, engine.config.block_size), torch.tensor([7])
+    times = {loop: [] for loop in loops}
+    with torch.inference_mode():
+        for _ in range(args.turns):
+            for loop in loops:
+                with forced(loop):
+                    runner.model.logits(runner.model(ids, step, runner.kv_cache))  # warm
+                    for _ in range(RUN):
+                        start = time.perf_counter()
+                        runner.model.logits(runner.model(ids, step, runner.kv_cache))
+                        times[loop].append(time.perf_counter() - start)
+    nbytes, bandwidth = weight_bytes(runner.model), read_bandwidth()
+    floor = nbytes / bandwidth
+    ppl = {}
+    for loop in loops:
+        with forced(loop):
+            ppl[loop] = perplexity.perplexity(engine, "wiki", args.seq_len, args.max_tokens, progress=False)
+    step_s = {loop: statistics.median(times[loop]) for loop in loops}
+    print(f"{args.model}: {args.threads} threads, fp32, -march={os.environ.get('SLIMLM_CPU_MARCH', 'native')} "
+          f"(vector bits {cpu_library.vector_bits()}); floor {floor * 1e3:.1f} ms per step "
+          f"({nbytes / 1e6:.0f} MB of weights at {bandwidth / 1e9:.1f} GB/s)")  # fmt: skip
+    print(f"{'loop':8s} {'ms/step':>8s} {'tok/s':>7s} {'÷floor':>7s} {'wiki ppl':>9s}")
+    for loop in loops:
+        print(f"{loop:8s} {step_s[loop] * 1e3:8.1f} {1 / step_s[loop]:7.2f} {step_s[loop] / floor:7.2f} "
+              f"{ppl[loop]['perplexity']:9.4f}")  # fmt: skip
+    print(f"int8 / fused: decode {step_s['fused'] / step_s['int8']:.2f}× faster, perplexity "
+          f"{100 * (ppl['int8']['perplexity'] / ppl['fused']['perplexity'] - 1):+.3f}% "
+          f"({ppl['int8']['tokens_scored']} tokens)")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "step_seconds": times, "floor_seconds": floor, "weight_bytes": nbytes,
+                       "read_bandwidth": bandwidth, "perplexity": ppl}, f,
+                      indent=1)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
