@@ -1,16 +1,24 @@
-"""slimlm's runtime against llama.cpp on the default model at the same bits, measured in one run.
+"""slimlm's runtime against llama.cpp on a model's own GGUF at about the same bits, measured in one run.
 
-llama.cpp (llama-cpp-python, in its own venv) runs the default model's own GGUF: Q4_1 layers (4-bit,
-asymmetric, blocks of 32) and a Q8_0 tied embedding/output. slimlm serves what `compress` makes of the same
-weights at the same bits: RTN W4 g32 asymmetric layers and an 8-bit lm_head (--quantize-lm-head). Both get
-the same token ids and the same number of threads; the systems take turns for --rounds rounds and each one's
+llama.cpp (llama-cpp-python, in its own venv) runs the model's own GGUF; slimlm serves what `compress rtn`
+makes of the same weights at about the same bits (MODELS):
+    smollm2-135m         Q4_1 layers (4-bit, asymmetric, blocks of 32), Q8_0 tied embedding/output
+                         against RTN W4 g32 asymmetric with an 8-bit lm_head
+    qwen2.5-coder-1.5b   Q4_K_M (4-bit blocks of 32 in super-blocks, some layers Q6_K), Q6_K output
+                         against RTN W4 g128 symmetric with the default 8-bit lm_head
+Both get the same token ids and the same number of threads; the systems take turns for --rounds rounds and each one's
 best is kept (llama.cpp's spinning threads are hit hardest by a busy neighbour: 80 to 153 tok/s between runs).
 
     prefill   one prompt of --prompt tokens in one call (llama.cpp: Llama.eval; slimlm: one engine forward)
     decode    one new token per step after a short context, batch 1 (llama.cpp: single-token Llama.eval)
     batch 32  slimlm only: llama-cpp-python evaluates one sequence at a time
 
-    .venv/bin/python benchmarks/vs_llamacpp.py --llama-python /path/to/llama-venv/bin/python [--threads 2]
+    .venv/bin/python benchmarks/vs_llamacpp.py --llama-python /path/to/llama-venv/bin/python \
+        [--model qwen2.5-coder-1.5b] [--dtypes float32] [--threads 2]
+
+On an AVX-512 machine, SLIMLM_CPU_MARCH=haswell with a llama.cpp built for AVX2 only (CMAKE_ARGS="-DGGML_NATIVE=OFF
+-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON") compares the two as an AVX2 machine runs them (torch's own
+matmuls, in prefill, keep the machine's instructions).
 """
 
 from __future__ import annotations
@@ -60,19 +68,29 @@ def llama_cpp(python: str, gguf: Path, threads: int, prompt: list[int], steps: i
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def checkpoint(work: Path) -> Path:
-    """RTN W4 g32 asymmetric with an 8-bit lm_head: the bits of the GGUF's Q4_1 layers and Q8_0 output."""
-    out = work / "rtn-w4-g32-asym-head8"
+MODELS = {  # model: (compress rtn flags, llama.cpp's label, slimlm's label)
+    "smollm2-135m": (["--bits", "4", "--group-size", "32", "--asym", "--quantize-lm-head", "8"],
+                     "GGUF Q4_1, Q8_0 output", "W4 g32 asym, 8-bit lm_head"),
+    "qwen2.5-coder-1.5b": (["--bits", "4", "--group-size", "128"], "GGUF Q4_K_M, Q6_K output",
+                           "W4 g128, 8-bit lm_head"),
+}  # fmt: skip
+
+
+def checkpoint(work: Path, model: str) -> Path:
+    """The RTN checkpoint of `model` at about its GGUF's bits (MODELS), made once."""
+    flags = MODELS[model][0]
+    out = work / f"{model}-rtn{'_'.join(flags).replace('--', '-')}"
     if not (out / "config.json").exists():
         compress = shutil.which("compress") or str(Path(sys.executable).with_name("compress"))
-        subprocess.run([compress, "rtn", "--model", "smollm2-135m", "--bits", "4", "--group-size", "32", "--asym",
-                        "--quantize-lm-head", "8", "--out", str(out), "--overwrite"], check=True)  # fmt: skip
+        subprocess.run([compress, "rtn", "--model", model, *flags, "--out", str(out), "--overwrite"], check=True)
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-python", required=True, help="python of a venv with llama-cpp-python installed")
+    parser.add_argument("--model", default="smollm2-135m", choices=list(MODELS))
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="slimlm's compute dtypes, comma-separated")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=500, help="prefill length, tokens")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed")
@@ -81,38 +99,41 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = checkpoint(Path(args.work))
-    gguf = assets.original_file("smollm2-135m")
-    tokenizer = models.load_tokenizer(models.resolve("smollm2-135m"))
+    model = checkpoint(Path(args.work), args.model)
+    _, peer_label, label = MODELS[args.model]
+    gguf = assets.original_file(args.model)
+    tokenizer = models.load_tokenizer(models.resolve(args.model))
     ids = tokenizer.encode("\n\n".join(assets.text_passages("wiki")[:40]))
     prompt = ids[: args.prompt]
-    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} threads; "
-          f"prompt {len(prompt)} tokens, {args.steps} decode steps", flush=True)  # fmt: skip
-    peer_name = "llama.cpp (GGUF Q4_1, Q8_0 output)"
+    march = os.environ.get("SLIMLM_CPU_MARCH", "native")
+    print(f"{args.model}: {platform.processor() or platform.machine()}, slimlm's kernels -march={march}, torch "
+          f"{torch.__version__}, {args.threads} threads; prompt {len(prompt)} tokens, {args.steps} decode steps",
+          flush=True)  # fmt: skip
+    peer_name = f"llama.cpp ({peer_label})"
     bandwidth = copy_bandwidth("cpu")
     results: dict[str, dict] = {}
     for _ in range(args.rounds):  # in turn, each side's best kept: single runs here drift by up to 2×
         runs = {peer_name: llama_cpp(args.llama_python, gguf, args.threads, prompt, args.steps)}
-        for dtype in ("float32", "bfloat16"):
+        for dtype in args.dtypes.split(","):
             config = BenchConfig(batches=[1, 32], context=64, prefill_len=len(prompt), steps=args.steps // 4,
                                  dtype=dtype)  # fmt: skip
             run = offline(str(model), config, bandwidth)
             one, many = run["decode"]
-            runs[f"slimlm {dtype} (W4 g32 asym, 8-bit lm_head)"] = {
+            runs[f"slimlm {dtype} ({label})"] = {
                 "prefill_tok_s": run["prefill_tok_s"], "decode_tok_s": one["tok_s"], "batch32_tok_s": many["tok_s"],
             }  # fmt: skip
         for name, run in runs.items():
             best = results.setdefault(name, run)
             results[name] = {key: max(value, best[key]) for key, value in run.items()}
     peer = results[peer_name]
-    print(f"{'system':<46}{'prefill tok/s':>14}{'÷llama':>8}{'decode tok/s':>14}{'÷llama':>8}{'b32 tok/s':>11}")
+    print(f"{'system':<48}{'prefill tok/s':>14}{'÷llama':>8}{'decode tok/s':>14}{'÷llama':>8}{'b32 tok/s':>11}")
     for name, r in results.items():
         b32 = f"{r['batch32_tok_s']:>11.0f}" if "batch32_tok_s" in r else f"{'-':>11}"
-        print(f"{name:<46}{r['prefill_tok_s']:>14.0f}{r['prefill_tok_s'] / peer['prefill_tok_s']:>7.2f}×"
+        print(f"{name:<48}{r['prefill_tok_s']:>14.0f}{r['prefill_tok_s'] / peer['prefill_tok_s']:>7.2f}×"
               f"{r['decode_tok_s']:>14.1f}{r['decode_tok_s'] / peer['decode_tok_s']:>7.2f}×{b32}")  # fmt: skip
     if args.json:
-        Path(args.json).write_text(json.dumps({"threads": args.threads, "prompt": len(prompt), "results": results},
-                                              indent=1))  # fmt: skip
+        run = {"model": args.model, "march": march, "threads": args.threads, "prompt": len(prompt), "results": results}
+        Path(args.json).write_text(json.dumps(run, indent=1))
 
 
 if __name__ == "__main__":

@@ -229,7 +229,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, step: StepInputs, kv_caches: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; kv_caches [layers, 2, blocks, block_size, kv_heads, D]."""
-        x, residual = self.model.embed_tokens(input_ids), None
+        x, residual = self.model.embed_tokens(input_ids).to(self.model.norm.weight.dtype), None
         cos, sin = self.cos[step.positions], self.sin[step.positions]
         if self.decode_stack is not None and all(n == 1 for n in step.query_lens):
             out = self.decode_stack(x, cos, sin, step.slots, kv_caches, step.block_tables, step.seq_lens)

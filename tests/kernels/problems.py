@@ -14,6 +14,7 @@ import torch
 
 from slimlm.compress.quantize import quantize_rtn
 from slimlm.formats.quantized import QuantArgs, QuantizedWeight
+from slimlm.kernels import cpu_gemm, cpu_library, reference
 from slimlm.kernels.packed import PackedWeight, pack
 
 
@@ -100,6 +101,15 @@ def paged_problem(
         seq_lens=put(torch.tensor(seq_lens, dtype=torch.int32)), query_start=put(query_start),
         scale=head_dim**-0.5, k_scale=put(k_scale), v_scale=put(v_scale),
     )  # fmt: skip
+
+
+def x_as_multiplied(x: torch.Tensor, w) -> torch.Tensor:
+    """x in float64 as the loop for its rows multiplies it: AVX2's 4-bit loop quantizes it to int8 (x̂)."""
+    if not cpu_library.available() or cpu_gemm.path(x.shape[0], x.dtype, w) != "int8":
+        return x.double()
+    permuted = x if w.perm is None else x[:, w.perm]
+    x_hat = reference.int8_activations(permuted.double())
+    return x_hat if w.perm is None else torch.empty_like(x_hat).index_copy_(1, w.perm, x_hat)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

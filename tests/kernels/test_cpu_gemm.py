@@ -4,7 +4,7 @@ import torch
 from slimlm import SlimlmError
 from slimlm.kernels import cpu_gemm, cpu_library, reference
 from slimlm.kernels.packed import dequantize, pack_dense
-from tests.kernels.problems import Spy, quantized_weight, relative_error, torch_threads
+from tests.kernels.problems import Spy, quantized_weight, relative_error, torch_threads, x_as_multiplied
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="needs gcc and AVX-512 or AVX2")
 needs_bf16 = pytest.mark.skipif(
@@ -32,15 +32,6 @@ def test_fp32_rows_match_reference_to_fp32_accuracy(poisoned, bits, group_size, 
     out = cpu_gemm.quant_matmul(x, w)
     assert out.shape == (m, n) and out.dtype == torch.float32
     assert relative_error(out, ref) < 1e-5  # fp32 accumulation, whichever loop ran
-
-
-def x_as_multiplied(x: torch.Tensor, w) -> torch.Tensor:
-    """x in float64 as the loop for its rows multiplies it: AVX2's 4-bit loop quantizes it to int8 (x̂)."""
-    if cpu_gemm.path(x.shape[0], x.dtype, w) != "int8":
-        return x.double()
-    permuted = x if w.perm is None else x[:, w.perm]
-    x_hat = reference.int8_activations(permuted.double())
-    return x_hat if w.perm is None else torch.empty_like(x_hat).index_copy_(1, w.perm, x_hat)
 
 
 @pytest.fixture
@@ -275,8 +266,12 @@ def test_quant_matmul_runs_the_loop_path_names(monkeypatch, no_amx, bits):
     assert [cpu_gemm.path(m, torch.bfloat16, w) for m in (limit, limit + 1)] == ["bf16-codes", "bf16-weights"]
     spy = Spy(cpu_library.load())
     monkeypatch.setattr(cpu_library, "load", lambda: spy)
-    cases = [(1, torch.bfloat16, "slimlm_quant_matmul_bf16"), (limit + 1, torch.bfloat16, "slimlm_quant_matmul_bf16"),
-             (1, torch.float32, "slimlm_quant_matmul_f32_split"), (limit, torch.float32, "slimlm_quant_matmul")]
+    cases = [
+        (1, torch.bfloat16, "slimlm_quant_matmul_bf16"),
+        (limit + 1, torch.bfloat16, "slimlm_quant_matmul_bf16"),
+        (1, torch.float32, "slimlm_quant_matmul_f32_split"),
+        (limit, torch.float32, "slimlm_quant_matmul"),
+    ]
     for rows, dtype, called in cases:  # fmt: skip
         spy.calls = []
         cpu_gemm.quant_matmul(torch.randn(rows, 128).to(dtype), w)

@@ -3,7 +3,7 @@ import torch
 
 import slimlm.kernels as kernels
 from slimlm.kernels import cpu_attention, cpu_gemm, cpu_layer, reference
-from tests.kernels.problems import paged_problem, quantized_weight, relative_error
+from tests.kernels.problems import paged_problem, quantized_weight, relative_error, x_as_multiplied
 
 
 def test_backend_follows_the_device_and_the_override(monkeypatch):
@@ -83,4 +83,4 @@ def test_paged_attention_passes_every_argument_through(monkeypatch):
     assert relative_error(kernels.paged_attention(*p.args()), expected) < 1e-5
     _, w = quantized_weight(48, 64, 4, 32, sym=False)
     x = torch.randn(3, 64)
-    assert relative_error(kernels.quant_matmul(x, w), reference.quant_matmul(x.double(), w)) < 1e-6
+    assert relative_error(kernels.quant_matmul(x, w), reference.quant_matmul(x_as_multiplied(x, w), w)) < 1e-6

@@ -86,6 +86,25 @@ def quantize(src: Path, out: Path, method: str, args: QuantArgs, **kw) -> Path:
                             seq_len=32, progress=False, **kw)  # fmt: skip
 
 
+def test_an_untied_embedding_keeps_its_narrower_stored_dtype(tmp_path):
+    """A bf16 checkpoint served in fp32: the embedding table stays bf16 (half the bytes; a lookup converts the
+    few rows it reads, exactly), every other weight is fp32, and the logits are the fp32 model's."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny(tmp_path / "qwen2", "qwen2")
+    AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    shutil.copy(model_dir / "tokenizer.json", tmp_path / "bf16")
+    shutil.copy(model_dir / "tokenizer_config.json", tmp_path / "bf16")
+    llm = LLM(str(tmp_path / "bf16"), dtype="float32")
+    model = llm.engine.runner.model
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert {p.dtype for n, p in model.named_parameters() if "embed_tokens" not in n} == {torch.float32}
+    ids = ids_for(model_dir, 60)
+    expected = model_logprobs(AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32), ids)
+    got = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
+    assert torch.allclose(torch.tensor(got), expected, atol=1e-5)
+
+
 def test_w4_checkpoint_matches_transformers(calibrated, tmp_path):
     from transformers import AutoModelForCausalLM
 
