@@ -202,6 +202,18 @@ def test_tensors_that_do_not_match_are_named(capsys, quantized, change, fragment
         assert_one_line_error(code, err, fragment)
 
 
+@pytest.mark.parametrize("command", [["rtn", "--model"], ["gptq", "--num-samples", "2", "--seq-len", "32", "--model"]])
+def test_a_nan_in_the_source_is_refused_by_every_compress_command(capsys, tiny_llama, tmp_path, command):
+    """RTN would give the group a scale of 1.0 and round its weights to about zero, then write a checkpoint
+    that loads and generates: the source read refuses it, for every job, with the tensor's name."""
+    source = tmp_path / "nan-source"
+    shutil.copytree(tiny_llama, source)
+    rewrite_tensors(source, lambda t: t["model.layers.1.mlp.down_proj.weight"].__setitem__((0, 0), float("nan")))
+    code, _, err = run_cli(capsys, *command, str(source), "--out", str(tmp_path / "o"))
+    assert_one_line_error(code, err, "tensor model.layers.1.mlp.down_proj.weight holds NaN or Inf")
+    assert not (tmp_path / "o").exists()
+
+
 def test_float_dir_missing_a_tensor_and_quantized_without_config(capsys, tiny_llama, quantized, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_llama, broken)

@@ -21,6 +21,7 @@ from slimlm.formats import shards
 
 class LazyWeights:
     def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
         self.files: dict[str, Path] = {}
         for path in shards.weight_files(model_dir):
             with safe_open(path, framework="pt") as f:
@@ -35,6 +36,9 @@ class LazyWeights:
         for path, keys in by_file.items():
             with safe_open(path, framework="pt") as f:
                 out.update({k: f.get_tensor(k) for k in keys})
+        for name, t in out.items():  # every job reads its source here: one check for all of them
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise SlimlmError(f"{self.model_dir}: tensor {name} holds NaN or Inf; the source model is broken")
         return out
 
     def names_outside(self, prefix: str) -> list[str]:

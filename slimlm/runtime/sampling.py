@@ -87,6 +87,7 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         # rounding in the cumulative sum must not cut the tail of a row with top_p = 1)
         top_p = torch.tensor(top_ps, device=device)[:, None]
         sorted_drop = (probs.cumsum(-1) - probs >= top_p) & (top_p < 1)
+        sorted_drop[:, 0] = False  # the most likely token always stays (a top_p below fp32's range reads as 0)
         drop |= torch.zeros_like(sorted_drop).scatter(1, order, sorted_drop)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

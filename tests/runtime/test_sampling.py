@@ -209,6 +209,15 @@ def test_top_p_of_one_keeps_a_tail_that_rounds_away():
     assert torch.isfinite(out[1]).sum() == 21  # the 20 tied tokens stay with the 2nd (ties kept)
 
 
+@pytest.mark.parametrize("top_p", [1e-46, 1e-300, 1e-7])
+def test_the_most_likely_token_survives_any_top_p(top_p):
+    """A top_p below fp32's smallest number reads as 0 there; the top token must stay whatever the value."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    out = filter_logits(logits, [SamplingParams(top_p=top_p, temperature=1.0, top_k=k) for k in (0, 1, 5)])
+    assert torch.isfinite(out).sum(-1).tolist() == [1, 1, 1]
+    assert out.argmax(-1).tolist() == logits.argmax(-1).tolist()
+
+
 def test_top_logprobs_of_one():
     logprobs = torch.log_softmax(torch.randn(2, 10), -1)
     got = top_logprobs(logprobs, [1, None])
