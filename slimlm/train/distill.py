@@ -172,12 +172,19 @@ def train(
             accelerator.backward(loss)
             total += loss.detach()
         grad_norm = accelerator.clip_grad_norm_(params, config.max_grad_norm)
+        loss_value = accelerator.reduce(total, "mean").item()
+        if not (math.isfinite(loss_value) and math.isfinite(float(grad_norm))):  # before the step: weights intact
+            saved = max(start, step // config.checkpoint_every * config.checkpoint_every)
+            resume = f"a rerun resumes from step {saved}" if saved else "no checkpoint was reached"
+            raise SlimlmError(f"training diverged at step {step + 1} (loss {loss_value}, gradient norm "
+                              f"{float(grad_norm)}): stopped before that update, nothing written; lower --lr "
+                              f"({resume})")  # fmt: skip
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         entry = {"step": step + 1, "tokens": (step + 1) * config.global_batch * config.seq_len,
-                 "loss": accelerator.reduce(total, "mean").item(), "lr": lr, "grad_norm": float(grad_norm)}  # fmt: skip
+                 "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm)}  # fmt: skip
         if evaluate is not None and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
             if main:
                 student.eval()

@@ -118,6 +118,10 @@ def test_the_converted_checkpoint_loads_in_transformers_and_the_runtime_agrees_t
     (["--kv-heads", "1", "--uptrain-tokens", "100"], "less than one global batch"),
     (["--kv-heads", "1", "--uptrain-tokens", "100000000"], "but the text gives"),
     (["--kv-heads", "1", "--uptrain-tokens", "4096", "--train", "nothing_like_this"], "matches no parameter"),
+    (["--kv-heads", "1", "--uptrain-tokens", "256", "--lr", "nan"], "--lr finite and > 0"),
+    (["--kv-heads", "1", "--uptrain-tokens", "256", "--temperature", "inf"], "--temperature and --lr finite"),
+    (["--kv-heads", "2", "--uptrain-tokens", "512", "--global-batch", "2", "--micro-batch", "1", "--lr", "1e6",
+      "--checkpoint-every", "2"], "training diverged at step"),
 ])  # fmt: skip
 def test_the_command_names_what_cannot_work(capsys, tiny_llama, calib_txt, tmp_path, flags, fragment):
     from slimlm.cli import main
