@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from slimlm import SlimlmError, assets, cache_dir
+from slimlm.formats import atomic
 
 
 def _add_calibration(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
@@ -36,6 +37,10 @@ def _add_calibration(p: argparse.ArgumentParser, positional_model: bool = False)
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="dtype the calibration passes run in (the weights are quantized from their stored "
                    "values); auto: bf16 for an fp32 model where bf16 products are fast, else the model's")  # fmt: skip
+
+
+def _add_file_overwrite(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overwrite", action="store_true", help="replace the output file if it exists")
 
 
 def _add_device(p: argparse.ArgumentParser) -> None:
@@ -200,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http", action="store_true", help="also send the workload to compress serve over HTTP")
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--json", type=Path, help="write the results as JSON")
+    _add_file_overwrite(p)
 
     p = sub.add_parser("recipe", help="run a YAML recipe: compression stages, then eval, bench and the report "
                        "(stages already done are skipped)")  # fmt: skip
@@ -212,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "plots, per-method table, bandwidth model vs measured")  # fmt: skip
     p.add_argument("runs", nargs="+", type=Path, help="run directories (eval.json, bench.json, run.json)")
     p.add_argument("--out", type=Path, default=Path("report.html"))
+    _add_file_overwrite(p)
     p.add_argument("--baseline", help="the run quality is compared with (default: the first)")
     p.add_argument("--title", default="slimlm tradeoff report")
 
@@ -229,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bench", type=Path, help="a compress bench JSON of MODEL: the model's decode steps, "
                    "predicted at its measured bandwidth, against the measured ones")  # fmt: skip
     p.add_argument("--json", type=Path, help="also write the plan as JSON")
+    _add_file_overwrite(p)
 
     p = sub.add_parser("eval", help="lm-eval tasks and perplexity of a model or checkpoint, through the runtime")
     p.add_argument("model", help="asset name, local directory or hub id")
@@ -244,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", type=parse_size, default="512M", help="KV block pool size (e.g. 512M, 2G)")
     _add_kv_cache_dtype(p)
     p.add_argument("--output", type=Path, help="write the results as JSON here")
+    _add_file_overwrite(p)
     _add_device(p)
 
     p = sub.add_parser("lm-eval", help="lm-eval's own command line with the slimlm model and task pack registered",
@@ -375,23 +384,6 @@ def _measure(spec: str, source: str, seq_len: int, max_tokens: int, device: str 
     return result
 
 
-def _check_output_file(path: Path | None) -> None:
-    if path is not None and path.is_dir():
-        raise SlimlmError(f"--output {path} is a directory; name a file")
-
-
-def _write_json(path: Path, text: str) -> None:
-    """Whole or not at all: an interrupted eval leaves no half-written results file."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            tmp.write_text(text)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-    except OSError as e:
-        raise SlimlmError(f"cannot write --output {path}: {e.strerror or e}") from None
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -408,6 +400,8 @@ def cmd_bench(a: argparse.Namespace) -> None:
     from slimlm import models
     from slimlm.eval import bench
 
+    if a.json:
+        atomic.check_file(a.json, a.overwrite, "--json")
     spans = {}
     for flag, text in (("--prompt-len", a.prompt_len), ("--output-len", a.output_len)):
         lo_hi = _int_list(text, flag)
@@ -428,23 +422,24 @@ def cmd_bench(a: argparse.Namespace) -> None:
     result = bench.bench(a.model, baseline, config)
     print(bench.table(result))
     if a.json:
-        a.json.write_text(json.dumps(result, indent=1))
+        atomic.write_file(a.json, json.dumps(result, indent=1), a.overwrite, "--json")
 
 
 def cmd_recipe(a: argparse.Namespace) -> None:
     from slimlm import recipe as recipes
+    from slimlm.eval import report
 
     recipe = recipes.load(a.recipe, a.overrides)
+    if recipe.report is not None:  # before any stage runs: its own earlier report, or no file there
+        atomic.check_file(recipe.report, report.written_by_slimlm(recipe.report), "--out")
     if a.check:
         steps = sum(len(s) for s in recipe.stages.values())
         print(f"{a.recipe}: {len(recipe.stages)} stages, {steps} steps: valid")
         return
     run_dirs = recipes.run(recipe)
     if recipe.report is not None:
-        from slimlm.eval import report
-
         result = report.render(run_dirs, recipe.report, title=f"slimlm: {recipe.path.name} on {recipe.model}",
-                               notes=recipe.notes)  # fmt: skip
+                               notes=recipe.notes, overwrite=report.written_by_slimlm(recipe.report))  # fmt: skip
         print(report.main_table(result["runs"]))
         print(f"report: {recipe.report.resolve()}")
 
@@ -452,7 +447,8 @@ def cmd_recipe(a: argparse.Namespace) -> None:
 def cmd_report(a: argparse.Namespace) -> None:
     from slimlm.eval import report
 
-    result = report.render(a.runs, a.out, a.baseline, a.title)
+    atomic.check_file(a.out, a.overwrite, "--out")
+    result = report.render(a.runs, a.out, a.baseline, a.title, overwrite=a.overwrite)
     print(report.main_table(result["runs"]))
     print(f"report: {a.out.resolve()}")
 
@@ -461,6 +457,8 @@ def cmd_plan(a: argparse.Namespace) -> None:
     from slimlm import models
     from slimlm.eval import plan
 
+    if a.json:
+        atomic.check_file(a.json, a.overwrite, "--json")
     if a.model in plan.MODEL_PRESETS:
         dims = plan.MODEL_PRESETS[a.model]
     else:
@@ -490,13 +488,14 @@ def cmd_plan(a: argparse.Namespace) -> None:
                        a.memory)  # fmt: skip
     print(plan.format_plan(result))
     if a.json:
-        a.json.write_text(json.dumps(result, indent=1))
+        atomic.write_file(a.json, json.dumps(result, indent=1), a.overwrite, "--json")
 
 
 def cmd_eval(a: argparse.Namespace) -> None:
     from slimlm import data
 
-    _check_output_file(a.output)
+    if a.output:
+        atomic.check_file(a.output, a.overwrite, "--output")
     tasks = [t.strip() for t in a.tasks.split(",") if t.strip()] if a.tasks is not None else []
     if a.tasks is not None and not tasks:
         raise SlimlmError("--tasks is empty; name tasks, e.g. --tasks slimlm_hellaswag,slimlm_piqa")
@@ -526,7 +525,7 @@ def cmd_eval(a: argparse.Namespace) -> None:
         text = json.dumps(ppl, indent=2) + "\n"
         print(json.dumps(ppl))
     if a.output:
-        _write_json(a.output, text)
+        atomic.write_file(a.output, text, a.overwrite, "--output")
 
 
 def cmd_lm_eval(a: argparse.Namespace) -> None:

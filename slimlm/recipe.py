@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import io
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +37,12 @@ from pathlib import Path
 import yaml
 
 from slimlm import SlimlmError
+from slimlm.formats import atomic
 
 STEP_COMMANDS = ("rtn", "gptq", "awq", "kv", "gqa", "prune")
 FIELDS = ("model", "runs", "eval", "bench", "report", "notes", "stages")
 SET_BY_RECIPE = ("model", "out", "output", "json", "baseline", "overwrite")
+STAGE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")  # one directory under runs/, never a path
 
 
 @dataclass
@@ -131,9 +134,13 @@ def load(path: Path, overrides: list[str] = ()) -> Recipe:
     stages = data.get("stages")
     if not isinstance(stages, dict) or not stages:
         fail("stages" if "stages" in data else "", "'stages' is required: a mapping of stage names to steps")
+    if Path(data["runs"]).exists() and not Path(data["runs"]).is_dir():
+        fail("runs", f"{data['runs']} exists and is not a directory")
     parsed: dict[str, list[Step]] = {}
     for name, steps in stages.items():
         field = f"stages.{name}"
+        if not isinstance(name, str) or not STAGE_NAME.fullmatch(name) or name in (".", ".."):
+            fail(field, f"a stage name is a plain name (letters, digits, '.', '_', '-'), got {name!r}")
         if not isinstance(steps, list | type(None)):
             fail(field, "a list of steps, e.g. [{gptq: {bits: 4}}] ([] for the source itself)")
         parsed[name] = []
@@ -218,13 +225,35 @@ def run(recipe: Recipe, progress: bool = True) -> list[Path]:
     return [_run_stage(recipe, name, steps, log, produced) for name, steps in recipe.stages.items()]
 
 
+def _state(run_dir: Path, name: str) -> dict:
+    """What the stage's earlier runs recorded, {} for a new stage. A directory that holds anything else is
+    refused: the recipe replaces its outputs with --overwrite, so it must only ever find its own there."""
+    state_path = run_dir / "run.json"
+    if state_path.is_file():
+        try:
+            state = json.loads(state_path.read_text())
+        except (OSError, ValueError):
+            state = None
+        if isinstance(state, dict) and state.get("name") == name:
+            return state
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        raise SlimlmError(f"{run_dir} holds files this recipe did not write (no run.json of stage {name!r}); "
+                          "point runs: at a new directory or move them away")  # fmt: skip
+    if run_dir.exists() and not run_dir.is_dir():
+        raise SlimlmError(f"{run_dir} exists and is not a directory; point runs: elsewhere")
+    return {}
+
+
 def _run_stage(recipe: Recipe, name: str, steps: list[Step], log, produced: dict[str, str]) -> Path:
     from slimlm.cli import COMMANDS
 
     run_dir = recipe.runs / name
-    run_dir.mkdir(parents=True, exist_ok=True)
     state_path = run_dir / "run.json"
-    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    state = _state(run_dir, name)
+    if not state:  # claimed before any work, so a run killed after its first output still owns the directory
+        state = {"name": name}
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic.write_file(state_path, json.dumps(state, indent=1), True, "run.json")
     done = state.setdefault("hashes", {})
     model, key = recipe.model, _hash(recipe.model, _fingerprint(recipe.model))
 
@@ -233,7 +262,7 @@ def _run_stage(recipe: Recipe, name: str, steps: list[Step], log, produced: dict
             return  # unchanged: a resumed run leaves run.json as it was
         done[part] = value
         state.update({"name": name, "model": current})
-        state_path.write_text(json.dumps(state, indent=1))
+        atomic.write_file(state_path, json.dumps(state, indent=1), True, "run.json")
 
     for i, step in enumerate(steps):
         out = run_dir / ("model" if i == len(steps) - 1 else f"step{i}-{step.command}")
@@ -257,6 +286,7 @@ def _run_stage(recipe: Recipe, name: str, steps: list[Step], log, produced: dict
             continue
         log(f"{name}: {part}")
         args = _parse(part, options, model, None, f"{recipe.path}: {part}")
+        args.overwrite = True  # its own file: the run directory is this stage's (_state)
         if part == "eval":
             args.output = run_dir / target
         else:

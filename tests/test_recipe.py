@@ -70,8 +70,15 @@ def test_a_recipe_runs_resumes_and_redoes_only_what_changed(tiny_llama, calib_tx
     ("runs: r\nstages: {a: []}\n", "the field 'model' is required"),
     ("model: m\nruns: r\neval: {tasks: 3, limitt: 2}\nstages: {a: []}\n",
      "x.yaml:3: eval: unrecognized arguments: --limitt 2"),
+    ("model: m\nruns: r\nstages:\n  ../victim: []\n", "x.yaml:4: stages.../victim: a stage name is a plain name"),
+    ("model: m\nruns: r\nstages:\n  /abs/path: []\n", "a stage name is a plain name"),
+    ("model: m\nruns: r\nstages:\n  .: []\n", "a stage name is a plain name"),
+    ("model: m\nruns: r\nstages:\n  1: []\n", "a stage name is a plain name (letters, digits, '.', '_', '-'), "
+     "got 1"),
+    ("model: m\nruns: x.yaml\nstages: {a: []}\n", "runs: x.yaml exists and is not a directory"),
 ])  # fmt: skip
-def test_malformed_recipes_name_the_file_line_and_field(tmp_path, text, fragment):
+def test_malformed_recipes_name_the_file_line_and_field(tmp_path, text, fragment, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     path = tmp_path / "x.yaml"
     path.write_text(text)
     with pytest.raises(SlimlmError) as error:
@@ -89,6 +96,30 @@ def test_overrides_are_checked_too(tmp_path, capsys):
     assert main(["recipe", str(path), "--check", "--set", "stages.a.0.rtn.bits=five"]) == 2
     assert ("x.yaml:4 (with --set stages.a.0.rtn.bits=five): stages.a.0.rtn: argument --bits: invalid int value: "
             "'five'") in capsys.readouterr().err
+
+
+def test_a_recipe_replaces_only_what_it_wrote(tiny_llama, tmp_path, capsys):
+    """A user's checkpoint and notes where a stage's run directory would be: the recipe refuses and leaves them,
+    and a report path that is not a slimlm report is not replaced either."""
+    mine = tmp_path / "runs" / "rtn" / "model"
+    mine.parent.mkdir(parents=True)
+    (mine.parent / "eval.json").write_text("mine")
+    path = tmp_path / "r.yaml"
+    path.write_text(f"model: {tiny_llama}\nruns: {tmp_path / 'runs'}\nstages:\n  rtn: [{{rtn: {{bits: 8}}}}]\n")
+    assert main(["recipe", str(path)]) == 2
+    assert "holds files this recipe did not write (no run.json of stage 'rtn')" in capsys.readouterr().err
+    assert (mine.parent / "eval.json").read_text() == "mine" and not mine.exists()
+    own = tmp_path / "report.html"
+    own.write_text("<html>my notes</html>")
+    path.write_text(f"model: {tiny_llama}\nruns: {tmp_path / 'runs2'}\nreport: {own}\neval: {{max_tokens: 256, "
+                    "seq_len: 64}\nbench: {batch: [1], context: 16, prefill_len: 8, requests: 1, prompt_len: [4, 4], "
+                    "output_len: [2, 2], rounds: 1}\nstages:\n  float: []\n")  # fmt: skip
+    assert main(["recipe", str(path), "--check"]) == 2  # refused before any stage runs
+    assert f"--out {own} exists; pass --overwrite to replace it" in capsys.readouterr().err
+    assert own.read_text() == "<html>my notes</html>" and not (tmp_path / "runs2").exists()
+    own.unlink()
+    assert main(["recipe", str(path)]) == 0  # its own report, then replaced by the next run
+    assert main(["recipe", str(path)]) == 0 and "my notes" not in own.read_text()
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from slimlm import SlimlmError
+from slimlm.formats import atomic
 
 TEMPLATE = Path(__file__).with_name("report.html.j2")
 
@@ -151,8 +152,20 @@ def environment() -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
 
 
+GENERATOR = '<meta name="generator" content="slimlm">'  # in every report: what a recipe may replace
+
+
+def written_by_slimlm(path: Path) -> bool:
+    """Whether `path` is a report slimlm wrote (a recipe regenerates its own report, never another file)."""
+    try:
+        with open(path, errors="replace") as f:
+            return GENERATOR in f.read(4096)
+    except OSError:
+        return False
+
+
 def render(run_dirs: list[Path], out: Path, baseline: str | None = None, title: str = "slimlm tradeoff report",
-           notes: str = "") -> dict:  # fmt: skip
+           notes: str = "", overwrite: bool = False) -> dict:  # fmt: skip
     """Write the report to `out`; returns the runs it shows (with their ratios against the baseline)."""
     from jinja2 import Environment, FileSystemLoader, select_autoescape
 
@@ -180,11 +193,7 @@ def render(run_dirs: list[Path], out: Path, baseline: str | None = None, title: 
     env = Environment(loader=FileSystemLoader(TEMPLATE.parent), autoescape=select_autoescape(["html", "j2"]))
     html = env.get_template(TEMPLATE.name).render(title=title, runs=runs, base=base, tasks=tasks, plots=plots,
                                                   environment=environment(), notes=notes)  # fmt: skip
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(html)
-    tmp.replace(out)
+    atomic.write_file(Path(out), html, overwrite, "--out")
     return {"runs": runs, "baseline": base["name"], "plots": len(plots)}
 
 

@@ -59,6 +59,34 @@ def check_output(out: Path, overwrite: bool, sources: list[Path] = ()) -> Path:
     return out
 
 
+def check_file(path: Path, overwrite: bool, flag: str) -> Path:
+    """Refuse, before any work, a results file (report, eval/bench/plan JSON) that would lose data: a
+    directory, a checkpoint's own file, or an existing file unless `overwrite`."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise SlimlmError(f"{flag} {path} is a directory; name a file")
+    if path.name in CHECKPOINT_MARKERS or path.suffix == ".safetensors":
+        raise SlimlmError(f"{flag} {path} is a checkpoint's own file; name a file outside the checkpoint")
+    if path.exists() and not overwrite:
+        raise SlimlmError(f"{flag} {path} exists; pass --overwrite to replace it")
+    return path
+
+
+def write_file(path: Path, text: str, overwrite: bool, flag: str) -> None:
+    """`text` into `path` whole or not at all (a temp file beside it, renamed into place), after check_file."""
+    path = check_file(path, overwrite, flag)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
+            f.write(text)
+        try:
+            os.replace(f.name, path)
+        finally:
+            Path(f.name).unlink(missing_ok=True)
+    except OSError as e:
+        raise SlimlmError(f"cannot write {flag} {path}: {e.strerror or e}") from None
+
+
 def replaceable(d: Path) -> bool:
     """An empty dir, or a checkpoint: config.json or slimlm.json, and no subdirectories to lose."""
     entries = list(d.iterdir())

@@ -51,6 +51,22 @@ def test_the_report_shows_each_runs_own_numbers(runs, tmp_path, capsys):
     assert html.count("<img") == 3 and "data:image/png;base64," in html and html.count("<tr") >= 2 + 4 + 7
 
 
+def test_the_report_replaces_no_file_unless_asked_and_never_a_checkpoints(runs, tiny_llama, tmp_path, capsys):
+    out = tmp_path / "report.html"
+    out.write_text("mine")
+    for target, fragment in ((out, "exists; pass --overwrite to replace it"), (tmp_path, "is a directory; name a file"),
+                             (tiny_llama / "config.json", "is a checkpoint's own file")):  # fmt: skip
+        before = target.read_text() if target.is_file() else None
+        asked = [] if target == out else ["--overwrite"]  # asking does not make the others writable
+        assert main(["report", *map(str, runs), "--out", str(target), *asked]) == 2
+        err = capsys.readouterr().err
+        assert fragment in err and err.count("\n") == 1 and "Traceback" not in err
+        assert before is None or target.read_text() == before
+    assert main(["report", *map(str, runs), "--out", str(out), "--overwrite"]) == 0
+    assert "<html" in out.read_text()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp file left
+
+
 def test_a_busy_machine_is_flagged_in_the_report(runs, tmp_path):
     busy = tmp_path / "busy"
     shutil.copytree(runs[1], busy)
