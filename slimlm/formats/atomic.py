@@ -138,6 +138,23 @@ def staging(target: Path) -> Iterator[Path]:
         os.close(hold)
 
 
+@contextmanager
+def hold(d: Path, busy: str) -> Iterator[Path]:
+    """Hold directory `d` (made if missing) for this process: an flock on its file `.lock` (not on `d`, which
+    _commit locks to put things into it); a second holder is refused with `busy`. A killed holder's lock goes
+    with it, so a rerun may resume."""
+    d.mkdir(parents=True, exist_ok=True)
+    fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SlimlmError(busy) from None
+        yield d
+    finally:
+        os.close(fd)
+
+
 def _commit(tmp: Path, target: Path) -> None:
     parent = os.open(target.parent, os.O_RDONLY)
     try:

@@ -125,9 +125,11 @@ def train(
     run_dir: Path,
     evaluate: Callable[[nn.Module], dict] | None = None,
     progress: bool = True,
+    identity: dict | None = None,
 ) -> list[dict]:
     """Train `student` in place toward `teacher` on `windows` [N, seq_len]; returns the log (one dict per
-    step). Resumes from run_dir's checkpoint when one is there (written by the same configuration)."""
+    step). Resumes from run_dir's checkpoint when one is there, written by the same configuration and the same
+    `identity` (what else the caller's run is: its source, its options, its data)."""
     from accelerate import Accelerator
     from tqdm import tqdm
 
@@ -143,7 +145,8 @@ def train(
     student.train()
     student, optimizer = accelerator.prepare(student, optimizer)
     main = accelerator.is_main_process
-    start, log = _resume(run_dir, config, accelerator.unwrap_model(student), optimizer, scheduler, main)
+    fingerprint = {**_fingerprint(config), "identity": identity or {}}
+    start, log = _resume(run_dir, fingerprint, accelerator.unwrap_model(student), optimizer, scheduler, main)
     if start == 0 and evaluate is not None:  # where the curve starts: the changed model before training
         if main:
             log.append({"step": 0, "tokens": 0, **evaluate(accelerator.unwrap_model(student).eval())})
@@ -176,6 +179,7 @@ def train(
         if not (math.isfinite(loss_value) and math.isfinite(float(grad_norm))):  # before the step: weights intact
             saved = max(start, step // config.checkpoint_every * config.checkpoint_every)
             resume = f"a rerun resumes from step {saved}" if saved else "no checkpoint was reached"
+            bar.close()  # the error on a line of its own
             raise SlimlmError(f"training diverged at step {step + 1} (loss {loss_value}, gradient norm "
                               f"{float(grad_norm)}): stopped before that update, nothing written; lower --lr "
                               f"({resume})")  # fmt: skip
@@ -199,7 +203,7 @@ def train(
             _append_log(run_dir, entry)
         if (step + 1) % config.checkpoint_every == 0 and step + 1 < config.steps:
             if main:
-                _save(run_dir, config, accelerator.unwrap_model(student), optimizer, scheduler, step + 1)
+                _save(run_dir, fingerprint, accelerator.unwrap_model(student), optimizer, scheduler, step + 1)
             accelerator.wait_for_everyone()
     bar.close()
     student = accelerator.unwrap_model(student)
@@ -219,21 +223,21 @@ def _fingerprint(config: TrainConfig) -> dict:
     return json.loads(json.dumps(keep))
 
 
-def _save(run_dir: Path, config: TrainConfig, model: nn.Module, optimizer, scheduler, step: int) -> None:
+def _save(run_dir: Path, fingerprint: dict, model: nn.Module, optimizer, scheduler, step: int) -> None:
     tensors = {f"model.{k}": v for k, v in state_tensors(model).items()}
     state = optimizer.state_dict()
     for index, values in state["state"].items():
         for key, value in values.items():
             tensors[f"optim.{index}.{key}"] = value.detach().contiguous()
     tensors["rng.torch"] = torch.get_rng_state()
-    meta = {"step": step, "config": _fingerprint(config), "param_groups": state["param_groups"],
+    meta = {"step": step, "config": fingerprint, "param_groups": state["param_groups"],
             "scheduler": scheduler.state_dict()}  # fmt: skip
     with staging(run_dir / "checkpoint") as tmp:
         save_file(tensors, tmp / "state.safetensors")
         (tmp / "state.json").write_text(json.dumps(meta))
 
 
-def _resume(run_dir: Path, config: TrainConfig, model: nn.Module, optimizer, scheduler,
+def _resume(run_dir: Path, fingerprint: dict, model: nn.Module, optimizer, scheduler,
             main: bool) -> tuple[int, list[dict]]:  # fmt: skip
     """The step to start from and the log so far (entries past the checkpoint dropped: they are redone;
     only the main process rewrites the log)."""
@@ -245,8 +249,11 @@ def _resume(run_dir: Path, config: TrainConfig, model: nn.Module, optimizer, sch
             log_path.write_text("")
         return 0, []
     meta = json.loads((checkpoint / "state.json").read_text())
-    if meta["config"] != _fingerprint(config):
-        raise SlimlmError(f"{run_dir} holds a run with other settings; delete it or rerun with the same ones")
+    if meta["config"] != fingerprint:
+        stored, identity = meta["config"].get("identity", {}), fingerprint["identity"]
+        differ = sorted({k for k in {*stored, *identity} if stored.get(k) != identity.get(k)} or {"training options"})
+        raise SlimlmError(f"{run_dir} holds a run with another {', '.join(differ)} than this one; delete it or "
+                          "rerun with the same ones")  # fmt: skip
     tensors = load_file(checkpoint / "state.safetensors")
     names = dict(model.named_parameters())
     weights = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}

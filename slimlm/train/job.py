@@ -4,7 +4,9 @@ checkpoint (smaller config fields) with its training log."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 import math
 import shutil
 import sys
@@ -87,7 +89,14 @@ def _finish(job: _Job, student: torch.nn.Module, meta: dict, train_config: Train
         log(f"[{tag}] distillation: {train_config.steps} steps of {train_config.global_batch}×"
             f"{train_config.seq_len} tokens from '{train_data}' on {state.num_processes} process(es); "
             f"checkpoints in {run_dir}")  # fmt: skip
-        history = train(student, job.teacher, job.windows, train_config, run_dir, evaluate, progress)
+        # what a checkpoint must share with this run to be resumed: the source's weights, the conversion or
+        # pruning and its options, the text (json-normal, as the checkpoint stores it)
+        identity = json.loads(json.dumps({"source": meta["source_model"]["sha256"], "method": meta["method"],
+                                          "arguments": meta["arguments"], "train_data": train_data,
+                                          "eval_data": eval_data}, default=str))  # fmt: skip
+        busy = f"another run is training in {run_dir} now (the same --out); wait for it or name another --out"
+        with atomic.hold(run_dir, busy) if state.is_main_process else contextlib.nullcontext():
+            history = train(student, job.teacher, job.windows, train_config, run_dir, evaluate, progress, identity)
         meta["training"] = {**asdict(train_config), "data": train_data, "log": history,
                             "eval": f"{eval_data}, first {EVAL_TOKENS} tokens"}  # fmt: skip
     if state.is_main_process:

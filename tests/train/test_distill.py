@@ -141,3 +141,43 @@ def test_two_processes_give_the_one_process_curve(tiny_llama, calib_txt, tmp_pat
     mine, theirs = losses(out), losses(uninterrupted)
     assert len(mine) == 24 and mine == pytest.approx(theirs, rel=1e-4)  # float sums in another order
     assert math.isfinite(json.loads((out / "slimlm.json").read_text())["training"]["log"][-1]["eval_ppl"])
+
+
+def test_a_checkpoint_resumes_only_the_same_source_options_and_data(tiny_llama, calib_txt, tmp_path, capsys):
+    """A diverged run (--lr 1e6) stops at step 3 and leaves its step-2 checkpoint; a rerun that differs in the
+    source's weights, the conversion or the text is refused by name, one that does not resumes (and diverges
+    again, at the same step)."""
+    from slimlm.cli import main
+    from tests.conftest import make_text, make_tiny_llama
+
+    out = tmp_path / "o"
+    other_text = tmp_path / "other.txt"
+    other_text.write_text(make_text(300, seed=7))
+    other_model = make_tiny_llama(tmp_path / "other-model", seed=123)
+
+    def run(model=tiny_llama, text=calib_txt, kv_heads="2"):
+        argv = gqa_command(model, calib_txt, out, steps=8)
+        argv[argv.index("--train-data") + 1] = str(text)
+        argv[argv.index("--kv-heads") + 1] = kv_heads
+        argv += ["--lr", "1e6", "--checkpoint-every", "2", "--global-batch", "2", "--micro-batch", "1"]
+        code = main(argv)
+        return code, capsys.readouterr().err.splitlines()[-1]
+
+    code, err = run()
+    assert code == 2 and "training diverged at step" in err and "a rerun resumes from step 2" in err
+    for changed, word in ((dict(model=other_model), "source"), (dict(text=other_text), "train_data"),
+                          (dict(kv_heads="1"), "arguments")):  # fmt: skip
+        code, err = run(**changed)
+        assert code == 2 and f"holds a run with another {word} than this one" in err, err
+    code, err = run()
+    assert code == 2 and "training diverged at step" in err  # resumed: the same run, the same divergence
+
+
+def test_two_runs_never_train_in_one_run_directory(tiny_llama, calib_txt, tmp_path, capsys):
+    from slimlm.cli import main
+    from slimlm.formats import atomic
+
+    out = tmp_path / "o"
+    with atomic.hold(tmp_path / ".o.train", "held"):
+        assert main(gqa_command(tiny_llama, calib_txt, out, steps=2)) == 2
+    assert "another run is training in" in capsys.readouterr().err and not out.exists()
