@@ -114,6 +114,26 @@ def test_scoring_continuations_reuses_the_context_and_matches_transformers(tiny_
         llm.engine.add_request(context, SamplingParams(prompt_logprobs=0, prompt_logprobs_from=len(context)))
 
 
+def test_an_equal_block_after_different_prefixes_is_not_shared(tiny_llama):
+    """Blocks are cached by their whole prefix, not their own tokens: the same 16 tokens after two different
+    first blocks hold different K/V (attention saw different pasts), so the second prompt reuses nothing and
+    each prompt's logits are those of a fresh engine."""
+    same = list(range(100, 116))  # one full block, identical in both prompts
+    a, b = list(range(20, 36)) + same + [7, 8, 9], list(range(40, 56)) + same + [7, 8, 9]
+    # the tail's log-probabilities (scoring from 33 leaves the first two blocks free to be reused) and greedy text
+    params = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=0, prompt_logprobs_from=33)
+    fresh = [LLM(str(tiny_llama), prefix_caching=False).generate([p], params)[0] for p in (a, b)]
+    llm = LLM(str(tiny_llama))
+    first = llm.generate([a], params)[0]
+    second = llm.generate([b], params)[0]
+    assert second.num_cached_tokens == 0
+    for got, want in zip((first, second), fresh, strict=True):
+        assert torch.allclose(torch.tensor(got.prompt_logprobs), torch.tensor(want.prompt_logprobs), atol=1e-6)
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    again = llm.generate([b], params)[0]  # b's own blocks are cached now, under b's prefix
+    assert again.num_cached_tokens == 32 and again.prompt_logprobs == pytest.approx(second.prompt_logprobs, abs=1e-6)
+
+
 def test_shared_prefix_blocks_are_reused_and_change_nothing(tiny_llama, hf):
     _, tok = hf
     words = make_text(60, seed=5).split()
