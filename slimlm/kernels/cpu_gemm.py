@@ -105,8 +105,8 @@ def path(rows: int, dtype: torch.dtype, w: PackedWeight) -> str:
         return "fp32-split" if 3 * rows <= limit else "fused"
     if cpu_library.vector_bits() == 512:
         return "dequant-slices" if dtype == torch.bfloat16 and rows > FUSED_MAX_ROWS_BF16 else "fused"
-    if rows > FUSED_MAX_ROWS_AVX2:
-        return "dequant-slices"
+    if rows > FUSED_MAX_ROWS_AVX2:  # prefill and large batches: exact activations, as transformers multiplies
+        return "dequant-slices"  # them (the int8 loop would be 1.15-2.9x faster there: README, Known limits)
     int8 = w.bits == 4 and w.in_features % INT8_RUN == 0 and w.group_size % INT8_RUN == 0
     return "int8" if int8 else "fused"
 

@@ -218,9 +218,10 @@ def test_the_loop_for_each_row_count_on_cpus_without_bf16(other_isa):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [3, 17, 40])
-def test_cpus_without_bf16_match_the_reference_on_every_loop(poisoned, other_isa, dtype, m):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cpus_without_bf16_match_the_reference_on_every_loop(poisoned, other_isa, dtype, m, bits):
     """1100 outputs: more than SLICE_BLOCKS blocks, so the slices include a ragged last one; act-order too."""
-    _, w = quantized_weight(1100, 128, 4, 64, sym=False, act_order=True, seed=m)
+    _, w = quantized_weight(1100, 128, bits, 64, sym=False, act_order=True, seed=m)
     x = torch.randn(m, 128).to(dtype)
     out = cpu_gemm.quant_matmul(x, w)
     assert out.shape == (m, 1100) and out.dtype == dtype
@@ -300,9 +301,10 @@ def test_a_failed_allocation_in_the_bf16_kernels_is_named(monkeypatch, rows):
     assert str(e.value) == f"out of memory in the CPU quantized matmul ({rows}×128 rows of x)"
 
 
-def test_cpus_without_bf16_run_the_loop_path_names_over_every_slice(poisoned, other_isa, monkeypatch):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cpus_without_bf16_run_the_loop_path_names_over_every_slice(poisoned, other_isa, monkeypatch, bits):
     """2112 outputs: 33 blocks, more than two slices of SLICE_BLOCKS."""
-    _, w = quantized_weight(2112, 128, 4, 64, sym=True)
+    _, w = quantized_weight(2112, 128, bits, 64, sym=True)
     spy = Spy(cpu_library.load())
     monkeypatch.setattr(cpu_library, "load", lambda: spy)
     called = {"dequant-slices": "slimlm_dequantize", "int8": "slimlm_quant_matmul_i8", "fused": "slimlm_quant_matmul"}
