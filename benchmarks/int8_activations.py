@@ -33,9 +33,14 @@ RUN = 10  # steps back to back per loop and turn
 
 @contextlib.contextmanager
 def forced(loop: str):
-    """cpu_gemm.path answering `loop` wherever the int8 loop would run one row."""
+    """cpu_gemm.path answering `loop` wherever the int8 loop would run a decode step, prompt tokens included."""
     path = cpu_gemm.path
-    cpu_gemm.path = lambda rows, dtype, w: loop if path(1, dtype, w) == "int8" else path(rows, dtype, w)
+
+    def int8_here(dtype, w) -> bool:
+        with cpu_gemm.exact_activations(False):
+            return path(1, dtype, w) == "int8"
+
+    cpu_gemm.path = lambda rows, dtype, w: loop if int8_here(dtype, w) else path(rows, dtype, w)
     try:
         yield
     finally:

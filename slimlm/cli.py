@@ -332,11 +332,11 @@ def limit_arg(text: str) -> int | float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
-    if value >= 1 and value == int(value):
+    if 1 <= value <= 1e9 and value == int(value):  # a count past any task's size: still a count, not 1e30
         return int(value)
     if 0 < value < 1:
         return value
-    raise argparse.ArgumentTypeError(f"'{text}' must be a document count >= 1 or a fraction in (0, 1)")
+    raise argparse.ArgumentTypeError(f"'{text}' must be a document count from 1 to 1e9 or a fraction in (0, 1)")
 
 
 def window_int(text: str) -> int:

@@ -358,8 +358,9 @@ def test_a_huge_single_passage_is_tokenized_only_as_far_as_needed(tiny_llama):
         (["eval", "{m}", "--seq-len", "1"], "a window needs at least 2 tokens"),
         (["eval", "{m}", "--seq-len", "-4"], "must be at least 2"),
         (["eval", "{m}", "--max-tokens", "0"], "must be a positive integer"),
-        (["eval", "{m}", "--tasks", "slimlm_piqa", "--limit", "0"], "must be a document count >= 1 or a fraction"),
-        (["eval", "{m}", "--tasks", "slimlm_piqa", "--limit", "2.5"], "must be a document count >= 1 or a fraction"),
+        (["eval", "{m}", "--tasks", "slimlm_piqa", "--limit", "0"], "must be a document count from 1 to 1e9 or a"),
+        (["eval", "{m}", "--tasks", "slimlm_piqa", "--limit", "2.5"], "must be a document count from 1 to 1e9 or a"),
+        (["eval", "{m}", "--tasks", "slimlm_piqa", "--limit", "1e30"], "must be a document count from 1 to 1e9 or a"),
         (["rtn", "--model", "{m}", "--out", "{o}", "--batch-size", "0"], "must be a positive integer"),
         (["rtn", "--model", "{m}", "--out", "{o}", "--ppl-tokens", "-100"], "must be a positive integer"),
         (["rtn", "--model", "{m}", "--out", "{o}", "--seed", str(2**70)], "must be in [0, 2^63)"),
@@ -387,6 +388,7 @@ def test_flags_out_of_range_are_argparse_errors(capsys, tiny_llama, tmp_path, ar
         (["awq", "--model", "{m}", "--out", "{o}", "--group-size", "32", "--grid", "0"],
          "--grid 0 must be a positive integer (20 is the default)"),  # fmt: skip
         (["generate", "{m}", "--prompt", "caf\udce9"], "is not valid text"),
+        (["plan", "llama-3.1-8b", "--weights", "w4g0"], "and a group >= 1 (-1: per channel)"),
     ],
 )
 def test_user_errors_are_one_line(capsys, tiny_llama, tmp_path, argv, fragment):

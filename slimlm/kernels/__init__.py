@@ -20,9 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from slimlm.kernels import cpu_attention, cpu_library, reference
+from slimlm.kernels.cpu_gemm import exact_activations
 from slimlm.kernels.packed import PackedWeight, pack
 
-__all__ = ["Backend", "PackedWeight", "backend", "pack", "paged_attention", "quant_matmul", "select"]
+__all__ = [
+    "Backend", "PackedWeight", "backend", "exact_activations", "pack", "paged_attention", "quant_matmul", "select",
+]
 
 
 @functools.cache

@@ -12,12 +12,13 @@ Which loop runs, by CPU and by x (thresholds measured with benchmarks/kernels_cp
                               won on the EPYC), fp32 matmul on dequantized fp32 slices above
     AVX-512 without BF16      fused fp32 loop; bf16 x above FUSED_MAX_ROWS_BF16 rows: bf16 matmul on
                               dequantized slices
-    AVX2                      4-bit: x quantized to int8 per run of INT8_RUN inputs, codes times bytes
-                              (vpmaddubsw: 32 weights an instruction; 1.3–1.5× the fused loop's batch-1
-                              decode on Qwen2.5-1.5B for +0.1–0.15% perplexity; the product is exactly W·x̂,
-                              llama.cpp's Q4×Q8); 8-bit (at memory bandwidth already) and widths not a
-                              multiple of INT8_RUN: fused fp32 loop; above FUSED_MAX_ROWS_AVX2 rows either
-                              way: fp32 matmul on dequantized slices
+    AVX2                      4-bit, decode steps (any batch): x quantized to int8 per run of INT8_RUN inputs,
+                              codes times bytes (vpmaddubsw: 32 weights an instruction; the product is exactly
+                              W·x̂, llama.cpp's Q4×Q8): 1.3–1.5× the fused loop at batch 1 on Qwen2.5-1.5B,
+                              2.4–2.9× the fp32 slices at 24–32 rows, for +0.1–0.15% perplexity. Prompt tokens
+                              (inside exact_activations(), which the model enters for any step with one), 8-bit
+                              weights (at memory bandwidth already) and widths not a multiple of INT8_RUN: the
+                              fused fp32 loop; above FUSED_MAX_ROWS_AVX2 rows, fp32 matmul on dequantized slices
 
 Dense weights (packed.pack_dense, where dense_fits) take the same loops, as they are, with x in their dtype:
 bf16 ones the bf16 loops; fp32 ones (AVX-512 CPUs) the fused loop up to FUSED_MAX_ROWS_DENSE rows and above,
@@ -25,6 +26,10 @@ torch's batched fp32 matmul of x by every block as it lies (no copy of the weigh
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
 
 import torch
 
@@ -105,10 +110,23 @@ def path(rows: int, dtype: torch.dtype, w: PackedWeight) -> str:
         return "fp32-split" if 3 * rows <= limit else "fused"
     if cpu_library.vector_bits() == 512:
         return "dequant-slices" if dtype == torch.bfloat16 and rows > FUSED_MAX_ROWS_BF16 else "fused"
-    if rows > FUSED_MAX_ROWS_AVX2:  # prefill and large batches: exact activations, as transformers multiplies
-        return "dequant-slices"  # them (the int8 loop would be 1.15-2.9x faster there: README, Known limits)
-    int8 = w.bits == 4 and w.in_features % INT8_RUN == 0 and w.group_size % INT8_RUN == 0
-    return "int8" if int8 else "fused"
+    if not _EXACT.get() and w.bits == 4 and w.in_features % INT8_RUN == 0 and w.group_size % INT8_RUN == 0:
+        return "int8"
+    return "dequant-slices" if rows > FUSED_MAX_ROWS_AVX2 else "fused"
+
+
+_EXACT = contextvars.ContextVar("exact_activations", default=False)
+
+
+@contextlib.contextmanager
+def exact_activations(exact: bool = True) -> Iterator[None]:
+    """Inside, no loop quantizes x (AVX2's int8 loop steps aside): prompt tokens are scored with the activations
+    transformers multiplies, so prompt log-probabilities and evaluations do not depend on this CPU's loops."""
+    token = _EXACT.set(exact)
+    try:
+        yield
+    finally:
+        _EXACT.reset(token)
 
 
 def dense_fits(weight: torch.Tensor) -> bool:

@@ -28,11 +28,13 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight, dtype: torch.dtype | None = N
 
 
 def int8_activations(x: torch.Tensor, run: int = 32) -> torch.Tensor:
-    """x̂: x [M, K] quantized per `run` inputs to int8 (scale max|x|/127, nearest, ties to even) and back, as
-    the AVX2 4-bit kernel multiplies it (cpu_gemm's "int8" loop, llama.cpp's Q8 activations)."""
-    runs = x.reshape(x.shape[0], -1, run)
-    scale = runs.abs().amax(-1, keepdim=True) / 127
-    return (torch.round(runs / torch.where(scale > 0, scale, 1)) * scale).reshape(x.shape)
+    """x̂: x [M, K] quantized per `run` inputs to int8 (q = x·(127/max|x|) rounded to nearest, ties to even;
+    x̂ = q·max|x|/127) and back, as the AVX2 4-bit kernel multiplies it (cpu_gemm's "int8" loop, llama.cpp's Q8
+    activations). In fp32 step for step as the kernel: in float64 a product near .5 can round the other way."""
+    runs = x.float().reshape(x.shape[0], -1, run)
+    amax = runs.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(runs * inv) * (amax / 127)).reshape(x.shape).to(x.dtype)
 
 
 def dequantized(kv: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

@@ -157,7 +157,8 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise SlimlmError(f"the prompt has {len(ids)} tokens; the model's context holds {self.max_model_len}, "
                               "and one must be generated")  # fmt: skip
-        if params.prompt_logprobs is not None and params.prompt_logprobs_from >= len(ids):
+        # from 1 (the default) a one-token prompt simply has nothing to score: its only token is null in an echo
+        if params.prompt_logprobs is not None and 1 < params.prompt_logprobs_from >= len(ids):
             raise SlimlmError(f"prompt_logprobs_from {params.prompt_logprobs_from} is past the prompt's last token "
                               f"(position {len(ids) - 1})")  # fmt: skip
         request_id = request_id or f"req-{next(self._ids)}"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from slimlm import SlimlmError
+from slimlm import SlimlmError, kernels
 from slimlm.runtime.loader import load_model
 from slimlm.runtime.model import StepInputs
 from slimlm.runtime.scheduler import Batch
@@ -85,8 +85,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch, logit_rows: list[int]) -> torch.Tensor:
-        """Forward pass over the batch; fp32 logits [len(logit_rows), vocab] for the requested token rows."""
+        """Forward pass over the batch; fp32 logits [len(logit_rows), vocab] for the requested token rows. A
+        step with prompt tokens runs with exact activations, logits included, so prompt log-probabilities are
+        transformers' on every CPU (kernels.exact_activations); decode steps, drafts' verification included,
+        take the kernels' fastest loop."""
         self.copy_blocks(batch.copies)
         ids, step = self.inputs(batch)
-        hidden = self.model(ids, step, self.kv_cache)
-        return self.model.logits(hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)])
+        prompt = any(item.seq.num_computed < item.seq.num_prompt_tokens for item in batch.items)
+        with kernels.exact_activations(prompt):
+            hidden = self.model(ids, step, self.kv_cache)
+            return self.model.logits(hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)])

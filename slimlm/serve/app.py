@@ -99,8 +99,9 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None = None
     async def authorize(request: Request) -> None:
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # the scheme is case-insensitive (RFC 7235); the key is compared in constant time
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
             raise HTTPException(401, "missing or wrong API key (send Authorization: Bearer KEY)")
 
     def check_model(name: str | None) -> None:

@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from slimlm.compress.quantize import quantize_rtn
@@ -162,3 +163,15 @@ class Spy:
             return fn(*args) if self.status is None else self.status
 
         return call
+
+
+def haswell_library(monkeypatch) -> Spy:
+    """The AVX2 build, spied on, in place of this CPU's (skips where this CPU cannot run it)."""
+    if not (cpu_library.available() and (cpu_library.vector_bits() == 256 or cpu_library.has_bf16_gemm())):
+        pytest.skip("needs an AVX2 CPU or one that runs every build")
+    spy = Spy(cpu_library.load("haswell"))
+    spy.calls = []
+    monkeypatch.setattr(cpu_library, "load", lambda: spy)
+    monkeypatch.setattr(cpu_library, "vector_bits", lambda: 256)
+    monkeypatch.setattr(cpu_library, "has_bf16_gemm", lambda: False)
+    return spy

@@ -4,7 +4,14 @@ import torch
 from slimlm import SlimlmError
 from slimlm.kernels import cpu_gemm, cpu_library, reference
 from slimlm.kernels.packed import dequantize, pack_dense
-from tests.kernels.problems import Spy, quantized_weight, relative_error, torch_threads, x_as_multiplied
+from tests.kernels.problems import (
+    Spy,
+    haswell_library,
+    quantized_weight,
+    relative_error,
+    torch_threads,
+    x_as_multiplied,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="needs gcc and AVX-512 or AVX2")
 needs_bf16 = pytest.mark.skipif(
@@ -203,7 +210,10 @@ def test_the_loop_for_each_row_count_on_cpus_without_bf16(other_isa):
         _, w8 = quantized_weight(64, 128, 8, 64, False)
         _, narrow = quantized_weight(64, 144, 4, -1, False)  # 144 inputs: not whole runs of INT8_RUN
         for dtype in (torch.float32, torch.bfloat16):
-            assert [cpu_gemm.path(m, dtype, w) for m in (1, limit, limit + 1)] == ["int8", "int8", "dequant-slices"]
+            assert [cpu_gemm.path(m, dtype, w) for m in (1, limit, limit + 1, 512)] == ["int8"] * 4  # decode steps
+            with cpu_gemm.exact_activations():  # prompt tokens
+                assert [cpu_gemm.path(m, dtype, w) for m in (1, limit, limit + 1)] == ["fused", "fused",
+                                                                                       "dequant-slices"]  # fmt: skip
             assert [cpu_gemm.path(m, dtype, w8) for m in (1, limit, limit + 1)] == ["fused", "fused",
                                                                                     "dequant-slices"]  # fmt: skip
             assert cpu_gemm.path(1, dtype, narrow) == "fused"
@@ -246,16 +256,6 @@ def test_avx2_int8_loop_is_the_weights_times_x_hat(poisoned, monkeypatch, bits, 
     assert relative_error(out, reference.quant_matmul(x.double(), w)) < 2e-2
 
 
-def haswell_library(monkeypatch) -> Spy:
-    """The AVX2 build, spied on, in place of this CPU's (skips where this CPU cannot run it)."""
-    if not (cpu_library.available() and (cpu_library.vector_bits() == 256 or cpu_library.has_bf16_gemm())):
-        pytest.skip("needs an AVX2 CPU or one that runs every build")
-    spy = Spy(cpu_library.load("haswell"))
-    spy.calls = []
-    monkeypatch.setattr(cpu_library, "load", lambda: spy)
-    monkeypatch.setattr(cpu_library, "vector_bits", lambda: 256)
-    monkeypatch.setattr(cpu_library, "has_bf16_gemm", lambda: False)
-    return spy
 
 
 @needs_bf16

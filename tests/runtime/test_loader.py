@@ -105,6 +105,26 @@ def test_an_untied_embedding_keeps_its_narrower_stored_dtype(tmp_path):
     assert torch.allclose(torch.tensor(got), expected, atol=1e-5)
 
 
+def test_prompt_tokens_are_exact_and_decode_steps_quantize_x_on_avx2(calibrated, tmp_path, monkeypatch):
+    """AVX2's int8 loop runs the decode steps only: prompt log-probabilities are transformers' (to the fp16
+    scales' accuracy, as on any CPU), while every decode step, batched or not, multiplies x̂."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.kernels.problems import haswell_library
+
+    out = quantize(calibrated, tmp_path / "w4", "rtn", QuantArgs(4, 32, True))
+    lib = haswell_library(monkeypatch)
+    ids = ids_for(out)
+    llm = LLM(str(out))
+    got = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
+    assert "slimlm_quant_matmul_i8" not in lib.calls and "slimlm_dequantize" in lib.calls  # 40 rows: fp32 slices
+    expected = model_logprobs(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), ids)
+    assert torch.allclose(torch.tensor(got), expected, atol=2e-3)
+    lib.calls = []
+    llm.generate([ids[:5]] * 30, SamplingParams(max_tokens=3, temperature=0))  # decode steps of 30 sequences
+    assert "slimlm_quant_matmul_i8" in lib.calls
+
+
 def test_w4_checkpoint_matches_transformers(calibrated, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -97,6 +97,14 @@ def test_logprobs_and_echo_equal_the_offline_scores(client, offline):
     assert max(greedy.values()) == pytest.approx(lp.token_logprobs[-1])  # greedy: the token is the top one
 
 
+@pytest.mark.parametrize("logprobs", [0, 2])
+def test_echo_of_a_one_token_prompt_has_a_null_first_logprob(client, logprobs):
+    """As OpenAI and vLLM answer: the prompt's only token has nothing before it to be scored by."""
+    r = client.completions.create(model=NAME, prompt=[42], max_tokens=1, logprobs=logprobs, echo=True)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == 2 and lp.tokens[0] is not None
+
+
 def test_chat_logprobs(client):
     r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "war"}], max_tokens=4,
                                        temperature=0, logprobs=True, top_logprobs=3)  # fmt: skip
@@ -195,6 +203,9 @@ def test_api_key_is_required_when_set(chat_llama):
     with serve_in_thread(engine, NAME, api_key="s3cret") as url:
         assert httpx.get(f"{url}/v1/models").status_code == 401
         assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+        for wrong in ("Basic s3cret", "s3cret", "Bearer s3cret2", "Bearers3cret"):
+            assert httpx.get(f"{url}/v1/models", headers={"Authorization": wrong}).status_code == 401, wrong
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200  # RFC 7235
         ok = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
         assert ok.models.list().data[0].id == NAME
         assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
