@@ -332,6 +332,28 @@ def test_abort_during_stream_ends_with_an_abort_output(tiny_llama):
     assert llm.engine.stats().free_blocks == llm.engine.stats().total_blocks
 
 
+def test_generate_while_a_stream_is_open_is_refused_and_the_stream_goes_on(tiny_llama):
+    """generate() would run the stream's request to completion and drop its outputs: it is refused instead;
+    once the stream is exhausted or closed, the LLM takes calls again."""
+    from slimlm import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    stream = llm.stream([[5, 6, 7]], params)
+    first = next(stream)
+    with pytest.raises(SlimlmError, match="an LLM.stream\\(\\) iterator is still open on this LLM"):
+        llm.generate([[8, 9]], params)
+    with pytest.raises(SlimlmError, match="still open"):
+        next(llm.stream([[8, 9]], params))
+    rest = list(stream)
+    assert rest[-1].finished and len(rest[-1].outputs[0].token_ids) == 6 and not first.finished
+    assert len(llm.generate([[8, 9]], params)[0].outputs[0].token_ids) == 6
+    again = llm.stream([[5, 6, 7]], params)
+    next(again)
+    again.close()  # closing early frees the LLM too
+    assert llm.generate([[8, 9]], params)[0].finished
+
+
 # ---- 13, 14. bounded work, one-line messages -----------------------------------------------------------
 
 

@@ -16,6 +16,13 @@ class LLM:
         """`model`: a bundled asset, a local directory or a hub id; keyword arguments: EngineConfig fields."""
         self.engine = Engine(model, EngineConfig(**config))
         self.tokenizer = self.engine.tokenizer
+        self._streaming = False  # a stream() iterator has started and not ended: its requests are in the engine
+
+    def _check_idle(self) -> None:
+        # generate() would step the stream's requests to completion and swallow their outputs
+        if self._streaming:
+            raise SlimlmError("an LLM.stream() iterator is still open on this LLM; exhaust or close() it first "
+                              "(or use another LLM)")  # fmt: skip
 
     def _submit(self, prompts: Prompts, params: SamplingParams | Sequence[SamplingParams] | None) -> list:
         """Queue every prompt; a prompt that cannot be served becomes an error output, the rest still run."""
@@ -38,6 +45,7 @@ class LLM:
         self, prompts: Prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[RequestOutput]:
         """Run all prompts to completion in one continuous batch; outputs in prompt order."""
+        self._check_idle()
         submitted = self._submit(prompts, params)
         done: dict[str, RequestOutput] = {}
         try:
@@ -55,8 +63,10 @@ class LLM:
         self, prompts: Prompts, params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> Iterator[RequestOutput]:
         """Yield each request's output every time it grows, and a last time when it finishes."""
+        self._check_idle()
         submitted = self._submit(prompts, params)
         finished: set[str] = set()
+        self._streaming = True
         try:
             for s in submitted:
                 if isinstance(s, RequestOutput):
@@ -66,6 +76,7 @@ class LLM:
                     finished.update([out.request_id] if out.finished else [])
                     yield out
         finally:  # the consumer stopped early: its requests must not linger in the engine
+            self._streaming = False
             for s in submitted:
                 if isinstance(s, str) and s not in finished:
                     self.engine.abort(s, report=False)
