@@ -307,6 +307,18 @@ def test_engine_settings_are_checked(tiny_llama, config, fragment):
         LLM(str(tiny_llama), **config)
 
 
+def test_a_block_size_below_the_speculative_default_needs_no_speculation_flag(tiny_llama):
+    """num_speculative_tokens (default 4) bounds block_size only when something drafts."""
+    from slimlm import LLM, SamplingParams
+    from slimlm.runtime.engine import EngineConfig
+
+    EngineConfig(block_size=2)
+    with pytest.raises(SlimlmError, match=r"num_speculative_tokens must be an integer in 1..block_size \(2\)"):
+        EngineConfig(block_size=2, speculative="ngram")
+    out = LLM(str(tiny_llama), block_size=2).generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 def test_kv_cache_memory_flag(capsys, tiny_llama):
     with pytest.raises(SystemExit):
         run_cli(capsys, "generate", str(tiny_llama), "--prompt", "the", "--kv-cache-memory", "inf")

@@ -64,7 +64,8 @@ class EngineConfig:
         if self.speculative is not None and not (isinstance(self.speculative, str) and self.speculative):
             problems.append(f"speculative must be 'ngram', a draft model or None, got {self.speculative!r}")
         k = self.num_speculative_tokens
-        if not _positive_int(k) or (_positive_int(self.block_size) and k > self.block_size):
+        drafting = self.speculative is not None  # without speculation the default 4 must not bound block_size
+        if not _positive_int(k) or (drafting and _positive_int(self.block_size) and k > self.block_size):
             problems.append(f"num_speculative_tokens must be an integer in 1..block_size ({self.block_size}), "
                             f"got {k!r}")  # fmt: skip
         if problems:

@@ -12,11 +12,12 @@ Prompts = str | Sequence[str] | Sequence[Sequence[int]]
 
 
 class LLM:
+    _streaming = False  # a stream() iterator has started and not ended: its requests are in the engine
+
     def __init__(self, model: str, **config) -> None:
         """`model`: a bundled asset, a local directory or a hub id; keyword arguments: EngineConfig fields."""
         self.engine = Engine(model, EngineConfig(**config))
         self.tokenizer = self.engine.tokenizer
-        self._streaming = False  # a stream() iterator has started and not ended: its requests are in the engine
 
     def _check_idle(self) -> None:
         # generate() would step the stream's requests to completion and swallow their outputs

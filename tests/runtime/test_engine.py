@@ -386,7 +386,8 @@ def test_prompt_top_logprobs_gather_over_every_chunk(tiny_llama, hf, prompts):
         (dict(block_size=0), "block_size must be a positive integer, got 0"),
         (dict(speculative=""), "speculative must be 'ngram', a draft model or None, got ''"),
         (dict(speculative=3), "speculative must be 'ngram', a draft model or None, got 3"),
-        (dict(num_speculative_tokens=17), "num_speculative_tokens must be an integer in 1..block_size (16), got 17"),
+        (dict(num_speculative_tokens=17, speculative="ngram"),
+         "num_speculative_tokens must be an integer in 1..block_size (16), got 17"),
         (dict(max_model_len=0, max_num_seqs=-1), "max_num_seqs must be a positive integer, got -1; "
                                                  "max_model_len must be a positive integer or None, got 0"),
     ],
