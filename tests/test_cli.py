@@ -337,7 +337,7 @@ def test_kv_flags_that_do_not_fit_are_named(capsys, tiny_llama, out_dir, tmp_pat
     (["--port", "70000"], "--port 70000 is not a TCP port"),
     (["--kv-cache-memory", "1K"], "a KV cache pool of 1024 bytes holds less than one block"),
     (["--kv-cache-memory", "64K", "--max-model-len", "512"], "fewer than one sequence of max_model_len 512"),
-    (["--num-speculative-tokens", "99"], "num_speculative_tokens must be an integer in 1..block_size"),
+    (["--speculative", "ngram", "--num-speculative-tokens", "99"], "num_speculative_tokens must be an integer in 1.."),
 ])  # fmt: skip
 def test_serve_refuses_bad_settings_before_listening(capsys, tiny_llama, flags, fragment):
     code, _, err = run_cli(capsys, "serve", str(tiny_llama), *flags)
