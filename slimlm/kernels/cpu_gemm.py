@@ -16,7 +16,7 @@ Which loop runs, by CPU and by x (thresholds measured with benchmarks/kernels_cp
                               codes times bytes (vpmaddubsw: 32 weights an instruction; the product is exactly
                               W·x̂, llama.cpp's Q4×Q8): 1.3–1.5× the fused loop at batch 1 on Qwen2.5-1.5B,
                               2.4–2.9× the fp32 slices at 24–32 rows, for +0.1–0.15% perplexity. Prompt tokens
-                              (inside exact_activations(), which the model enters for any step with one), 8-bit
+                              (inside exact_activations(), which ModelRunner enters for any step with one), 8-bit
                               weights (at memory bandwidth already) and widths not a multiple of INT8_RUN: the
                               fused fp32 loop; above FUSED_MAX_ROWS_AVX2 rows, fp32 matmul on dequantized slices
 
@@ -79,16 +79,15 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         y = torch.empty(m, w.out_features)
         status = lib.slimlm_quant_matmul_f32_split(w.bits, x.data_ptr(), m, k, *blocks, y.data_ptr(),
                                                    w.out_features, threads)  # fmt: skip
-    elif kernel == "int8":
+    else:  # "int8" or "fused": fp32 x, into the padded width
         x = x.to(torch.float32).contiguous()
         y = torch.empty(m, w.padded_out_features)
-        status = lib.slimlm_quant_matmul_i8(x.data_ptr(), m, k, *blocks, y.data_ptr(), threads)
+        if kernel == "int8":
+            status = lib.slimlm_quant_matmul_i8(x.data_ptr(), m, k, *blocks, y.data_ptr(), threads)
+        else:  # cannot fail: it allocates nothing
+            lib.slimlm_quant_matmul(w.bits, x.data_ptr(), m, k, *blocks, y.data_ptr(), threads)
+            status = 0
         y = y[:, : w.out_features]
-    else:
-        x = x.to(torch.float32).contiguous()
-        y = torch.empty(m, w.padded_out_features)
-        lib.slimlm_quant_matmul(w.bits, x.data_ptr(), m, k, *blocks, y.data_ptr(), threads)
-        y, status = y[:, : w.out_features], 0
     if status:  # the bf16 and int8 kernels allocate
         raise SlimlmError(f"out of memory in the CPU quantized matmul ({m}×{k} rows of x)")
     return y if y.dtype == dtype else y.to(dtype)
