@@ -17,6 +17,7 @@ from pathlib import Path
 
 from slimlm import SlimlmError, assets, cache_dir
 from slimlm.formats import atomic
+from slimlm.formats.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 
 
 def _add_calibration(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
@@ -48,9 +49,9 @@ def _add_device(p: argparse.ArgumentParser) -> None:
 
 
 def _add_weight_args(p: argparse.ArgumentParser, sym: bool = True) -> None:
-    p.add_argument("--bits", type=int, default=4, help="2, 3, 4 or 8")
-    p.add_argument("--group-size", type=int, help="-1 (per channel), 32, 64 or 128 (default: the largest that "
-                   "divides every layer)")
+    p.add_argument("--bits", type=int, default=4, choices=SUPPORTED_BITS, help="2, 3, 4 or 8")
+    p.add_argument("--group-size", type=int, choices=SUPPORTED_GROUP_SIZES, metavar="{-1,32,64,128}",
+                   help="-1 (per channel), 32, 64 or 128 (default: the largest that divides every layer)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--sym", dest="sym", action="store_true", default=sym, help="symmetric" + " (default)" * sym)
     g.add_argument(
@@ -188,17 +189,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="checkpoint directory, asset name or hub id")
     p.add_argument("--baseline", help="model measured beside it (default: the source in its slimlm.json; "
                    "'none': no baseline)")  # fmt: skip
-    p.add_argument("--batch", default="1,8,32,64", help="decode batch sizes")
+    p.add_argument("--batch", type=int_list, default="1,8,32,64", help="decode batch sizes")
     p.add_argument("--context", type=positive_int, default=512, help="KV tokens per sequence in the decode steps")
     p.add_argument("--prefill-len", type=positive_int, default=512)
     p.add_argument("--rounds", type=positive_int, default=3, help="measurements of each model, in turn (offline: "
                    "each figure's median; online: the run of median throughput)")  # fmt: skip
     p.add_argument("--requests", type=positive_int, default=24, help="Poisson workload: requests")
-    p.add_argument("--rate", type=float, default=2.0, help="Poisson workload: arrivals per second (inf: all at once)")
-    p.add_argument("--prompt-len", default="64,256", help="Poisson workload: prompt lengths, uniform in LO,HI")
-    p.add_argument("--output-len", default="16,64", help="Poisson workload: output lengths, uniform in LO,HI")
-    p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput: time to first token at most, seconds")
-    p.add_argument("--slo-itl", type=float, default=0.2, help="goodput: mean inter-token latency at most, seconds")
+    p.add_argument("--rate", type=positive_float, default=2.0,
+                   help="Poisson workload: arrivals per second (inf: all at once)")
+    p.add_argument("--prompt-len", type=span, default="64,256",
+                   help="Poisson workload: prompt lengths, uniform in LO,HI")
+    p.add_argument("--output-len", type=span, default="16,64",
+                   help="Poisson workload: output lengths, uniform in LO,HI")
+    p.add_argument("--slo-ttft", type=positive_float, default=2.0,
+                   help="goodput: time to first token at most, seconds")
+    p.add_argument("--slo-itl", type=positive_float, default=0.2,
+                   help="goodput: mean inter-token latency at most, seconds")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-memory", type=parse_size, help="KV block pool size (default: what the largest batch "
                    "needs at --context, at least 512M)")  # fmt: skip
@@ -226,11 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "bandwidth-bound decode step and throughput, arithmetic intensity vs the roofline")  # fmt: skip
     p.add_argument("model", help="asset name, local directory, hub id, or a preset: llama-3.1-8b, "
                    "llama-3.1-70b, mistral-7b, qwen2.5-7b")  # fmt: skip
-    p.add_argument("--weights", default="bf16", help="bf16 | fp16 | fp32 | wBITS[gGROUP][-asym], e.g. w4g128")
+    p.add_argument("--weights", type=weight_format, default="bf16",
+                   help="bf16 | fp16 | fp32 | wBITS[gGROUP][-asym], e.g. w4g128")
     p.add_argument("--kv-dtype", default="bf16", choices=["fp32", "bf16", "fp16", "fp8", "int8"])
     p.add_argument("--context", type=positive_int, default=2048, help="tokens per sequence")
-    p.add_argument("--batch", default="1,8,32,64", help="comma-separated batch sizes")
-    p.add_argument("--kv-heads", help="comma-separated KV-head counts to compare (default: the model's)")
+    p.add_argument("--batch", type=int_list, default="1,8,32,64", help="comma-separated batch sizes")
+    p.add_argument("--kv-heads", type=int_list, help="comma-separated KV-head counts to compare (default: the model's)")
     p.add_argument("--device", default="h100", help="h100 | h200 | a100 | cpu (this machine, probed now)")
     p.add_argument("--memory", type=parse_size, help="memory budget (default: the device's)")
     p.add_argument("--bench", type=Path, help="a compress bench JSON of MODEL: the model's decode steps, "
@@ -240,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="lm-eval tasks and perplexity of a model or checkpoint, through the runtime")
     p.add_argument("model", help="asset name, local directory or hub id")
-    p.add_argument("--tasks", help="comma-separated lm-eval tasks; bundled: slimlm_tasks (all), "
+    p.add_argument("--tasks", type=task_list, help="comma-separated lm-eval tasks; bundled: slimlm_tasks (all), "
                    "slimlm_hellaswag, slimlm_piqa, ... (default: none; --ppl wiki alone)")  # fmt: skip
     p.add_argument("--limit", type=limit_arg, help="documents per task: a count, or a fraction in (0, 1)")
     p.add_argument("--num-fewshot", type=nonnegative_int, help="few-shot examples (default: each task's own)")
@@ -339,6 +346,56 @@ def limit_arg(text: str) -> int | float:
     raise argparse.ArgumentTypeError(f"'{text}' must be a document count from 1 to 1e9 or a fraction in (0, 1)")
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not value > 0:  # nan is not
+        raise argparse.ArgumentTypeError(f"'{text}' must be positive")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}': give positive integers separated by commas, e.g. 1,8,32")
+    return values
+
+
+def span(text: str) -> tuple[int, int]:
+    values = int_list(text)
+    if len(values) != 2 or values[0] > values[1]:
+        raise argparse.ArgumentTypeError(f"'{text}': give LO,HI with LO <= HI, e.g. 64,256")
+    return values[0], values[1]
+
+
+def weight_format(text: str):
+    from slimlm.eval import plan
+
+    try:
+        return plan.WeightFormat.parse(text)
+    except SlimlmError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--weights {text!r}: ")) from None
+
+
+def task_list(text: str) -> list[str]:
+    """lm-eval task names, checked against the bundled pack (and lm-eval's index when one is not in it)."""
+    from slimlm.eval import harness
+
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
+    if not tasks:
+        raise argparse.ArgumentTypeError("is empty; name tasks, e.g. --tasks slimlm_hellaswag,slimlm_piqa")
+    try:
+        harness.check_tasks(tasks)
+    except SlimlmError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return tasks
+
+
 def window_int(text: str) -> int:
     return _int_arg(text, lambda v: v >= 2, "must be at least 2: a window needs at least 2 tokens (one to predict)")
 
@@ -386,34 +443,16 @@ def _measure(spec: str, source: str, seq_len: int, max_tokens: int, device: str 
 
 
 
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise SlimlmError(f"{flag} {text!r}: give positive integers separated by commas, e.g. 1,8,32")
-    return values
-
-
 def cmd_bench(a: argparse.Namespace) -> None:
     from slimlm import models
     from slimlm.eval import bench
 
     if a.json:
         atomic.check_file(a.json, a.overwrite, "--json")
-    spans = {}
-    for flag, text in (("--prompt-len", a.prompt_len), ("--output-len", a.output_len)):
-        lo_hi = _int_list(text, flag)
-        if len(lo_hi) != 2 or lo_hi[0] > lo_hi[1]:
-            raise SlimlmError(f"{flag} {text!r}: give LO,HI with LO <= HI, e.g. 64,256")
-        spans[flag] = tuple(lo_hi)
-    if not (a.rate > 0 and a.slo_ttft > 0 and a.slo_itl > 0):  # nan is neither
-        raise SlimlmError("--rate, --slo-ttft and --slo-itl must be positive")
-    config = bench.BenchConfig(batches=_int_list(a.batch, "--batch"), context=a.context, prefill_len=a.prefill_len,
+    config = bench.BenchConfig(batches=a.batch, context=a.context, prefill_len=a.prefill_len,
                                rounds=a.rounds,
                                kv_cache_memory=a.kv_cache_memory, dtype=a.dtype, requests=a.requests, rate=a.rate,
-                               prompt_len=spans["--prompt-len"], output_len=spans["--output-len"],
+                               prompt_len=a.prompt_len, output_len=a.output_len,
                                slo_ttft_s=a.slo_ttft, slo_itl_s=a.slo_itl, seed=a.seed, http=a.http)  # fmt: skip
     model_dir = models.resolve(a.model)
     baseline = None if a.baseline == "none" else a.baseline
@@ -468,23 +507,23 @@ def cmd_plan(a: argparse.Namespace) -> None:
     if a.device != "cpu" and a.device not in plan.PRESETS:
         raise SlimlmError(f"--device {a.device}: use one of {', '.join(plan.PRESETS)}, or cpu")
     device = plan.probe_cpu() if a.device == "cpu" else plan.PRESETS[a.device]
-    kv_heads = _int_list(a.kv_heads, "--kv-heads") if a.kv_heads else [dims.kv_heads]
+    kv_heads = a.kv_heads or [dims.kv_heads]
     if bad := [k for k in kv_heads if dims.heads % k]:
         raise SlimlmError(f"--kv-heads {bad[0]} does not divide the {dims.heads} query heads")
     if a.bench:
-        config = models.read_config(models.resolve(a.model))
+        if a.model in plan.MODEL_PRESETS:
+            raise SlimlmError(f"--bench compares a checkpoint's measured steps with its plan; give that checkpoint "
+                              f"(its directory or asset name) in place of the preset {a.model}")  # fmt: skip
         try:
-            bench = json.loads(a.bench.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise SlimlmError(f"--bench {a.bench}: not a compress bench JSON ({e})") from None
-        rows = plan.against_bench(bench, config)
+            rows = plan.against_bench(json.loads(a.bench.read_text()), config)
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, IndexError, AttributeError) as e:
+            raise SlimlmError(f"--bench {a.bench}: not a compress bench JSON ({type(e).__name__}: {e})") from None
         print(f"{'batch':>6} {'context':>8} {'predicted ms':>13} {'measured ms':>12} {'measured/predicted':>19}")
         for r in rows:
             print(f"{r['batch']:>6} {r['context']:>8} {r['predicted_ms']:>13.2f} {r['measured_ms']:>12.2f} "
                   f"{r['ratio']:>19.2f}")  # fmt: skip
         return
-    weights = plan.WeightFormat.parse(a.weights)
-    result = plan.plan(dims, weights, a.kv_dtype, a.context, _int_list(a.batch, "--batch"), kv_heads, device,
+    result = plan.plan(dims, a.weights, a.kv_dtype, a.context, a.batch, kv_heads, device,
                        a.memory)  # fmt: skip
     print(plan.format_plan(result))
     if a.json:
@@ -496,9 +535,7 @@ def cmd_eval(a: argparse.Namespace) -> None:
 
     if a.output:
         atomic.check_file(a.output, a.overwrite, "--output")
-    tasks = [t.strip() for t in a.tasks.split(",") if t.strip()] if a.tasks is not None else []
-    if a.tasks is not None and not tasks:
-        raise SlimlmError("--tasks is empty; name tasks, e.g. --tasks slimlm_hellaswag,slimlm_piqa")
+    tasks = a.tasks or []
     ppl_source = a.ppl or (None if tasks else "wiki")
     if ppl_source:
         data.check_source(ppl_source)

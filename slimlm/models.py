@@ -90,6 +90,15 @@ def load_tokenizer(model_dir: Path):
         ) from None
 
 
+def context_length(config: dict) -> int:
+    """Tokens one sequence may hold: max_position_embeddings, or the sliding window when that is less
+    (within the window, sliding attention is full attention)."""
+    context = config.get("max_position_embeddings", 2048)
+    if config.get("sliding_window") and config.get("use_sliding_window", True):
+        context = min(context, config["sliding_window"])
+    return context
+
+
 def check(model_dir: Path) -> dict:
     """Supported architecture and intact weight files, or a one-line SlimlmError; returns config.json."""
     config = read_config(model_dir)

@@ -79,21 +79,27 @@ def _lines(node, path: str = "", out: dict | None = None) -> dict[str, int]:
 
 
 def _override(data: dict, assignment: str) -> None:
-    """`--set a.b=value`: the value as YAML, at a path whose parent exists."""
+    """`--set a.b=value`: the value as YAML, at a path whose parent exists (a list's items by index)."""
     key, sep, text = assignment.partition("=")
     if not sep or not key:
         raise SlimlmError(f"--set {assignment!r}: use --set FIELD=VALUE, e.g. --set eval.limit=10")
-    *parents, last = key.split(".")
+    try:
+        value = yaml.safe_load(text) if text else None
+    except yaml.YAMLError as e:
+        raise SlimlmError(f"--set {key}: the value is not valid YAML ({getattr(e, 'problem', None) or e})") from None
+    parts = key.split(".")
     target = data
-    for part in parents:
-        target = target[int(part)] if isinstance(target, list) and part.isdigit() else (target or {}).get(part)
-        if not isinstance(target, dict | list):
+    for depth, part in enumerate(parts, 1):
+        if isinstance(target, list) and not (part.isdigit() and int(part) < len(target)):
+            raise SlimlmError(f"--set {key}: {part!r} is not an item there (a list of {len(target)}, from 0)")
+        at_leaf = depth == len(parts)
+        if not isinstance(target, dict | list) or (not at_leaf and isinstance(target, dict) and part not in target):
             raise SlimlmError(f"--set {key}: the recipe has no field {part!r} there")
-    value = yaml.safe_load(text) if text else None
-    if isinstance(target, list):
-        target[int(last)] = value
-    else:
-        target[last] = value
+        index = int(part) if isinstance(target, list) else part
+        if at_leaf:
+            target[index] = value
+        else:
+            target = target[index]
 
 
 def load(path: Path, overrides: list[str] = ()) -> Recipe:
@@ -162,6 +168,8 @@ def load(path: Path, overrides: list[str] = ()) -> Recipe:
             _parse(step.command, step.options, "model", Path("out"), f"{step.where}: stages.{name}.{i}.{step.command}")
     _parse("eval", recipe.eval, recipe.model, None, f"{where('eval')}: eval")
     _parse("bench", recipe.bench, recipe.model, None, f"{where('bench')}: bench")
+    for name in parsed:  # a stage directory holding what the recipe did not write is refused now, not mid-run
+        _state(recipe.runs / name, name)
     return recipe
 
 

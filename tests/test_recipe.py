@@ -68,7 +68,7 @@ def test_a_recipe_runs_resumes_and_redoes_only_what_changed(tiny_llama, calib_tx
     ("model: m\nruns: r\nstages:\n  a: [{rtn: {bits: [4}]\n", "x.yaml:4: not valid YAML"),
     ("model: m\nruns: r\n", "'stages' is required"),
     ("runs: r\nstages: {a: []}\n", "the field 'model' is required"),
-    ("model: m\nruns: r\neval: {tasks: 3, limitt: 2}\nstages: {a: []}\n",
+    ("model: m\nruns: r\neval: {tasks: slimlm_piqa, limitt: 2}\nstages: {a: []}\n",
      "x.yaml:3: eval: unrecognized arguments: --limitt 2"),
     ("model: m\nruns: r\nstages:\n  ../victim: []\n", "x.yaml:4: stages.../victim: a stage name is a plain name"),
     ("model: m\nruns: r\nstages:\n  /abs/path: []\n", "a stage name is a plain name"),
@@ -96,6 +96,38 @@ def test_overrides_are_checked_too(tmp_path, capsys):
     assert main(["recipe", str(path), "--check", "--set", "stages.a.0.rtn.bits=five"]) == 2
     assert ("x.yaml:4 (with --set stages.a.0.rtn.bits=five): stages.a.0.rtn: argument --bits: invalid int value: "
             "'five'") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("assignment,fragment", [
+    ("stages.a.5.rtn.bits=4", "--set stages.a.5.rtn.bits: '5' is not an item there (a list of 1, from 0)"),
+    ("stages.a.-1.rtn.bits=3", "'-1' is not an item there"),
+    ("stages.float.x=1", "--set stages.float.x: 'x' is not an item there (a list of 0, from 0)"),
+    ("stages=!!python/object/apply:os.system [true]", "--set stages: the value is not valid YAML"),
+    ("stages.a.0.rtn.bits=5", "x.yaml:6 (with --set stages.a.0.rtn.bits=5): stages.a.0.rtn: argument --bits: "
+     "invalid choice: 5"),
+    ("stages.a.0.rtn.group_size=0", "argument --group-size: invalid choice: 0"),
+    ("bench.prompt_len=[8]", "x.yaml:3 (with --set bench.prompt_len=[8]): bench: argument --prompt-len: '8': give "
+     "LO,HI"),
+    ("bench.batch=[0]", "bench: argument --batch: '0': give positive integers"),
+    ("eval.tasks=nosuch_task", "eval: argument --tasks: unknown task nosuch_task"),
+    ("stages.~=[]", "a stage name is a plain name"),
+])  # fmt: skip
+def test_check_refuses_what_the_run_would(tmp_path, capsys, assignment, fragment):
+    """--check (and so every run, before its first stage) refuses each value a command would refuse later."""
+    path = tmp_path / "x.yaml"
+    path.write_text("model: m\nruns: r\nbench: {}\neval: {}\nstages:\n  a: [{rtn: {bits: 4}}]\n  float: []\n")
+    assert main(["recipe", str(path), "--check", "--set", assignment]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1
+
+
+def test_check_refuses_a_stage_directory_it_did_not_write(tmp_path, capsys):
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "notes.txt").write_text("mine")
+    path = tmp_path / "x.yaml"
+    path.write_text(f"model: m\nruns: {tmp_path / 'runs'}\nstages:\n  a: []\n")
+    assert main(["recipe", str(path), "--check"]) == 2
+    assert "holds files this recipe did not write" in capsys.readouterr().err
 
 
 def test_a_recipe_replaces_only_what_it_wrote(tiny_llama, tmp_path, capsys):

@@ -398,6 +398,10 @@ def test_a_huge_single_passage_is_tokenized_only_as_far_as_needed(tiny_llama):
         (["rtn", "--model", "{m}", "--out", "{o}", "--batch-size", "0"], "must be a positive integer"),
         (["rtn", "--model", "{m}", "--out", "{o}", "--ppl-tokens", "-100"], "must be a positive integer"),
         (["rtn", "--model", "{m}", "--out", "{o}", "--seed", str(2**70)], "must be in [0, 2^63)"),
+        (["eval", "{m}", "--tasks", "slimlm_piqa,hellaswagg"], "unknown task hellaswagg; bundled (offline): "
+         "slimlm_tasks (all of them), slimlm_hellaswag, slimlm_piqa"),
+        (["eval", "{m}", "--tasks", " , "], "--tasks: is empty"),
+        (["plan", "llama-3.1-8b", "--weights", "w4g0"], "and a group >= 1 (-1: per channel)"),
     ],
 )
 def test_flags_out_of_range_are_argparse_errors(capsys, tiny_llama, tmp_path, argv, fragment):
@@ -412,9 +416,6 @@ def test_flags_out_of_range_are_argparse_errors(capsys, tiny_llama, tmp_path, ar
     [
         (["eval", "{m}", "--output", "{t}"], "is a directory; name a file"),
         (["eval", "{m}", "--seq-len", "4096"], "exceeds the model's context (512 tokens)"),
-        (["eval", "{m}", "--tasks", "slimlm_piqa,hellaswagg"], "unknown task hellaswagg; bundled (offline): "
-         "slimlm_tasks (all of them), slimlm_hellaswag, slimlm_piqa"),
-        (["eval", "{m}", "--tasks", " , "], "--tasks is empty"),
         (["eval", "{t}", "--tasks", "slimlm_piqa"], "has no config.json"),
         (["rtn", "--model", "{m}", "--out", "{o}", "--calib", "/etc/passwd"], "is neither .txt"),
         (["awq", "--model", "{m}", "--out", "{o}", "--group-size", "32", "--search-batches", "0"],
@@ -422,7 +423,11 @@ def test_flags_out_of_range_are_argparse_errors(capsys, tiny_llama, tmp_path, ar
         (["awq", "--model", "{m}", "--out", "{o}", "--group-size", "32", "--grid", "0"],
          "--grid 0 must be a positive integer (20 is the default)"),  # fmt: skip
         (["generate", "{m}", "--prompt", "caf\udce9"], "is not valid text"),
-        (["plan", "llama-3.1-8b", "--weights", "w4g0"], "and a group >= 1 (-1: per channel)"),
+        (["plan", "llama-3.1-8b", "--bench", "{t}/b.json"], "give that checkpoint"),
+        (["plan", "{m}", "--bench", "{m}/config.json"], "not a compress bench JSON (KeyError: 'systems')"),
+        (["bench", "{m}", "--baseline", "none", "--prefill-len", "100000"], "--prefill-len: 100000 tokens are past"),
+        (["generate", "{m}", "--prompt", "hi", "--max-model-len", "4096"], "max_model_len 4096 is past the model's "
+         "context of 512 tokens"),
     ],
 )
 def test_user_errors_are_one_line(capsys, tiny_llama, tmp_path, argv, fragment):

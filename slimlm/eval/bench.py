@@ -174,7 +174,7 @@ def busy_warnings(result: dict) -> list[str]:
 def offline(model: str, config: BenchConfig, bandwidth: float) -> dict:
     """Prefill, decode steps at each batch size against the bandwidth floor, and memory, for one model."""
     before = _peak_reset()
-    engine = _engine(model, config, config.context + config.prefill_len)
+    engine = _engine(model, config, max(config.context + 1, config.prefill_len))
     runner = engine.runner
     bs = engine.config.block_size
     largest = max(config.batches)
@@ -396,6 +396,12 @@ def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool 
 
     log = (lambda msg: print(msg, flush=True)) if progress else (lambda msg: None)
     systems = {"baseline": baseline, "model": model} if baseline else {"model": model}
+    for path in systems.values():  # before anything loads: a length past a model's context is the user's flag
+        context = models.context_length(models.read_config(models.resolve(path)))
+        for flag, tokens in (("--prefill-len", config.prefill_len), ("--context", config.context + 1),
+                             ("--prompt-len and --output-len", config.prompt_len[1] + config.output_len[1])):
+            if tokens > context:
+                raise SlimlmError(f"{flag}: {tokens} tokens are past {path}'s context of {context}; lower it")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     bandwidth, peak = plan.copy_bandwidth(device), plan.matmul_rate(config.dtype, device)
     log(f"[bench] copy bandwidth {bandwidth / 1e9:.1f} GB/s, {config.dtype} matmul {peak / 1e9:.0f} GFLOP/s")

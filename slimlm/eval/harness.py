@@ -19,6 +19,12 @@ class _QuietCustomDataset(logging.Filter):
         return "Custom kwargs can be passed" not in record.getMessage()
 
 
+def check_tasks(names: list[str]) -> None:
+    """Refuse a task neither the bundled pack nor lm-eval knows (lm-eval is indexed only for other names)."""
+    if not set(names) <= {taskpack.GROUP, *taskpack.STANDARD}:
+        task_manager(names)
+
+
 def task_manager(names: list[str]):
     """A TaskManager that knows the task pack; lm-eval's own tasks (~6 s to index) only when asked for."""
     from lm_eval.tasks import TaskManager

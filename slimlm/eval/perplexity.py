@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 
-from slimlm import SlimlmError, data
+from slimlm import SlimlmError, data, models
 from slimlm.eval import batch
 from slimlm.runtime.engine import Engine, EngineConfig
 from slimlm.runtime.sampling import SamplingParams
@@ -20,15 +20,20 @@ from slimlm.runtime.sampling import SamplingParams
 
 def engine_for(model: str, seq_len: int, **config) -> Engine:
     """An engine sized for scoring windows of `seq_len` (its context need not be the model's)."""
+    _check_window(seq_len, models.context_length(models.read_config(models.resolve(model))))
     return Engine(model, EngineConfig(max_model_len=seq_len + 1, max_num_batched_tokens=2048, **config))
+
+
+def _check_window(seq_len: int, context: int) -> None:
+    if seq_len >= context:
+        raise SlimlmError(f"--seq-len {seq_len} exceeds the model's context ({context} tokens) less the one the "
+                          f"runtime generates; use at most {context - 1}")  # fmt: skip
 
 
 def perplexity(
     engine: Engine, source: str = "wiki", seq_len: int = 512, max_tokens: int = 16384, progress: bool = True
 ) -> dict:
-    if seq_len >= engine.max_model_len:
-        raise SlimlmError(f"--seq-len {seq_len} exceeds the model's context ({engine.max_model_len} tokens) less the "
-                          f"one the runtime generates; use at most {engine.max_model_len - 1}")  # fmt: skip
+    _check_window(seq_len, engine.max_model_len)
     ids = data.token_stream(data.passages(source), engine.tokenizer, max_tokens=max_tokens)
     windows = data.windows(ids, seq_len, max(1, max_tokens // seq_len)).tolist()
     if not windows:

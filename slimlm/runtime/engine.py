@@ -102,10 +102,11 @@ class Engine:
         self.model_dir = model_dir = models.resolve(model)
         hf = models.check(model_dir)
         self.tokenizer = models.load_tokenizer(model_dir)
-        context = hf.get("max_position_embeddings", 2048)
-        if hf.get("sliding_window") and hf.get("use_sliding_window", True):
-            context = min(context, hf["sliding_window"])  # within the window, sliding attention is full attention
-        self.max_model_len = min(config.max_model_len or context, context)
+        context = models.context_length(hf)
+        if (config.max_model_len or 0) > context:  # before the weights load: positions past it have no RoPE
+            raise SlimlmError(f"max_model_len {config.max_model_len} is past the model's context of {context} "
+                              f"tokens; give at most {context}")  # fmt: skip
+        self.max_model_len = config.max_model_len or context
         self.runner = ModelRunner(
             model_dir, DTYPES[config.dtype], str(self.device), config.kv_cache_memory, config.block_size,
             self.max_model_len, config.kv_cache_dtype,

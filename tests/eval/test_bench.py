@@ -152,11 +152,23 @@ def test_the_command_measures_the_source_beside_a_checkpoint(tiny_llama, tmp_pat
 
 
 @pytest.mark.parametrize("args,fragment", [
-    (["--prompt-len", "9,3"], "--prompt-len '9,3': give LO,HI with LO <= HI"),
-    (["--batch", "1,x"], "--batch '1,x'"),
+    (["--prompt-len", "9,3"], "--prompt-len: '9,3': give LO,HI with LO <= HI"),
+    (["--batch", "1,x"], "--batch: '1,x'"),
     (["--rate", "0"], "must be positive"),
     (["--rate", "nan"], "must be positive"),
-    (["--batch", "4096", "--kv-cache-memory", "1M"], "cannot hold batch 4096"),
+    (["--slo-itl", "-1"], "must be positive"),
+])  # fmt: skip
+def test_bad_flags_are_refused_by_the_parser(tiny_llama, capsys, args, fragment):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", str(tiny_llama), "--baseline", "none", *args])
+    assert e.value.code == 2 and fragment in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--batch", "4096", "--context", "64", "--kv-cache-memory", "1M"], "cannot hold batch 4096"),
+    (["--context", "512"], "--context: 513 tokens are past"),
+    (["--context", "64", "--prompt-len", "300,400", "--output-len", "100,200"],
+     "--prompt-len and --output-len: 600 tokens are past"),
 ])  # fmt: skip
 def test_bad_input_is_one_line(tiny_llama, capsys, args, fragment):
     assert main(["bench", str(tiny_llama), "--baseline", "none", *args]) == 2

@@ -82,10 +82,14 @@ def test_the_command_prints_the_table_for_a_local_model_and_names_bad_input(tiny
     assert main(["plan", str(tiny_llama), "--weights", "w4g32", "--batch", "1,8", "--kv-heads", "2,1"]) == 0
     out = capsys.readouterr().out
     assert "parameters: " in out and "W4 groups of 32 sym" in out and len(out.splitlines()) == 10
-    for args, fragment in [(["--weights", "w5"], "--weights 'w5'"), (["--kv-heads", "3"], "does not divide the 4"),
-                           (["--device", "tpu"], "--device tpu"), (["--batch", "0"], "--batch '0'")]:  # fmt: skip
+    for args, fragment in [(["--kv-heads", "3"], "does not divide the 4"), (["--device", "tpu"], "--device tpu")]:
         assert main(["plan", str(tiny_llama), *args]) == 2
         assert fragment in capsys.readouterr().err
+    for args, fragment in [(["--weights", "w5"], "argument --weights: use a float dtype"),
+                           (["--batch", "0"], "argument --batch: '0'")]:  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            main(["plan", str(tiny_llama), *args])
+        assert e.value.code == 2 and fragment in capsys.readouterr().err
 
 
 def test_the_serving_roofline_by_hand():
