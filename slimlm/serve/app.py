@@ -378,9 +378,16 @@ class Server(uvicorn.Server):
         self.aengine = engine
         self.drain_timeout = drain_timeout
         self.print_address = print_address
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._early_signals = 0  # signals that came before the event loop ran: handled once it does
+        self._signal_lock = threading.RLock()  # reentrant: a second signal may interrupt the first's handler
 
     async def startup(self, sockets=None) -> None:
-        self._loop = asyncio.get_running_loop()
+        with self._signal_lock:
+            self._loop = asyncio.get_running_loop()
+            early = self._early_signals
+        for _ in range(early):
+            self._on_signal()
         await super().startup(sockets)
         if self.started and self.print_address:  # the bound port: --port 0 picks a free one
             host, port = self.servers[0].sockets[0].getsockname()[:2]
@@ -391,7 +398,11 @@ class Server(uvicorn.Server):
         yield
 
     def on_signal(self, sig: int, frame=None) -> None:
-        """From any thread: start draining, or on the second signal stop now."""
+        """From any thread, at any point of start-up: start draining, or on the second signal stop now."""
+        with self._signal_lock:
+            if self._loop is None:
+                self._early_signals += 1
+                return
         self._loop.call_soon_threadsafe(self._on_signal)
 
     def _on_signal(self) -> None:
@@ -422,10 +433,10 @@ def serve(engine: Engine, served_model_name: str, host: str = "127.0.0.1", port:
     # The engine loop runs here, on the main thread (torch steps run slower on another one); uvicorn's event
     # loop gets a thread; signals arrive here and are handed to it.
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="slimlm-server", daemon=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before the thread starts: no signal falls between the two
+        signal.signal(sig, server.on_signal)
     with sock:
         thread.start()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda sig, frame: server.on_signal(sig) if server.started else None)
         app.state.engine.run(alive=thread.is_alive)  # until the server's shutdown stops it
         thread.join()
     if not server.started:

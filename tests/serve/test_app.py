@@ -211,21 +211,40 @@ def test_api_key_is_required_when_set(chat_llama):
         assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
 
 
-def test_a_full_waiting_queue_answers_503_with_retry_after(smollm2):
+def test_a_full_waiting_queue_answers_503_with_retry_after(tiny_llama):
     import concurrent.futures
+    import threading
 
     from slimlm.runtime.engine import Engine, EngineConfig
     from slimlm.serve.app import serve_in_thread
 
-    # The real model, so that the first request still runs when the last of the burst arrives: the tiny one's
-    # 400 tokens once all finished, one after another, before the burst was in (beside a demo run).
-    engine = Engine(str(smollm2), EngineConfig(kv_cache_memory=32 << 20, max_num_seqs=1, max_model_len=512))
-    body = {"prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0, "ignore_eos": True}
-    with serve_in_thread(engine, NAME, max_waiting=2) as url:
-        with concurrent.futures.ThreadPoolExecutor(12) as pool:
-            responses = list(pool.map(lambda _: httpx.post(f"{url}/v1/completions", json=body, timeout=60), range(12)))
+    # The engine's steps wait at a gate until the burst is answered, so no machine speed changes the outcome:
+    # one request runs, two wait in the queue (max_waiting=2), the other nine are refused.
+    engine = Engine(str(tiny_llama), EngineConfig(kv_cache_memory=8 << 20, max_num_seqs=1))
+    stepping, release, step = threading.Event(), threading.Event(), engine.step
+
+    def gated_step(**kwargs):
+        stepping.set()
+        assert release.wait(300)
+        return step(**kwargs)
+
+    engine.step = gated_step
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with serve_in_thread(engine, NAME, max_waiting=2) as url, concurrent.futures.ThreadPoolExecutor(12) as pool:
+        post = lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=None)  # noqa: E731
+        first = pool.submit(post)
+        assert stepping.wait(300)  # the first request is in the engine
+        burst = [pool.submit(post) for _ in range(11)]
+        done: set = set()
+        while len(done) < 9:  # the refusals come back while the gate is closed; the two queued cannot
+            answered = concurrent.futures.wait(set(burst) - done, 60, "FIRST_COMPLETED").done
+            assert answered, f"{len(done)} of the burst answered while the engine was busy; 9 should be refused"
+            done |= answered
+        release.set()
+        responses = [f.result() for f in [first, *burst]]
     codes = sorted(r.status_code for r in responses)
-    assert set(codes) == {200, 503} and codes.count(200) >= 3, codes
+    assert codes == [200] * 3 + [503] * 9, codes
+    assert all(f.result().status_code == 503 for f in done)
     rejected = next(r for r in responses if r.status_code == 503)
     assert rejected.headers["retry-after"] == "1" and "waiting queue is full" in rejected.json()["error"]["message"]
     texts = {r.json()["choices"][0]["text"] for r in responses if r.status_code == 200}
