@@ -16,7 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from slimlm import SlimlmError
-from slimlm.formats import shards
+from slimlm.formats import reader, shards
 
 
 class LazyWeights:
@@ -37,7 +37,7 @@ class LazyWeights:
             with safe_open(path, framework="pt") as f:
                 out.update({k: f.get_tensor(k) for k in keys})
         for name, t in out.items():  # every job reads its source here: one check for all of them
-            if t.is_floating_point() and not torch.isfinite(t).all():
+            if not reader.all_finite(t):
                 raise SlimlmError(f"{self.model_dir}: tensor {name} holds NaN or Inf; the source model is broken")
         return out
 

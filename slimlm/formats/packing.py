@@ -57,7 +57,9 @@ def _unpack_bytes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     b = packed.view(torch.uint8)
     if bits == 4:
         b = torch.stack((b & 15, b >> 4), dim=-1).flatten(1)
-    return (b[:, :n].to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
+    # Offset codes 0..2^bits-1 minus 2^(bits-1), in bytes: wrapping uint8 arithmetic read as int8 is exactly
+    # that, with no wider temporaries (an 8-bit lm_head's int16 copies were 0.5 GB each).
+    return (b[:, :n] - (1 << (bits - 1))).view(torch.int8)
 
 
 def _unpack_rows(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:

@@ -5,8 +5,10 @@ config and against the shapes the model expects before anything is built from it
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -58,19 +60,25 @@ def kv_cache_scheme(config: dict, where: Path) -> dict | None:
 
 
 def read_checkpoint(
-    model_dir: Path, expected: dict[str, tuple[int, ...]] | None = None, optional: set[str] = frozenset()
-) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor]]:
+    model_dir: Path,
+    expected: dict[str, tuple[int, ...]] | None = None,
+    optional: set[str] = frozenset(),
+    convert: Callable[[QuantizedWeight], Any] | None = None,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(quantized linears by module name, float tensors by name).
 
     With `expected` (parameter name -> shape, what the model built from config.json holds), every one of
     them must be present, as a float tensor or as a quantized linear of that shape, except those in
     `optional` (a tied lm_head); nothing else may be; float tensors, scales and zero points must be finite.
-    KV-cache scales stay among the float tensors (kv_cache.read_scales checks and takes them)."""
+    KV-cache scales stay among the float tensors (kv_cache.read_scales checks and takes them).
+    `convert` turns each linear into what the caller keeps (the kernels' layout) as soon as it is read, so
+    no more than one linear's unpacked codes exist at a time: the loader's peak memory is the file's size."""
     model_dir = Path(model_dir)
     config = read_config(model_dir)
     q = quantization(config, model_dir)
     tensors = shards.read(model_dir)
-    quantized: dict[str, QuantizedWeight] = {}
+    quantized: dict[str, Any] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     if q is not None and q[1] is not None:
         reader, args = q
         named = compressed_tensors.named_args(config["quantization_config"]) if reader is compressed_tensors else {}
@@ -78,22 +86,39 @@ def read_checkpoint(
         for name in names:
             parts = {key: tensors.pop(f"{name}.{key}") for key in reader.KEYS if f"{name}.{key}" in tensors}
             try:
-                quantized[name] = reader.from_tensors(parts, named.get(name, args), name)
+                weight = reader.from_tensors(parts, named.get(name, args), name)
             except SlimlmError as e:
                 raise SlimlmError(f"{model_dir}: {e}") from None
-    for name, t in [*tensors.items(), *((f"{n}.weight_scale", w.scale) for n, w in quantized.items())]:
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            raise SlimlmError(f"{model_dir}: tensor {name} holds NaN or Inf; the checkpoint is broken")
+            del parts  # the file's packed copy: freed once `convert` has made its own
+            _check_finite(model_dir, f"{name}.weight_scale", weight.scale)
+            shapes[f"{name}.weight"] = tuple(weight.codes.shape)
+            quantized[name] = weight if convert is None else convert(weight)
+            del weight
+    for name, t in tensors.items():
+        _check_finite(model_dir, name, t)
     if expected is not None:
         if kv_cache_scheme(config, model_dir) is not None:
             expected = {**expected, **{k: tuple(t.shape) for k, t in tensors.items() if k.endswith(kv_cache.SUFFIXES)}}
-        _check_against_model(model_dir, quantized, tensors, expected, optional)
+        _check_against_model(model_dir, shapes, tensors, expected, optional)
     return quantized, tensors
 
 
-def _check_against_model(model_dir, quantized, tensors, expected, optional) -> None:
-    found = {**{k: tuple(v.shape) for k, v in tensors.items()},
-             **{f"{n}.weight": tuple(w.codes.shape) for n, w in quantized.items()}}  # fmt: skip
+def _check_finite(model_dir: Path, name: str, t: torch.Tensor) -> None:
+    if not all_finite(t):
+        raise SlimlmError(f"{model_dir}: tensor {name} holds NaN or Inf; the checkpoint is broken")
+
+
+def all_finite(t: torch.Tensor, chunk: int = 1 << 22) -> bool:
+    """No NaN or Inf in a float tensor (any other dtype passes). In slices: torch.isfinite on a whole bf16
+    embedding table made ~0.9 GB of temporaries, the loader's peak."""
+    if not t.is_floating_point():
+        return True
+    flat = t.reshape(-1)
+    return all(torch.isfinite(flat[i : i + chunk]).all() for i in range(0, flat.numel(), chunk))
+
+
+def _check_against_model(model_dir, quantized_shapes, tensors, expected, optional) -> None:
+    found = {**{k: tuple(v.shape) for k, v in tensors.items()}, **quantized_shapes}
     missing = sorted(set(expected) - set(found) - set(optional))
     if missing:
         hint = " (a quantized checkpoint whose quantization_config was removed?)" if any(

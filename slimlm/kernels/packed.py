@@ -77,7 +77,10 @@ def pack(q: QuantizedWeight) -> PackedWeight:
         raise SlimlmError(f"no quantized kernel for {bits}-bit weights; kernels cover {KERNEL_BITS} bits")
     n, k = q.codes.shape
     group = k if q.args.group_size == -1 else q.args.group_size
-    codes = q.codes.to(torch.int16) - q.args.qmin  # unsigned
+    # The codes' bytes, offset to unsigned (code + 2^(bits-1)) only after the one copy the transpose makes:
+    # uint8 arithmetic wraps to exactly that. No wider or extra copies: an 8-bit lm_head is 233 MB a copy.
+    offset = -q.args.qmin
+    codes = q.codes.to(torch.int8).view(torch.uint8)
     zeros = torch.full_like(q.scale, -q.args.qmin, dtype=torch.int16) if q.zero is None else q.zero - q.args.qmin
     perm = None
     if q.g_idx is not None:
@@ -88,12 +91,13 @@ def pack(q: QuantizedWeight) -> PackedWeight:
     pad = -n % BLOCK_N
     scales = q.scale.to(torch.float16)
     if pad:
-        codes = torch.cat([codes, codes.new_zeros(pad, k)])
+        codes = torch.cat([codes, codes.new_full((pad, k), -offset % 256)])  # unsigned 0 once offset
         zeros = torch.cat([zeros.to(torch.int16), zeros.new_zeros(pad, zeros.shape[1], dtype=torch.int16)])
         scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
     blocks = codes.shape[0] // BLOCK_N
     # [N, K] -> [blocks, K, BLOCK_N]
-    codes = codes.reshape(blocks, BLOCK_N, k).transpose(1, 2).to(torch.uint8)
+    codes = codes.reshape(blocks, BLOCK_N, k).transpose(1, 2).clone(memory_format=torch.contiguous_format)
+    codes.add_(offset)  # in place: the clone is always a copy, never the caller's codes
     if bits == 4:
         half = BLOCK_N // 2
         codes = codes[..., :half] | (codes[..., half:] << 4)

@@ -42,7 +42,18 @@ def load_model(
         model = CausalLM(config, dtype)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    quantized, tensors = reader.read_checkpoint(model_dir, expected, optional=tied)
+    no_kernel: set[int] = set()
+
+    def convert(q):  # each linear as read: the kernels' layout, or float where no kernel takes its width
+        release_freed()  # the previous linear's codes and this one's file copy
+        if q.args.bits in KERNEL_BITS:
+            return pack(q).to(device)
+        no_kernel.add(q.args.bits)
+        return q.dequantize(dtype)
+
+    quantized, tensors = reader.read_checkpoint(model_dir, expected, optional=tied, convert=convert)
+    if no_kernel:
+        warnings.warn(f"no kernel for {sorted(no_kernel)}-bit weights: they run dequantized to {dtype}", stacklevel=2)
     if tied:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     scheme = reader.kv_cache_scheme(reader.read_config(model_dir), model_dir)
@@ -50,16 +61,12 @@ def load_model(
     scales = None
     if scheme is not None:
         scales = kv_cache.read_scales(tensors, scheme, len(model.model.layers), attn.kv_heads, str(model_dir))
-    narrow = sorted({q.args.bits for q in quantized.values()} - set(KERNEL_BITS))
-    if narrow:
-        warnings.warn(f"no kernel for {narrow}-bit weights: they run dequantized to {dtype}", stacklevel=2)
-    while quantized:  # each checkpoint original freed as its packed copy is made
-        name, q = quantized.popitem()
-        if q.args.bits in KERNEL_BITS:
-            model.get_submodule(name).set_packed(pack(q).to(device))
+    for name, weight in quantized.items():
+        if isinstance(weight, torch.Tensor):
+            tensors[f"{name}.weight"] = weight
         else:
-            tensors[f"{name}.weight"] = q.dequantize(dtype)
-        del q
+            model.get_submodule(name).set_packed(weight)
+    del quantized
     release_freed()
     for name, _ in list(model.named_parameters()):  # each original freed as its converted copy takes its place
         module, _, attr = name.rpartition(".")
@@ -70,7 +77,7 @@ def load_model(
         weight = torch.nn.Parameter(tensor.to(device, tensor.dtype if narrow else dtype), requires_grad=False)
         setattr(model.get_submodule(module), attr, weight)
     tensors.clear()  # the modules hold what is needed: joining and packing below then free each original
-    model.fuse_projections()  # float parts join as they are, before packing: any widths
+    model.fuse_projections(release_freed)  # float parts join as they are, before packing: any widths
     backend = kernels.select(device)
     if backend.name == "cpu":
         for module in model.modules():

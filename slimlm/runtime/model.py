@@ -8,6 +8,7 @@ weight or a PackedWeight that slimlm.kernels multiplies without ever materializi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -178,8 +179,9 @@ class CausalLM(nn.Module):
         self.cos = self.sin = None  # [positions, head_dim], from set_rope (sin with its first half negated)
         self.decode_stack = None  # all layers in one call for decode steps, where the backend has it (set_backend)
 
-    def fuse_projections(self) -> None:
-        """Join q, k, v and gate, up into one Linear each where their weights allow (see fuse); the parts go."""
+    def fuse_projections(self, after_layer: Callable[[], None] = lambda: None) -> None:
+        """Join q, k, v and gate, up into one Linear each where their weights allow (see fuse); the parts go.
+        `after_layer` runs once a layer's parts are gone (the loader hands their memory back there)."""
         for layer in self.model.layers:
             for owner, names, attr in ((layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv"),
                                        (layer.mlp, ("gate_proj", "up_proj"), "gate_up")):  # fmt: skip
@@ -189,6 +191,7 @@ class CausalLM(nn.Module):
                         delattr(owner, name)
                     owner.add_module(f"{attr}_proj", joined)  # vLLM's names for the joined projections
                     setattr(owner, attr, [joined])
+            after_layer()
 
     def set_backend(self, backend: kernels.Backend) -> None:
         """Bind every layer to the kernels chosen for the model's device, once, instead of per call."""
