@@ -120,10 +120,15 @@ def quantize_weights(
         quantized_names: list[str] = []
         kv_scales: dict[str, torch.Tensor] = {}
 
+        # A KV-cache step alone leaves a float source's weights as they are: stored as the source stores them
+        # (a bf16 model's layers, materialized in fp32 for the passes, are not written at twice their size).
+        as_stored = weights.dtypes if args is None and weights is not None else {}
+
         def write_layer(quantized: dict[str, QuantizedWeight], tensors: dict[str, torch.Tensor]) -> None:
             if keep_weights:  # only the new KV scales: the source's own tensors are copied at the end
                 kv_scales.update({k: v for k, v in tensors.items() if k.endswith(kv_cache.SUFFIXES)})
                 return
+            tensors = {k: v.to(as_stored[k]) if k in as_stored else v for k, v in tensors.items()}
             quantized_names.extend(quantized)
             shard_writer.add(writer.quantized_tensors(quantized, tensors, fmt))
 
@@ -167,6 +172,8 @@ def quantize_weights(
             named = {name: q.args for name, q in quantized.items() if q.args != args}
             qconfig = writer.quantization_config(fmt, args, ignored, method_args, named)
         config_patch = {**result.config_patch, **untie, "quantization_config": qconfig}
+        if as_stored:  # the float weights' dtype is the source's, and config.json says so
+            config_patch["dtype"] = source_config.get("dtype") or source_config.get("torch_dtype") or "float32"
         del quantized, outside, result
         config = model.config
         if hasattr(config, "quantization_config"):

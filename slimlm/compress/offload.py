@@ -23,9 +23,11 @@ class LazyWeights:
     def __init__(self, model_dir: Path):
         self.model_dir = model_dir
         self.files: dict[str, Path] = {}
+        self.dtypes: dict[str, torch.dtype] = {}  # as stored
         for path in shards.weight_files(model_dir):
             with safe_open(path, framework="pt") as f:
                 self.files.update(dict.fromkeys(f.keys(), path))
+                self.dtypes.update({k: shards.DTYPES[f.get_slice(k).get_dtype()] for k in f.keys()})
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Copies of the named tensors. Files are opened per call so their pages never stay mapped."""

@@ -204,6 +204,9 @@ def run(
     """
     with_data = report_error or any(s.needs_data for s in steps)
     inputs = capture_first_layer_inputs(model, calib, batch_size) if with_data else []
+    if weights is not None:  # the embedding's work is done (the job reads it from disk again to write it)
+        model.get_submodule(arch.EMBED).to("meta")
+        return_freed_memory()
     dtype = inputs[0].hidden.dtype if inputs else torch.float32  # the stored weights'
     compute_dtype = compute_dtype or dtype
     inputs = [LayerInputs(x.hidden.to(compute_dtype), cast_floats(x.kwargs, compute_dtype)) for x in inputs]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import struct
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from slimlm import SlimlmError
 
@@ -17,36 +17,53 @@ INDEX = "model.safetensors.index.json"
 
 
 class ShardWriter:
-    """Writes tensors as they arrive: a file each time `max_bytes` of them have gathered, so a compression
-    job holds at most one shard in memory, not the whole checkpoint. finish() names the files as
-    transformers does (model.safetensors, or model-0000i-of-0000n.safetensors plus the index)."""
+    """Writes tensors as they arrive, each straight to disk, so a job never holds its output in memory: a
+    shard's data goes to a scratch file until `max_bytes` of it have gathered, then the shard is the
+    safetensors header followed by that data. finish() names the files as transformers does
+    (model.safetensors, or model-0000i-of-0000n.safetensors plus the index)."""
 
     def __init__(self, out: Path, max_bytes: int | None = None):
         self.out = Path(out)
         self.max_bytes = MAX_SHARD_BYTES if max_bytes is None else max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
+        self.entries: dict[str, dict] = {}  # the open shard's header: name -> dtype, shape, data_offsets
+        self.data = None  # its scratch file
         self.written: list[tuple[str, list[str]]] = []  # (file name so far, tensor names)
         self.total = 0
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
             nbytes = t.numel() * t.element_size()
-            if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            if self.entries and self._size() + nbytes > self.max_bytes:
                 self._flush()
-            self.pending[name] = t.contiguous()
-            self.pending_bytes += nbytes
+            if self.data is None:
+                self.data = open(self.out / f"part-{len(self.written) + 1:05d}.data", "wb")  # noqa: SIM115
+            start = self._size()
+            self.data.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            self.entries[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                                  "data_offsets": [start, start + nbytes]}  # fmt: skip
             self.total += nbytes
+
+    def _size(self) -> int:
+        return max((e["data_offsets"][1] for e in self.entries.values()), default=0)
 
     def _flush(self) -> None:
         fname = f"part-{len(self.written) + 1:05d}.safetensors"
-        save_file(self.pending, self.out / fname, metadata={"format": "pt"})
-        self.written.append((fname, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
+        if self.data is None:  # an empty checkpoint still has its (empty) file
+            self.data = open(self.out / f"part-{len(self.written) + 1:05d}.data", "wb")  # noqa: SIM115
+        self.data.close()
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        scratch = Path(self.data.name)
+        with open(self.out / fname, "wb") as f, open(scratch, "rb") as data:
+            f.write(struct.pack("<Q", len(header)) + header)
+            shutil.copyfileobj(data, f, 1 << 24)
+        scratch.unlink()
+        self.written.append((fname, list(self.entries)))
+        self.entries, self.data = {}, None
 
     def finish(self) -> list[str]:
         """The weight files' final names, in order."""
-        if self.pending or not self.written:
+        if self.entries or not self.written:
             self._flush()
         if len(self.written) == 1:
             (self.out / self.written[0][0]).rename(self.out / "model.safetensors")
@@ -134,6 +151,9 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
           "I16": torch.int16, "I8": torch.int8, "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16,
           "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
+
+
+SAFETENSORS_DTYPES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def read(model_dir: Path) -> dict[str, torch.Tensor]:

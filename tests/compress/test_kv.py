@@ -45,6 +45,25 @@ def test_scales_are_the_cached_amax_over_the_dtype_range(tiny_llama, calib_txt, 
                        load_file(tiny_llama / "model.safetensors")["model.layers.0.mlp.up_proj.weight"])  # fmt: skip
 
 
+def test_kv_alone_keeps_a_bf16_sources_weights_as_stored(tiny_llama, calib_txt, tmp_path):
+    """The passes run in fp32, but the weights a KV step leaves alone are written as the source stores them:
+    a bf16 model's checkpoint is not doubled in size (a 1.5B's 3.5 GB became 7 GB, and the writer's pending
+    shard outgrew a 4 GB memory cap)."""
+    from transformers import AutoModelForCausalLM
+
+    source = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).save_pretrained(source)
+    for f in tiny_llama.glob("tokenizer*"):
+        (source / f.name).write_bytes(f.read_bytes())
+    out = quantize_weights("kv", [KVCache("fp8")], None, str(source), tmp_path / "kv", calib=str(calib_txt),
+                           num_samples=4, seq_len=64, progress=False, compute_dtype="float32")  # fmt: skip
+    before, after = load_file(source / "model.safetensors"), load_file(out / "model.safetensors")
+    for name, t in before.items():
+        assert after[name].dtype == torch.bfloat16 and torch.equal(after[name], t), name
+    assert after[kv_cache.scale_names(0)[0]].dtype == torch.float32  # the new scales as calibrated
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
 def test_kv_composes_with_weight_quantization_in_one_run(tiny_llama, calib_txt, tmp_path):
     args = QuantArgs(4, 32, True)
     out = quantize_weights("rtn+kv", [RTN(args), KVCache("fp8")], args, str(tiny_llama), tmp_path / "w4kv",

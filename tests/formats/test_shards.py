@@ -37,13 +37,34 @@ def test_one_shard_is_model_safetensors_without_an_index(tmp_path):
     assert sorted(shards.read(tmp_path)) == [f"t{i}" for i in range(5)]
 
 
-def test_a_write_flushes_what_has_gathered_before_the_limit_is_passed(tmp_path):
-    """Nothing past max_bytes waits in memory: the writer's whole point."""
+def test_each_tensor_is_on_disk_once_added_and_shards_split_before_the_limit(tmp_path):
+    """Nothing waits in memory: the writer's whole point (a 1.5B's float layers once outgrew a 4 GB cap)."""
     writer = shards.ShardWriter(tmp_path, max_bytes=3000)
+    written = 0
     for name, t in tensors(7).items():
         writer.add({name: t})
-        assert writer.pending_bytes <= 3000
+        written += 1024
+        writer.data.flush()
+        on_disk = sum(p.stat().st_size for p in tmp_path.glob("part-*.data"))
+        assert on_disk == written - 1024 * 2 * (len(writer.written))  # the open shard's data, all of it
     assert len(writer.finish()) == 4  # two tensors of 1 KiB fit under 3000 bytes
+    assert not list(tmp_path.glob("*.data"))
+
+
+def test_files_read_back_by_safetensors_in_every_dtype_and_shape(tmp_path):
+    torch.manual_seed(0)
+    made = {"bf16": torch.randn(3, 5).bfloat16(), "i32": torch.randint(-9, 9, (7,), dtype=torch.int32),
+            "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "u8": torch.arange(9, dtype=torch.uint8),
+            "strided": torch.randn(4, 6).t(), "f8": torch.randn(5).to(torch.float8_e4m3fn)}  # fmt: skip
+    writer = shards.ShardWriter(tmp_path)
+    writer.add(made)
+    assert writer.finish() == ["model.safetensors"]
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        for name, t in made.items():
+            back = f.get_tensor(name)
+            assert back.dtype == t.dtype and back.shape == t.shape
+            assert torch.equal(back.reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)), name
 
 
 def test_write_is_one_file_below_the_limit_and_sha256_covers_every_file_in_order(tmp_path):
