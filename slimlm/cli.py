@@ -86,13 +86,13 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-data", default="owt", help="training text: owt | wiki | c4 | PATH.txt | PATH.jsonl")
     p.add_argument("--eval-data", default="wiki", help="text whose first 8192 tokens score the curve")
     p.add_argument("--train", default="", help="parameter-name parts to train, e.g. k_proj,v_proj (default: all)")
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=finite_float, default=1e-4)
     p.add_argument("--seq-len", type=positive_int, default=512)
     p.add_argument("--global-batch", type=positive_int, default=8, help="windows per optimizer step")
     p.add_argument("--micro-batch", type=positive_int, default=2, help="windows per forward pass")
-    p.add_argument("--temperature", type=float, default=1.0, help="distillation temperature")
-    p.add_argument("--lm-weight", type=float, default=0.0, help="weight of the language-model loss (0..1)")
-    p.add_argument("--warmup", type=float, default=0.05, help="warmup, a fraction of the steps")
+    p.add_argument("--temperature", type=finite_float, default=1.0, help="distillation temperature")
+    p.add_argument("--lm-weight", type=finite_float, default=0.0, help="weight of the language-model loss (0..1)")
+    p.add_argument("--warmup", type=finite_float, default=0.05, help="warmup, a fraction of the steps")
     p.add_argument("--checkpoint-every", type=positive_int, default=25, help="steps between resumable checkpoints")
     p.add_argument("--eval-every", type=positive_int, default=25, help="steps between evaluations")
     p.add_argument("--seed", type=seed_int, default=0)
@@ -108,7 +108,8 @@ def _add_kv_cache_dtype(p: argparse.ArgumentParser) -> None:
 
 
 def _add_gptq_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, a fraction of the mean Hessian diagonal")
+    p.add_argument("--damp", type=finite_float, default=0.01,
+                   help="GPTQ dampening, a fraction of the mean Hessian diagonal")
     p.add_argument(
         "--act-order", nargs="?", const="weight", default="weight", choices=["weight", "group"],
         help="GPTQ: quantize columns by decreasing Hessian diagonal (on by default: measured better); 'weight' keeps "
@@ -169,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prune", help="structured pruning (layers, heads, MLP neurons, hidden channels), then "
                        "distillation from the original")  # fmt: skip
     p.add_argument("--model", default=assets.DEFAULT_MODEL, help="asset name, local float HF directory or hub id")
-    p.add_argument("--target-params", type=float, help="fraction of the parameters to keep, e.g. 0.6: "
+    p.add_argument("--target-params", type=finite_float, help="fraction of the parameters to keep, e.g. 0.6: "
                    "searches width and depth candidates and keeps the best before distillation")  # fmt: skip
     p.add_argument("--candidate", help="with --target-params: take this candidate (depth, width-mlp, width, "
                    "width-heads, width+depth) instead of the best one")  # fmt: skip
@@ -271,8 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="asset name, local directory or hub id")
     p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=finite_float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=seed_int)
     p.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
@@ -290,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=512, help="tokens per engine step")
     p.add_argument("--max-waiting", type=positive_int, default=256,
                    help="queued requests beyond which new ones get 503 with Retry-After")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
+    p.add_argument("--drain-timeout", type=finite_float, default=30.0,
                    help="seconds SIGTERM waits for running requests before exiting")  # fmt: skip
     _add_engine_args(p)
     return parser
@@ -344,6 +345,16 @@ def limit_arg(text: str) -> int | float:
     if 0 < value < 1:
         return value
     raise argparse.ArgumentTypeError(f"'{text}' must be a document count from 1 to 1e9 or a fraction in (0, 1)")
+
+
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"'{text}' must be a finite number")
+    return value
 
 
 def positive_float(text: str) -> float:

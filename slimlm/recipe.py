@@ -78,6 +78,11 @@ def _lines(node, path: str = "", out: dict | None = None) -> dict[str, int]:
     return out
 
 
+def _problem(e: yaml.YAMLError) -> str:
+    """What the YAML parser objects to, on one line."""
+    return " ".join(str(getattr(e, "problem", None) or e).split())
+
+
 def _override(data: dict, assignment: str) -> None:
     """`--set a.b=value`: the value as YAML, at a path whose parent exists (a list's items by index)."""
     key, sep, text = assignment.partition("=")
@@ -86,7 +91,7 @@ def _override(data: dict, assignment: str) -> None:
     try:
         value = yaml.safe_load(text) if text else None
     except yaml.YAMLError as e:
-        raise SlimlmError(f"--set {key}: the value is not valid YAML ({getattr(e, 'problem', None) or e})") from None
+        raise SlimlmError(f"--set {key}: the value is not valid YAML ({_problem(e)})") from None
     parts = key.split(".")
     target = data
     for depth, part in enumerate(parts, 1):
@@ -114,7 +119,7 @@ def load(path: Path, overrides: list[str] = ()) -> Recipe:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise SlimlmError(f"{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
+        raise SlimlmError(f"{where}: not valid YAML ({_problem(e)})") from None
     if not isinstance(data, dict):
         raise SlimlmError(f"{path}: a recipe is a mapping with the fields {', '.join(FIELDS)}")
     for assignment in overrides:
@@ -134,6 +139,8 @@ def load(path: Path, overrides: list[str] = ()) -> Recipe:
     for key in ("model", "runs"):
         if not isinstance(data.get(key), str) or not data[key]:
             fail(key, "required: a string") if key in data else fail("", f"the field {key!r} is required")
+    if data.get("report") is not None and not (isinstance(data["report"], str) and data["report"]):
+        fail("report", "a file path, e.g. out/runs/report.html")
     for key in ("eval", "bench"):
         if not isinstance(data.get(key) or {}, dict):
             fail(key, f"a mapping of `compress {key}` options")

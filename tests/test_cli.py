@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -373,3 +374,54 @@ def test_a_dtype_it_does_not_offer_is_refused(capsys, tiny_llama, out_dir, comma
     assert exc.value.code == 2
     assert f"{flag}: invalid choice: 'fp16' (choose from 'auto', 'float32', 'bfloat16')" in err.splitlines()[-1]
     assert not os.path.exists(out_dir)
+
+
+def _numeric_options() -> list[tuple[str, list[str], str]]:
+    """(command, its required arguments, flag) for every option of every command that parses a number."""
+    import argparse
+
+    from slimlm.cli import build_parser, task_list, weight_format
+
+    required = {"model": ["m"], "recipe": ["r.yaml"], "runs": ["run"], "--out": ["--out", "o"],
+                "--prompt": ["--prompt", "p"], "--kv-heads": ["--kv-heads", "2"], "--kv-dtype": ["--kv-dtype", "fp8"],
+                "--target-params": ["--target-params", "0.5"]}  # fmt: skip
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    found = []
+    for command, parser in sub.choices.items():
+        base = []
+        for action in parser._actions:  # noqa: SLF001
+            key = action.option_strings[0] if action.option_strings else action.dest
+            if action.required or not action.option_strings and action.nargs is None:
+                base += required[key] if key in required else []
+        for action in parser._actions:  # noqa: SLF001
+            if action.option_strings and action.type not in (None, str, Path, task_list, weight_format) \
+                    and not action.choices:  # fmt: skip
+                found.append((command, base, action.option_strings[0]))
+    return found
+
+
+NUMBERS = ["nan", "-nan", "inf", "-inf", "1e300", "1e400", "-1e400", "0", "-0", "-1", "1e-320", "0.5", "7", "2**70",
+           str(2**70), "1_000", " 3", "0x10", "", "1e30"]  # fmt: skip
+ALLOWS_INF = {("bench", "--rate"), ("bench", "--slo-ttft"), ("bench", "--slo-itl")}  # all at once; no bound
+
+
+@pytest.mark.parametrize("command,base,flag", _numeric_options(), ids=lambda v: v if isinstance(v, str) else "")
+def test_no_numeric_option_lets_nan_or_an_unintended_inf_through(capsys, command, base, flag):
+    """Any text given to a number flag is a parse error (exit 2, one argparse line) or a number the command
+    can take: never NaN, and infinity only where it means something."""
+    import math
+
+    from slimlm.cli import build_parser
+
+    for text in NUMBERS:
+        try:
+            args = build_parser().parse_args([command, *base, flag, text])
+        except SystemExit as e:
+            assert e.code == 2
+            assert f"argument {flag}" in capsys.readouterr().err.splitlines()[-1]
+            continue
+        values = getattr(args, flag.lstrip("-").replace("-", "_"))
+        for v in values if isinstance(values, list | tuple) else [values]:
+            if isinstance(v, float):
+                assert not math.isnan(v), (command, flag, text)
+                assert math.isfinite(v) or (command, flag) in ALLOWS_INF, (command, flag, text)

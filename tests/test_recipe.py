@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from slimlm import SlimlmError
 from slimlm import recipe as recipes
@@ -158,3 +160,27 @@ def test_a_recipe_replaces_only_what_it_wrote(tiny_llama, tmp_path, capsys):
 def test_every_shipped_recipe_is_valid(path):
     recipe = recipes.load(path)
     assert recipe.report is not None and list(recipe.stages)[0] == "float" and not recipe.stages["float"]
+
+
+PARTS = st.sampled_from(["model", "runs", "eval", "bench", "stages", "report", "notes", "a", "float", "0", "1", "-1",
+                         "5", "rtn", "gptq", "bits", "group_size", "limit", "batch", "prompt_len", "x", "~", "..",
+                         "", " ", "01", "1.5"])  # fmt: skip
+VALUES = st.one_of(st.sampled_from(["", "null", "~", "5", "-1", "0", "nan", ".inf", "1e400", "[8]", "[1, 2]", "[0]",
+                                    "{rtn: {bits: 4}}", "[{rtn: {bits: 8}}]", "{a: 1}", "x", "'..'", "/abs",
+                                    "!!python/object/apply:os.system [true]", "[", "{", "true", "2**70"]),
+                   st.text(max_size=6))  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(PARTS, min_size=1, max_size=5), VALUES)
+def test_any_set_gives_a_valid_recipe_or_a_one_line_error(tmp_path, monkeypatch, parts, value):
+    """`--set` with any path and value: a recipe that loads, or a SlimlmError naming the problem; never an
+    internal error (IndexError, ValueError, AttributeError, TypeError were all reachable)."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "x.yaml"
+    path.write_text("model: m\nruns: r\neval: {limit: 5}\nbench: {batch: [1]}\nstages:\n  a: [{rtn: {bits: 4}}]\n"
+                    "  float: []\n")  # fmt: skip
+    try:
+        recipes.load(path, [f"{'.'.join(parts)}={value}"])
+    except SlimlmError as e:
+        assert "\n" not in str(e)

@@ -444,10 +444,10 @@ def test_a_full_disk_keeps_the_old_checkpoint_and_says_so(capsys, tiny_llama, qu
 
     before = (quantized / "model.safetensors").read_bytes()
 
-    def full(_tensors, path, metadata=None):
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    def full(_source, target, length=0):
+        raise OSError(errno.ENOSPC, "No space left on device", target.name)
 
-    monkeypatch.setattr(shards, "save_file", full)
+    monkeypatch.setattr(shards.shutil, "copyfileobj", full)
     code, _, err = rtn(capsys, tiny_llama, quantized, "--bits", "8", "--overwrite")
     assert_one_line_error(code, err, "No space left on device")
     assert (quantized / "model.safetensors").read_bytes() == before

@@ -429,12 +429,12 @@ def serve(engine: Engine, served_model_name: str, host: str = "127.0.0.1", port:
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as e:
         raise SlimlmError(f"could not serve on {host}:{port}: {e.strerror or e}") from None
-    print(f"model '{served_model_name}', max context {engine.max_model_len} tokens", flush=True)
     # The engine loop runs here, on the main thread (torch steps run slower on another one); uvicorn's event
-    # loop gets a thread; signals arrive here and are handed to it.
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="slimlm-server", daemon=True)
-    for sig in (signal.SIGTERM, signal.SIGINT):  # before the thread starts: no signal falls between the two
+    # loop gets a thread; signals arrive here and are handed to it, from before anything is announced.
+    for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, server.on_signal)
+    print(f"model '{served_model_name}', max context {engine.max_model_len} tokens", flush=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="slimlm-server", daemon=True)
     with sock:
         thread.start()
         app.state.engine.run(alive=thread.is_alive)  # until the server's shutdown stops it
