@@ -7,7 +7,9 @@ speed      greedy, input-grounded prompts (repeat / fix / rewrite a given text o
            the target (made in the run); with --drafts, other draft models (a pruned and distilled copy from
            benchmarks/prune.py). --systems picks the baselines' proposers. Reports output tok/s and the
            speedup, acceptance (accepted / drafted), mean tokens per target pass, target passes saved, and that
-           the tokens are identical.
+           the tokens are identical. --model picks the target (e.g. a W4 Qwen2.5-1.5B with --drafts
+           0.5b=DIR of its W4 0.5B); --code asks for code written from a short description instead
+           (nothing to look up: what a draft model alone can predict).
 exactness  20,000 draws (batched) of a fixed prompt at temperature 1 and with top-p 0.9, for prompt lookup
            and the draft: the first token against the target's softmax, and the second token (which went
            through verification) against the target's softmax after the most frequent first token, each by
@@ -31,14 +33,27 @@ from kv_cache import run_parts  # noqa: E402
 
 from tests.runtime.test_speculative import chi_square_p  # noqa: E402  the same test the CI runs
 
-MODEL = "smollm2-135m"
+MODEL = "smollm2-135m"  # the default target; --model replaces it
 TASKS = ("Repeat the following text exactly, word for word.", "Fix the spelling mistakes in this text and "
          "return the whole corrected text.", "Rewrite this Python code exactly, keeping every line.",
          "Add a docstring to this Python function and return the whole function.")  # fmt: skip
+CODE = ("Write a Python function that returns the n-th Fibonacci number iteratively.",
+        "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces.",
+        "Write a Python class for a stack with push, pop, peek and is_empty methods.",
+        "Write a Python function that merges two sorted lists into one sorted list.",
+        "Write a Python function that counts the words in a text file and returns the ten most common.",
+        "Write a Python function that performs binary search on a sorted list.",
+        "Write a Python function that flattens a nested list of any depth.",
+        "Write a Python function that parses a CSV line with quoted fields.")  # fmt: skip
 
 
-def prompts(tokenizer, n: int) -> list[list[int]]:
+def prompts(tokenizer, n: int, code: bool = False) -> list[list[int]]:
     from slimlm.data import passages
+
+    if code:
+        chats = [[{"role": "user", "content": task}] for task in CODE[:n]]
+        return [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False),
+                                 add_special_tokens=False) for c in chats]  # fmt: skip
 
     texts = [p for p in passages("owt") if 400 < len(p) < 900][: n // 2]
     code = []
@@ -56,15 +71,15 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
     return out
 
 
-def draft_model(cache: Path) -> str:
+def draft_model(cache: Path, model: str) -> str:
     from slimlm.compress.job import quantize_weights
     from slimlm.compress.rtn import RTN
     from slimlm.formats.quantized import QuantArgs
 
-    out = cache / "draft-rtn-w4g64"
+    out = cache / f"draft-rtn-w4g64-{Path(model).name}"
     if not (out / "slimlm.json").exists():
         args = QuantArgs(4, 64, True)
-        quantize_weights("rtn", RTN(args), args, MODEL, out, report_error=False, overwrite=True)
+        quantize_weights("rtn", RTN(args), args, model, out, report_error=False, overwrite=True)
     return str(out)
 
 
@@ -82,15 +97,15 @@ def speed(args) -> list[dict]:
     if "ngram" in args.systems:
         systems += [(f"prompt lookup k={k}", "ngram", k) for k in (2, 4, 8)]
     if "rtn" in args.systems:
-        systems.append(("draft RTN W4 k=4", draft_model(args.cache), 4))
+        systems.append(("draft RTN W4 k=4", draft_model(args.cache, args.model), 4))
     for entry in filter(None, args.drafts.split(",")):
         name, path = entry.split("=", 1)
         systems.append((f"draft {name} k=4", path, 4))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     rows, reference = [], {}
     for name, spec, k in systems:
-        llm = LLM(MODEL, speculative=spec, num_speculative_tokens=k, max_num_batched_tokens=2048)
-        batch = prompts(llm.tokenizer, args.prompts)
+        llm = LLM(args.model, speculative=spec, num_speculative_tokens=k, max_num_batched_tokens=2048)
+        batch = prompts(llm.tokenizer, args.prompts, args.code)
         _run(llm, batch[:1], SamplingParams(max_tokens=8, temperature=0))  # warm-up
         for size in (1, 8):
             wall, outs = 0.0, []
@@ -129,8 +144,9 @@ def exactness(args) -> list[dict]:
     rows = []
     proposers = {"ngram": "prompt lookup", "draft": "draft RTN W4"}
     for key in args.proposers.split(","):
-        name, spec = proposers[key], "ngram" if key == "ngram" else draft_model(args.cache)
-        llm = LLM(MODEL, speculative=spec, num_speculative_tokens=2, max_num_seqs=256, max_num_batched_tokens=4096)
+        name, spec = proposers[key], "ngram" if key == "ngram" else draft_model(args.cache, args.model)
+        llm = LLM(args.model, speculative=spec, num_speculative_tokens=2, max_num_seqs=256,
+                  max_num_batched_tokens=4096)  # fmt: skip
         prompt = prompts(llm.tokenizer, 1)[0]
         for top_p in (float(t) for t in args.top_ps.split(",")):
             params = [SamplingParams(max_tokens=3, temperature=1.0, top_p=top_p, seed=i, ignore_eos=True)
@@ -141,7 +157,7 @@ def exactness(args) -> list[dict]:
             first = torch.tensor([o.token_ids[0] for o in outs])
             top1 = int(first.bincount().argmax())
             second = torch.tensor([o.token_ids[1] for o in outs if o.token_ids[0] == top1])
-            q = _target_distributions([prompt, prompt + [top1]], params[0], distributions)
+            q = _target_distributions(args.model, [prompt, prompt + [top1]], params[0], distributions)
             vocab = q.shape[-1]
             p1 = chi_square_p(first.bincount(minlength=vocab).float(), q[0])
             p2 = chi_square_p(second.bincount(minlength=vocab).float(), q[1])
@@ -157,11 +173,11 @@ def exactness(args) -> list[dict]:
     return rows
 
 
-def _target_distributions(contexts: list[list[int]], params, distributions) -> torch.Tensor:
+def _target_distributions(model_spec: str, contexts: list[list[int]], params, distributions) -> torch.Tensor:
     """The target's next-token distribution after each context, from transformers (an independent forward)."""
     from slimlm import models
 
-    model = models.load(MODEL)[0]
+    model = models.load(model_spec)[0]
     with torch.no_grad():
         logits = torch.cat([model(torch.tensor([c])).logits[:, -1] for c in contexts])
     return distributions(logits, [params] * len(contexts))
@@ -170,6 +186,8 @@ def _target_distributions(contexts: list[list[int]], params, distributions) -> t
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="speed,exactness")
+    parser.add_argument("--model", default=MODEL, help="the target: asset, directory or hub id")
+    parser.add_argument("--code", action="store_true", help="speed: code-writing prompts, not input-grounded ones")
     parser.add_argument("--cache", type=Path, default=Path("out/spec-checkpoints"))
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -180,7 +198,7 @@ def main() -> None:
     parser.add_argument("--drafts", default="", help="speed: more draft models, NAME=DIR,... (e.g. a pruned one)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    print(f"{MODEL}, fp32, {torch.get_num_threads()} threads", flush=True)
+    print(f"{args.model}, fp32, {torch.get_num_threads()} threads", flush=True)
     run_parts(args, {"speed": speed, "exactness": exactness})
 
 if __name__ == "__main__":

@@ -648,14 +648,14 @@ static void amx_queries(const uint16_t *x, int64_t stride, int64_t rows, int64_t
 
 // q, out [T, Hq, D] bf16 (bf16 = 1) or fp32; caches [blocks, block_size, Hkv, D] of `kind`, with k_scale,
 // v_scale [Hkv] (NULL: 1) for 8-bit codes; sequence s's queries are rows query_start[s] .. query_start[s + 1],
-// the last of its seq_lens[s] cached tokens (causal). Sequences with one query are skipped when skip_single is
-// set (the decode kernel takes them). D a multiple of 16, <= MAX_DIM; Hq / Hkv <= MAX_HEADS. With amx set (the
+// the last of its seq_lens[s] cached tokens (causal). Sequences of at most skip_rows queries are skipped (the
+// decode kernel takes them, a query at a time). D a multiple of 16, <= MAX_DIM; Hq / Hkv <= MAX_HEADS. With amx set (the
 // caller has the tile unit: slimlm_amx_ready), bf16 queries, a cache bf16 holds exactly (not fp32) and D a
 // multiple of 32, the chunks go through the tile unit. Returns 0, or -1 when out of memory.
 int slimlm_paged_prefill(const void *q, const void *k_cache, const void *v_cache, int bf16, int kind,
                          const float *k_scale, const float *v_scale, const int32_t *tables, int64_t width,
                          const int32_t *seq_lens, const int32_t *query_start, int64_t S, int64_t Hq, int64_t Hkv,
-                         int64_t D, int64_t block_size, float scale, int skip_single, int amx, void *out,
+                         int64_t D, int64_t block_size, float scale, int skip_rows, int amx, void *out,
                          int nthreads) {
     const int64_t G = Hq / Hkv, elem = bf16 ? 2 : 4;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -666,14 +666,14 @@ int slimlm_paged_prefill(const void *q, const void *k_cache, const void *v_cache
     int64_t tasks = 0;
     for (int64_t s = 0; s < S; s++) {
         const int64_t n = query_start[s + 1] - query_start[s];
-        tasks += (n > 1 || !skip_single) ? (n + TILE - 1) / TILE * Hkv : 0;
+        tasks += n > skip_rows ? (n + TILE - 1) / TILE * Hkv : 0;
     }
     int64_t *order = malloc(sizeof(int64_t) * 3 * (tasks ? tasks : 1));  // (s, tile, h) of each task
     if (!order) return -1;
     int64_t k = 0;
     for (int64_t s = 0; s < S; s++) {  // a sequence's last tiles first: they see the most keys
         const int64_t n = query_start[s + 1] - query_start[s];
-        if (n == 1 && skip_single) continue;
+        if (n <= skip_rows) continue;
         for (int64_t tile = (n + TILE - 1) / TILE - 1; tile >= 0; tile--)
             for (int64_t h = 0; h < Hkv; h++) order[k++] = s, order[k++] = tile, order[k++] = h;
     }

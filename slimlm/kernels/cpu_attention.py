@@ -62,6 +62,7 @@ def kernel_takes(heads: int, kv_heads: int, head_dim: int) -> bool:
 
 
 # What the C kernels take a cache as (cpu_attention.c's KIND_*): fp32, bf16, or 8-bit codes with per-head scales
+VERIFY_MAX_ROWS = 16  # a sequence with at most this many new tokens is attended a query at a time (decode kernel)
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
 EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)
 
@@ -108,7 +109,7 @@ def _prefill_native(q, k_cache, v_cache, block_tables, seq_lens, query_start, sc
     status = cpu_library.load().slimlm_paged_prefill(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(q.dtype == torch.bfloat16), KINDS[k_cache.dtype],
         ks, vs, tables.data_ptr(), tables.shape[1], lens.data_ptr(), starts.data_ptr(), starts.numel() - 1,
-        q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, 1, int(cpu_library.has_amx()),
+        q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, VERIFY_MAX_ROWS, int(cpu_library.has_amx()),
         out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
@@ -148,18 +149,29 @@ def paged_attention(
     if all(n == 1 for n in q_lens):
         return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, native)
     out = torch.empty_like(q)
-    decoding = [s for s, n in enumerate(q_lens) if n == 1]
+    # Rows attended one query at a time, by the decode kernel: single tokens, and the few tokens of a draft's
+    # verification, each against the cache up to itself, so that they get the bits a plain decode step would
+    # (AVX2's int8 loop rounds activations: a last-bit difference upstream can flip a greedy token).
+    decoding, rows, lens = [], [], []
+    for s, n in enumerate(q_lens):
+        if n <= VERIFY_MAX_ROWS:
+            decoding.append(s)
+            start = int(query_start[s])
+            rows += range(start, start + n)
+            lens += range(int(seq_lens[s]) - n + 1, int(seq_lens[s]) + 1)
     if decoding:
-        rows = query_start[decoding].long()
-        idx = torch.tensor(decoding, device=q.device)
-        out[rows] = _decode(
-            q[rows], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale, k_scale, v_scale, native
-        )
+        rows_t = torch.tensor(rows, device=q.device)
+        seqs = torch.tensor([s for s in decoding for _ in range(q_lens[s])], device=q.device)
+        out[rows_t] = _decode(q[rows_t], k_cache, v_cache, block_tables[seqs],
+                              torch.tensor(lens, dtype=seq_lens.dtype, device=q.device), scale, k_scale, v_scale,
+                              native)  # fmt: skip
+    if len(decoding) == len(q_lens):
+        return out
     if native and _prefill_native_applies(q, k_cache, k_scale):
         return _prefill_native(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, k_scale, v_scale, out)
     block_size = k_cache.shape[1]
     for s, n in enumerate(q_lens):
-        if n > 1:
+        if n > VERIFY_MAX_ROWS:
             start, length = sum(q_lens[:s]), int(seq_lens[s])
             blocks = block_tables[s, : -(-length // block_size)]
             out[start : start + n] = _prefill(

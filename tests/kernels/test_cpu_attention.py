@@ -149,3 +149,23 @@ def test_8bit_cache_with_queries_exact_in_bf16(poisoned, monkeypatch, kv_dtype, 
         out = cpu_attention.paged_attention(*p.args(), native=True)
     assert spy.calls.count("slimlm_paged_decode") == 1
     assert relative_error(out, reference.paged_attention(*p.args(), dtype=torch.float64)) < 1e-3  # measured 4e-4
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c-kernel", "torch"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+def test_a_drafts_verification_rows_get_the_bits_of_decode_steps(native, kv_dtype):
+    """A sequence with a few new tokens (a draft's k + 1) is attended a query at a time, each against the
+    cache up to itself, so every row equals bit for bit what a one-token decode step at that position gives:
+    on AVX2 the int8 loop rounds activations, and a last-bit difference here flipped greedy tokens (speculative
+    output then differed from plain). Longer chunks (prompts) keep the flash kernel."""
+    if native and not cpu_library.available():
+        pytest.skip("needs gcc and AVX-512 or AVX2")
+    n, length = 5, 37
+    p = paged_problem([length, 60], [n, 30], 6, 2, 64, 16, kv_dtype, torch.float32, seed=3)
+    out = cpu_attention.paged_attention(*p.args(), native=native)
+    for i in range(n):  # row i: position length - n + i, after length - n + i + 1 cached tokens
+        one = dataclasses.replace(p, q=p.q[i : i + 1].contiguous(), block_tables=p.block_tables[:1],
+                                  seq_lens=torch.tensor([length - n + i + 1], dtype=p.seq_lens.dtype),
+                                  query_start=torch.tensor([0, 1], dtype=p.query_start.dtype))  # fmt: skip
+        assert torch.equal(out[i], cpu_attention.paged_attention(*one.args(), native=native)[0]), i
+    assert relative_error(out, reference.paged_attention(*p.args(), dtype=torch.float64)) < 1e-5
