@@ -740,9 +740,8 @@ def _train_config(a: argparse.Namespace, tokens: int):
 
     if not tokens:
         return None
-    finite = all(math.isfinite(v) for v in (a.lm_weight, a.temperature, a.warmup, a.lr))  # nan passes any < or >
-    if not finite or not 0 <= a.lm_weight <= 1 or a.temperature <= 0 or not 0 <= a.warmup < 1 or a.lr <= 0:
-        raise SlimlmError("--lm-weight must be in [0, 1], --temperature and --lr finite and > 0, --warmup in [0, 1)")
+    if not 0 <= a.lm_weight <= 1 or a.temperature <= 0 or not 0 <= a.warmup < 1 or a.lr <= 0:  # finite: parsed so
+        raise SlimlmError("--lm-weight must be in [0, 1], --temperature and --lr > 0, --warmup in [0, 1)")
     return TrainConfig(
         train_tokens=tokens, seq_len=a.seq_len, global_batch=a.global_batch, micro_batch=a.micro_batch, lr=a.lr,
         warmup=a.warmup, temperature=a.temperature, lm_weight=a.lm_weight,

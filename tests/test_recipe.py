@@ -184,3 +184,50 @@ def test_any_set_gives_a_valid_recipe_or_a_one_line_error(tmp_path, monkeypatch,
         recipes.load(path, [f"{'.'.join(parts)}={value}"])
     except SlimlmError as e:
         assert "\n" not in str(e)
+
+
+def _recipe_state(runs: Path) -> dict:
+    """Every stage's outputs as the recipe left them: run.json, and the eval, bench and checkpoint it names."""
+    from slimlm.formats import manifest
+
+    state = {}
+    for stage in sorted(p for p in runs.iterdir() if p.is_dir()):
+        record = json.loads((stage / "run.json").read_text())
+        assert record["name"] == stage.name
+        if Path(record["model"]).is_relative_to(stage):  # a stage with steps: its checkpoint is complete
+            manifest.verify(Path(record["model"]))
+        evaluated = json.loads((stage / "eval.json").read_text())
+        assert json.loads((stage / "bench.json").read_text())["systems"]
+        state[stage.name] = (record["hashes"], round(evaluated["perplexity"], 6))
+    return state
+
+
+@pytest.mark.parametrize("seed", [0])
+def test_a_recipe_killed_at_a_random_point_finishes_on_the_rerun(tiny_llama, calib_txt, tmp_path, seed):
+    """Fault injection: kill -9 somewhere in a three-stage recipe. The rerun finishes, and every stage's
+    checkpoint, eval, bench and run.json are complete and the same as an uninterrupted run's."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+    for name in ("clean", "killed"):
+        (tmp_path / name).mkdir()
+    clean, killed = (write_recipe(tmp_path / name, tiny_llama, calib_txt) for name in ("clean", "killed"))
+    start = time.perf_counter()
+    run = [sys.executable, "-m", "slimlm.cli", "recipe"]
+    assert subprocess.run([*run, str(clean)], env=env, capture_output=True).returncode == 0
+    duration = time.perf_counter() - start
+    proc = subprocess.Popen([*run, str(killed)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        proc.wait(timeout=random.Random(seed).uniform(0.2, 0.7) * duration)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL  # killed mid-way, not finished
+    rerun = subprocess.run([*run, str(killed)], env=env, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert _recipe_state(tmp_path / "killed" / "runs") == _recipe_state(tmp_path / "clean" / "runs")
