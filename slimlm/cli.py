@@ -347,24 +347,22 @@ def limit_arg(text: str) -> int | float:
     raise argparse.ArgumentTypeError(f"'{text}' must be a document count from 1 to 1e9 or a fraction in (0, 1)")
 
 
-def finite_float(text: str) -> float:
+def _float_arg(text: str, ok, requirement: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"'{text}' must be a finite number")
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"'{text}' {requirement}")
     return value
+
+
+def finite_float(text: str) -> float:
+    return _float_arg(text, math.isfinite, "must be a finite number")
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
-    if not value > 0:  # nan is not
-        raise argparse.ArgumentTypeError(f"'{text}' must be positive")
-    return value
+    return _float_arg(text, lambda v: v > 0, "must be positive")  # nan is not
 
 
 def int_list(text: str) -> list[int]:
@@ -390,7 +388,7 @@ def weight_format(text: str):
     try:
         return plan.WeightFormat.parse(text)
     except SlimlmError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--weights {text!r}: ")) from None
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def task_list(text: str) -> list[str]:

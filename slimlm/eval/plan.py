@@ -112,9 +112,9 @@ class WeightFormat:
             return cls(dtype=text)
         match = re.fullmatch(r"w(\d+)(?:g(-1|\d+))?(-asym)?", text)
         if not match or int(match[1]) not in (2, 3, 4, 8) or match[2] == "0":
-            raise SlimlmError(f"--weights {text!r}: use a float dtype ({', '.join(FLOAT_BYTES)}) or wBITS[gGROUP]"
-                              "[-asym] with bits 2/3/4/8 and a group >= 1 (-1: per channel), e.g. w4g128, "
-                              "w8g-1")  # fmt: skip
+            raise SlimlmError(f"use a float dtype ({', '.join(FLOAT_BYTES)}) or wBITS[gGROUP][-asym] with bits "
+                              f"2/3/4/8 and a group >= 1 (-1: per channel), e.g. w4g128, w8g-1; got "
+                              f"{text!r}")  # fmt: skip
         return cls(bits=int(match[1]), group_size=int(match[2] or 128), sym=not match[3])
 
 

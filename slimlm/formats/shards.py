@@ -26,40 +26,37 @@ class ShardWriter:
         self.out = Path(out)
         self.max_bytes = MAX_SHARD_BYTES if max_bytes is None else max_bytes
         self.entries: dict[str, dict] = {}  # the open shard's header: name -> dtype, shape, data_offsets
-        self.data = None  # its scratch file
+        self.size = 0  # its data bytes so far
         self.written: list[tuple[str, list[str]]] = []  # (file name so far, tensor names)
         self.total = 0
+
+    def _scratch(self) -> Path:
+        return self.out / f"part-{len(self.written) + 1:05d}.data"
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
             nbytes = t.numel() * t.element_size()
-            if self.entries and self._size() + nbytes > self.max_bytes:
+            if self.entries and self.size + nbytes > self.max_bytes:
                 self._flush()
-            if self.data is None:
-                self.data = open(self.out / f"part-{len(self.written) + 1:05d}.data", "wb")  # noqa: SIM115
-            start = self._size()
-            self.data.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            with open(self._scratch(), "ab") as data:
+                data.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
             self.entries[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                                  "data_offsets": [start, start + nbytes]}  # fmt: skip
+                                  "data_offsets": [self.size, self.size + nbytes]}  # fmt: skip
+            self.size += nbytes
             self.total += nbytes
-
-    def _size(self) -> int:
-        return max((e["data_offsets"][1] for e in self.entries.values()), default=0)
 
     def _flush(self) -> None:
         fname = f"part-{len(self.written) + 1:05d}.safetensors"
-        if self.data is None:  # an empty checkpoint still has its (empty) file
-            self.data = open(self.out / f"part-{len(self.written) + 1:05d}.data", "wb")  # noqa: SIM115
-        self.data.close()
+        scratch = self._scratch()
+        scratch.touch()  # an empty checkpoint still has its (empty) file
         header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}, separators=(",", ":")).encode()
         header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-        scratch = Path(self.data.name)
         with open(self.out / fname, "wb") as f, open(scratch, "rb") as data:
             f.write(struct.pack("<Q", len(header)) + header)
             shutil.copyfileobj(data, f, 1 << 24)
         scratch.unlink()
         self.written.append((fname, list(self.entries)))
-        self.entries, self.data = {}, None
+        self.entries, self.size = {}, 0
 
     def finish(self) -> list[str]:
         """The weight files' final names, in order."""

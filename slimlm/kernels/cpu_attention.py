@@ -61,8 +61,8 @@ def kernel_takes(heads: int, kv_heads: int, head_dim: int) -> bool:
     return head_dim % 16 == 0 and head_dim <= 256 and heads <= 128 and heads // kv_heads <= 16
 
 
-# What the C kernels take a cache as (cpu_attention.c's KIND_*): fp32, bf16, or 8-bit codes with per-head scales
 VERIFY_MAX_ROWS = 16  # a sequence with at most this many new tokens is attended a query at a time (decode kernel)
+# What the C kernels take a cache as (cpu_attention.c's KIND_*): fp32, bf16, or 8-bit codes with per-head scales
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
 EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)
 
@@ -152,13 +152,13 @@ def paged_attention(
     # Rows attended one query at a time, by the decode kernel: single tokens, and the few tokens of a draft's
     # verification, each against the cache up to itself, so that they get the bits a plain decode step would
     # (AVX2's int8 loop rounds activations: a last-bit difference upstream can flip a greedy token).
+    starts, lengths = query_start.tolist(), seq_lens.tolist()
     decoding, rows, lens = [], [], []
     for s, n in enumerate(q_lens):
         if n <= VERIFY_MAX_ROWS:
             decoding.append(s)
-            start = int(query_start[s])
-            rows += range(start, start + n)
-            lens += range(int(seq_lens[s]) - n + 1, int(seq_lens[s]) + 1)
+            rows += range(starts[s], starts[s] + n)
+            lens += range(lengths[s] - n + 1, lengths[s] + 1)
     if decoding:
         rows_t = torch.tensor(rows, device=q.device)
         seqs = torch.tensor([s for s in decoding for _ in range(q_lens[s])], device=q.device)
@@ -172,7 +172,7 @@ def paged_attention(
     block_size = k_cache.shape[1]
     for s, n in enumerate(q_lens):
         if n > VERIFY_MAX_ROWS:
-            start, length = sum(q_lens[:s]), int(seq_lens[s])
+            start, length = starts[s], lengths[s]
             blocks = block_tables[s, : -(-length // block_size)]
             out[start : start + n] = _prefill(
                 q[start : start + n], k_cache, v_cache, blocks, length, scale, k_scale, v_scale

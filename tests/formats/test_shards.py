@@ -44,7 +44,6 @@ def test_each_tensor_is_on_disk_once_added_and_shards_split_before_the_limit(tmp
     for name, t in tensors(7).items():
         writer.add({name: t})
         written += 1024
-        writer.data.flush()
         on_disk = sum(p.stat().st_size for p in tmp_path.glob("part-*.data"))
         assert on_disk == written - 1024 * 2 * (len(writer.written))  # the open shard's data, all of it
     assert len(writer.finish()) == 4  # two tensors of 1 KiB fit under 3000 bytes
