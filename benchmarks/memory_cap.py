@@ -24,12 +24,11 @@ import time
 import uuid
 from pathlib import Path
 
+from slimlm.cli import parse_size  # the sizes --kv-cache-memory takes
+
 V2, V1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory")
 
 
-def _parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
 
 
 def _controller() -> tuple[Path, dict[str, str]] | None:
@@ -88,7 +87,7 @@ def run_capped(argv: list[str], cap: int, timeout: float | None = None) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cap", required=True, help="memory limit, e.g. 4G or 2500M")
+    p.add_argument("--cap", required=True, type=parse_size, help="memory limit, e.g. 4G or 2500M")
     p.add_argument("--json", type=Path, help="also write the result here")
     p.add_argument("--timeout", type=float)
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
@@ -99,7 +98,11 @@ def main() -> int:
     if not available():
         print("no writable cgroup memory controller here (needs root, cgroup v1 or v2)", file=sys.stderr)
         return 3
-    result = run_capped(argv, _parse_size(a.cap), a.timeout)
+    try:
+        result = run_capped(argv, a.cap, a.timeout)
+    except OSError as e:  # the command itself could not start
+        print(f"cannot run {argv[0]}: {e.strerror or e}", file=sys.stderr)
+        return 2
     gb = 1e9
     peak = result["cgroup_peak_bytes"]
     print(f"cap {result['cap_bytes'] / gb:.2f} GB: exit {result['returncode']} after {result['seconds']:.0f} s; "
