@@ -181,3 +181,60 @@ def test_two_runs_never_train_in_one_run_directory(tiny_llama, calib_txt, tmp_pa
     with atomic.hold(tmp_path / ".o.train", "held"):
         assert main(gqa_command(tiny_llama, calib_txt, out, steps=2)) == 2
     assert "another run is training in" in capsys.readouterr().err and not out.exists()
+
+
+# Kill -9 inside the second checkpoint's write (step 8), at each point where a file or a rename is half done:
+# the process patches its own writer to die there, so the point is exact on any machine.
+DIE_PREAMBLE = """import os, signal, sys
+from slimlm.cli import main
+from slimlm.formats import atomic
+from slimlm.train import distill
+calls = []
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+DIE_IN_CHECKPOINT = {  # the point -> the checkpoint the rerun resumes from
+    ("half of state.safetensors", 4): """
+real = distill.save_file
+def save_file(tensors, path):
+    real(tensors, path)
+    if calls.append(path) or len(calls) == 2:
+        data = open(path, 'rb').read()
+        open(path, 'wb').write(data[: len(data) // 2])
+        die()
+distill.save_file = save_file
+""",
+    ("before state.json", 4): """
+real = distill.save_file
+def save_file(tensors, path):
+    real(tensors, path)
+    if calls.append(path) or len(calls) == 2:
+        die()
+distill.save_file = save_file
+""",
+    ("after the exchange, before the old copy is removed", 8): """
+real = atomic.shutil.rmtree
+def rmtree(path, *args, **kwargs):
+    if '.checkpoint.tmp-' in str(path):
+        die()
+    real(path, *args, **kwargs)
+atomic.shutil.rmtree = rmtree
+""",
+}
+
+
+@pytest.mark.parametrize("point,resumes_at", DIE_IN_CHECKPOINT, ids=[p for p, _ in DIE_IN_CHECKPOINT])
+def test_a_run_killed_inside_a_checkpoint_write_resumes_the_same_curve(tiny_llama, calib_txt, tmp_path, point,
+                                                                       resumes_at, uninterrupted):  # fmt: skip
+    out = tmp_path / "killed"
+    argv = gqa_command(tiny_llama, calib_txt, out)
+    script = f"{DIE_PREAMBLE}{DIE_IN_CHECKPOINT[point, resumes_at]}\nsys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, env=env)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    run_dir = tmp_path / ".killed.train"
+    assert not out.exists() and json.loads((run_dir / "checkpoint" / "state.json").read_text())["step"] == resumes_at
+    done = subprocess.run([sys.executable, "-m", "slimlm.cli", *argv], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert losses(out) == pytest.approx(losses(uninterrupted), rel=1e-6, abs=1e-9)
+    assert not run_dir.exists() and not list(tmp_path.glob(".*.tmp-*"))  # nothing of the killed write is left
