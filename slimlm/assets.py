@@ -19,7 +19,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from slimlm import SlimlmError, cache_dir
+from slimlm.cache import cache_dir
+from slimlm.errors import SlimlmError
 from slimlm.formats import atomic, manifest, shards
 
 

@@ -15,7 +15,9 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from slimlm import SlimlmError, assets, cache_dir
+from slimlm import assets
+from slimlm.cache import cache_dir
+from slimlm.errors import SlimlmError
 from slimlm.formats import atomic
 from slimlm.formats.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 

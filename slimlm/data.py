@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from slimlm import SlimlmError, assets
+from slimlm import assets
+from slimlm.errors import SlimlmError
 
 HUB_SOURCES = {
     # name: (dataset, config, split, data_files)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 from slimlm.kernels.cpu_library import cpu_flags
 
 

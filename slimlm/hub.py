@@ -10,7 +10,7 @@ import os
 import socket
 from urllib.parse import urlsplit
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 
 
 def hub_address() -> tuple[str, int]:

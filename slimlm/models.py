@@ -7,7 +7,9 @@ from pathlib import Path
 
 import torch
 
-from slimlm import SlimlmError, assets, cache_dir
+from slimlm import assets
+from slimlm.cache import cache_dir
+from slimlm.errors import SlimlmError
 from slimlm.formats import manifest, reader
 from slimlm.formats.reader import read_config
 

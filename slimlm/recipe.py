@@ -36,7 +36,7 @@ from pathlib import Path
 
 import yaml
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 from slimlm.formats import atomic
 
 STEP_COMMANDS = ("rtn", "gptq", "awq", "kv", "gqa", "prune")

@@ -20,10 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from slimlm import SlimlmError, arch, devices
+from slimlm import arch, devices
 from slimlm.arch import Mapping
 from slimlm.compress.pipeline import StepResult, cast_floats, in_dtype
 from slimlm.compress.quantize import fake_quantize
+from slimlm.errors import SlimlmError
 from slimlm.formats.quantized import QuantArgs
 
 GRID = 20

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from slimlm import SlimlmError, devices
+from slimlm import devices
 from slimlm.compress.pipeline import StepResult
 from slimlm.compress.quantize import compute_qparams
+from slimlm.errors import SlimlmError
 from slimlm.formats.quantized import QuantArgs, QuantizedWeight
 
 BLOCK = 128

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
-from slimlm import SlimlmError, arch, data, devices, models
+from slimlm import arch, data, devices, models
 from slimlm.compress import offload, pipeline
 from slimlm.compress.quantize import quantize_rtn
+from slimlm.errors import SlimlmError
 from slimlm.formats import atomic, gptq_v1, kv_cache, shards, writer
 from slimlm.formats.quantized import SUPPORTED_GROUP_SIZES, QuantArgs, QuantizedWeight
 

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 from slimlm.formats import reader, shards
 
 

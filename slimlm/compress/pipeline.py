@@ -30,9 +30,10 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from tqdm import tqdm
 
-from slimlm import SlimlmError, arch
+from slimlm import arch
 from slimlm.compress.memory import objects_alive_now_frozen, return_freed_memory
 from slimlm.compress.offload import LazyWeights
+from slimlm.errors import SlimlmError
 from slimlm.formats.quantized import QuantArgs, QuantizedWeight
 
 

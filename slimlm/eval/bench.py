@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 from slimlm.eval import plan
 
 

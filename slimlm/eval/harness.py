@@ -8,7 +8,7 @@ import json
 import logging
 import time
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 from slimlm.eval import taskpack
 
 

@@ -18,7 +18,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 from slimlm.eval import batch
 from slimlm.runtime.engine import Engine, EngineConfig
 from slimlm.runtime.sampling import SamplingParams

@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 import time
 
-from slimlm import SlimlmError, data, models
+from slimlm import data, models
+from slimlm.errors import SlimlmError
 from slimlm.eval import batch
 from slimlm.runtime.engine import Engine, EngineConfig
 from slimlm.runtime.sampling import SamplingParams

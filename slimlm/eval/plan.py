@@ -24,7 +24,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 
 FLOAT_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 KV_BYTES = {**FLOAT_BYTES, "fp8": 1, "int8": 1}

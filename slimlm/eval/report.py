@@ -19,7 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 from slimlm.formats import atomic
 
 TEMPLATE = Path(__file__).with_name("report.html.j2")

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 
 # Files a Hugging Face / slimlm checkpoint directory holds: the only things --overwrite may delete.
 CHECKPOINT_MARKERS = ("config.json", "slimlm.json")

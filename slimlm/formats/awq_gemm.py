@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 from slimlm.formats.packing import unpack_int32
 from slimlm.formats.quantized import QuantArgs, QuantizedWeight
 

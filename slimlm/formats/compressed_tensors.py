@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 from slimlm.formats.packing import pack_int32, unpack_int32
 from slimlm.formats.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantArgs, QuantizedWeight
 

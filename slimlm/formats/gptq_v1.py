@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 from slimlm.formats.packing import pack_int32, unpack_int32
 from slimlm.formats.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantArgs, QuantizedWeight, group_index
 

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 
 KV_DTYPES: dict[str, tuple[torch.dtype, float]] = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}
 STRATEGIES = ("tensor", "attn_head")

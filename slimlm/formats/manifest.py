@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from slimlm import SlimlmError, __version__
+from slimlm.errors import SlimlmError
 from slimlm.formats import shards
+from slimlm.version import __version__
 
 NAME = "slimlm.json"
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 from slimlm.formats import awq_gemm, compressed_tensors, gptq_v1, kv_cache, shards
 from slimlm.formats.quantized import QuantizedWeight
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 
 MAX_SHARD_BYTES = 2 * 1024**3
 INDEX = "model.safetensors.index.json"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 from slimlm.formats import compressed_tensors, gptq_v1, manifest
 from slimlm.formats.quantized import QuantArgs, QuantizedWeight
 

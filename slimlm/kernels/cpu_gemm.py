@@ -33,7 +33,7 @@ from collections.abc import Iterator
 
 import torch
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 from slimlm.kernels import cpu_library
 from slimlm.kernels.packed import BLOCK_N, PackedWeight
 

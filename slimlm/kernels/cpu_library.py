@@ -17,7 +17,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from slimlm import SlimlmError, cache_dir
+from slimlm.cache import cache_dir
+from slimlm.errors import SlimlmError
 
 SOURCES = [*(Path(__file__).with_name(f"{kernel}{isa}.c") for kernel in ("cpu_gemm", "cpu_attention")
              for isa in ("", "_avx2")), Path(__file__).with_name("cpu_layer.c")]  # fmt: skip

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 from slimlm.formats.quantized import QuantizedWeight
 
 BLOCK_N = 64

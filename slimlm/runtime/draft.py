@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from slimlm import SlimlmError, models
+from slimlm import models
+from slimlm.errors import SlimlmError
 from slimlm.runtime.block_manager import BlockManager
-from slimlm.runtime.model_runner import ModelRunner
+from slimlm.runtime.model_runner import DTYPES, ModelRunner
 from slimlm.runtime.scheduler import Batch, ScheduledSeq
 from slimlm.runtime.sequence import Sequence
 from slimlm.runtime.speculative import Proposal, distributions
@@ -27,8 +28,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 class DraftProposer:
     def __init__(self, model: str, engine, k: int) -> None:
-        from slimlm.runtime.engine import DTYPES
-
         model_dir = models.resolve(model)
         models.check(model_dir)
         tokenizer = models.load_tokenizer(model_dir)

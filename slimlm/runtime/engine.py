@@ -15,18 +15,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slimlm import SlimlmError, models
+from slimlm import models
 from slimlm.devices import resolve_device
+from slimlm.errors import SlimlmError
 from slimlm.formats.kv_cache import CACHE_DTYPES as KV_CACHE_DTYPES
 from slimlm.runtime.block_manager import BlockManager
-from slimlm.runtime.model_runner import ModelRunner
+from slimlm.runtime.model_runner import DTYPES, ModelRunner
 from slimlm.runtime.outputs import CompletionOutput, OutputProcessor, RequestOutput
 from slimlm.runtime.sampling import SamplingParams, sample, top_logprobs
 from slimlm.runtime.scheduler import Batch, Scheduler
 from slimlm.runtime.sequence import Sequence
 from slimlm.runtime.speculative import NgramProposer, Proposal, distributions, verify
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 __all__ = ["CompletionOutput", "Engine", "EngineConfig", "EngineStats", "RequestOutput"]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 from slimlm.runtime.engine import Engine, EngineConfig, RequestOutput
 from slimlm.runtime.sampling import SamplingParams
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from slimlm import SlimlmError, kernels
+from slimlm import kernels
+from slimlm.errors import SlimlmError
 from slimlm.formats import kv_cache, reader
 from slimlm.kernels import cpu_gemm, pack
 from slimlm.kernels.packed import KERNEL_BITS, pack_dense

@@ -6,10 +6,13 @@ from pathlib import Path
 
 import torch
 
-from slimlm import SlimlmError, kernels
+from slimlm import kernels
+from slimlm.errors import SlimlmError
 from slimlm.runtime.loader import load_model
 from slimlm.runtime.model import StepInputs
 from slimlm.runtime.scheduler import Batch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # activation dtypes by name
 
 
 def _available_memory(device: str) -> int:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 
 MAX_LOGPROBS = 20  # vLLM's default bound on top-N log-probabilities per token
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM): dividing by them overflows

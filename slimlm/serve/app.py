@@ -27,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 from slimlm.runtime.engine import Engine, RequestOutput
 from slimlm.serve import protocol as p
 from slimlm.serve.async_engine import AsyncEngine, EngineFailed, Overloaded

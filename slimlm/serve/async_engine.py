@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 from slimlm.runtime.engine import Engine, RequestOutput
 from slimlm.runtime.sampling import SamplingParams
 from slimlm.serve.metrics import EngineSnapshot, Metrics

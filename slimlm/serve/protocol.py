@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 from slimlm.runtime.outputs import CompletionOutput
 from slimlm.runtime.sampling import MAX_LOGPROBS, SamplingParams
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from slimlm import SlimlmError
+from slimlm.errors import SlimlmError
 from slimlm.formats.atomic import staging
 from slimlm.formats.writer import state_tensors
 

@@ -17,7 +17,8 @@ import itertools
 import torch
 from torch import nn
 
-from slimlm import SlimlmError, arch
+from slimlm import arch
+from slimlm.errors import SlimlmError
 
 Groups = list[list[int]]  # per layer: for each new KV head, the old KV heads merged into it
 

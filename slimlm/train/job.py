@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from slimlm import SlimlmError, data, models
+from slimlm import data, models
+from slimlm.errors import SlimlmError
 from slimlm.formats import atomic, shards, writer
 from slimlm.train import gqa, prune
 from slimlm.train.distill import TrainConfig, check, mean_nll, train

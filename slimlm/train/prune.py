@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slimlm import SlimlmError, arch
+from slimlm import arch
 from slimlm.compress import pipeline
+from slimlm.errors import SlimlmError
 
 GROUP_SIZES = (32, 64, 128)  # the quantization group sizes a later `compress gptq|awq|rtn` would use
 # The candidates `--target-params` compares: the dimensions each shrinks, all by the same fraction.

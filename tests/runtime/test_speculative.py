@@ -137,17 +137,32 @@ def test_verify_draws_only_from_its_generator_and_accepts_every_draft_of_a_perfe
     p = q[:3].clone()
     drafts = [int(torch.multinomial(p[i], 1, generator=g)) for i in range(3)]
 
-    def run(global_seed: int):
-        torch.manual_seed(global_seed)  # the global RNG must not matter
+    def run(global_seed: int, proposal: Proposal):
+        torch.manual_seed(global_seed)  # the global RNG must not matter: not to accept, not to resample
         gen = torch.Generator().manual_seed(11)
-        return [verify(q, Proposal(drafts, p), gen) for _ in range(50)]
+        return [verify(q, proposal, gen) for _ in range(50)]
 
-    first = run(0)
-    assert first == run(1)
+    first = run(0, Proposal(drafts, p))
+    assert first == run(1, Proposal(drafts, p))
     assert all(accepted == 3 for _, accepted in first)  # p = q: min(1, q/p) = 1 for every draft
     assert len({tuple(tokens) for tokens, _ in first}) > 1  # the bonus token is drawn, not fixed
-    rejections = [verify(q, Proposal(drafts, None), torch.Generator().manual_seed(s)) for s in range(50)]
-    assert len({tuple(tokens) for tokens, _ in rejections}) > 1  # a point mass does reject, from its own draws
+    rejections = run(0, Proposal(drafts, None))
+    assert rejections == run(1, Proposal(drafts, None))
+    assert len({accepted for _, accepted in rejections}) > 1  # a point mass does reject, from its own draws
+    assert len({tokens[accepted] for tokens, accepted in rejections if accepted < 3}) > 1  # resampled, not fixed
+
+
+def test_the_residual_is_max_0_q_minus_p_and_q_where_that_is_empty():
+    q, p = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.6, 0.2])
+    torch.testing.assert_close(speculative.residual(q, p), torch.tensor([0.3, 0.0, 0.0]))
+    assert torch.equal(speculative.residual(q, q.clone()), q)  # nothing to reject: never an all-zero row
+
+
+def test_prompt_lookup_honours_min_n_and_one_budget_per_sequence():
+    assert NgramProposer(k=2, max_n=3, min_n=2)._lookup([4, 1, 2, 9, 2], 2) == []  # only a 1-gram repeats
+    assert NgramProposer(k=2, max_n=3, min_n=1)._lookup([4, 1, 2, 9, 2], 2) == [9, 2]
+    with pytest.raises(ValueError):
+        NgramProposer(k=2).propose([], [1])
 
 
 def test_the_chi_square_helper_fails_a_draw_the_target_cannot_make():
