@@ -3,6 +3,8 @@ groups), merging to the same count is the identity, similarity finds the copies,
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -69,6 +71,25 @@ def test_mean_pooling_is_the_mean_of_the_groups_rows(model):
     gqa.merge(model, [[[0, 1]]] * 2)
     assert torch.allclose(model.model.layers[1].self_attn.k_proj.weight, (k[:16] + k[16:]) / 2)
     assert model.model.layers[1].self_attn.num_key_value_groups == 4
+    assert isinstance(model.model.layers[1].self_attn.num_key_value_groups, int)  # transformers repeats KV by it
+
+
+def test_merging_keeps_q_k_v_biases_and_the_weights_dtype():
+    """Qwen2's q/k/v carry biases: they are pooled and reordered with their rows; bf16 stays bf16."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    qwen = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    attention = qwen.model.layers[0].self_attn
+    k_bias, v_bias, q_bias = attention.k_proj.bias.clone(), attention.v_proj.bias.clone(), attention.q_proj.bias.clone()
+    gqa.merge(qwen, [[[0, 1]]])
+    attention = qwen.model.layers[0].self_attn
+    assert attention.k_proj.weight.dtype == attention.k_proj.bias.dtype == torch.bfloat16
+    torch.testing.assert_close(attention.k_proj.bias, (k_bias[:16] + k_bias[16:]) / 2)
+    torch.testing.assert_close(attention.v_proj.bias, (v_bias[:16] + v_bias[16:]) / 2)
+    assert torch.equal(attention.q_proj.bias, q_bias)
 
 
 def test_best_partition_minimises_the_within_group_distance():
@@ -77,14 +98,57 @@ def test_best_partition_minimises_the_within_group_distance():
     assert sorted(map(sorted, gqa.best_partition(distance, 2))) == [[0, 2], [1, 3], [4, 5]]
 
 
+def traps(blocks: int) -> torch.Tensor:
+    """Distances where greedy pairing goes wrong: in each block of 4 heads, 0-1 are nearest (1) but pairing
+    them leaves 2-3 (100); 0-2 and 1-3 (2 each) is the best pairing. Blocks are far apart (1000)."""
+    block = torch.tensor([[0, 1, 2, 50], [1, 0, 50, 2], [2, 50, 0, 100], [50, 2, 100, 0]], dtype=torch.float32)
+    distance = torch.full((4 * blocks, 4 * blocks), 1000.0)
+    for b in range(blocks):
+        distance[4 * b : 4 * b + 4, 4 * b : 4 * b + 4] = block
+    return distance
+
+
+def greedy(distance: torch.Tensor, size: int) -> list[list[int]]:
+    """The documented rule: each group is the first free head and its size - 1 nearest free heads."""
+    free, groups = list(range(len(distance))), []
+    while free:
+        first, free = free[0], free[1:]
+        nearest = sorted(free, key=lambda h: float(distance[first, h]))[: size - 1]
+        groups.append(sorted([first, *nearest]))
+        free = [h for h in free if h not in nearest]
+    return groups
+
+
+def test_best_partition_is_exhaustive_up_to_12_heads_then_greedy():
+    assert gqa.best_partition(traps(3), 2) == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11]]  # 12: exhaustive
+    assert gqa.best_partition(traps(4), 2) == [[4 * b + i, 4 * b + i + 1] for b in range(4) for i in (0, 2)]
+    distance = torch.rand(16, 16, generator=torch.Generator().manual_seed(0))
+    distance = distance + distance.T
+    for size in (2, 4, 8):
+        groups = gqa.best_partition(distance, size)
+        assert groups == greedy(distance, size) and sorted(h for g in groups for h in g) == list(range(16))
+
+
 @pytest.mark.parametrize("kv_heads,expand,fragment", [
     (3, False, "does not divide the 4 query heads; use one of 1, 2, 4"),
-    (4, False, "more than the model's 2 KV heads"),
-    (1, True, "--expand needs a multiple of the current 2 KV heads"),
+    (1, True, "--expand needs a multiple of the current 2 KV heads, got 1"),
+    (4, False, "--kv-heads 4 is more than the model's 2 KV heads: merging only removes heads (add --expand to "
+              "repeat them)"),
 ])  # fmt: skip
 def test_targets_that_cannot_work_are_named(model, kv_heads, expand, fragment):
-    with pytest.raises(SlimlmError, match=fragment):
+    with pytest.raises(SlimlmError, match=re.escape(fragment)):
         gqa.check_kv_heads(model.config, kv_heads, expand)
+
+
+def test_uneven_groups_are_named_and_whole_factors_pass():
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(num_attention_heads=12, num_key_value_heads=6)
+    message = "--kv-heads 4 does not divide the current 6 KV heads, so the groups would be uneven"
+    with pytest.raises(SlimlmError, match=f"^{re.escape(message)}$"):
+        gqa.check_kv_heads(config, 4, False)
+    for kv_heads, expand in ((6, False), (3, False), (1, False), (12, True), (6, True)):
+        gqa.check_kv_heads(config, kv_heads, expand)  # no error
 
 
 def test_the_converted_checkpoint_loads_in_transformers_and_the_runtime_agrees_token_for_token(
