@@ -12,11 +12,11 @@ Which loop runs, by CPU and by x (thresholds measured with benchmarks/kernels_cp
                               won on the EPYC), fp32 matmul on dequantized fp32 slices above
     AVX-512 without BF16      fused fp32 loop; bf16 x above FUSED_MAX_ROWS_BF16 rows: bf16 matmul on
                               dequantized slices
-    AVX2                      4-bit, decode steps (any batch): x quantized to int8 per run of INT8_RUN inputs,
-                              codes times bytes (vpmaddubsw: 32 weights an instruction; the product is exactly
-                              W·x̂, llama.cpp's Q4×Q8): 1.3–1.5× the fused loop at batch 1 on Qwen2.5-1.5B,
-                              2.4–2.9× the fp32 slices at 24–32 rows, for +0.1–0.15% perplexity. Prompt tokens
-                              (inside exact_activations(), which ModelRunner enters for any step with one), 8-bit
+    AVX2                      4-bit, any rows: x quantized to int8 per run of INT8_RUN inputs, codes times
+                              bytes (vpmaddubsw: 32 weights an instruction; the product is exactly W·x̂,
+                              llama.cpp's Q4×Q8): 1.3–1.5× the fused loop at batch 1 on Qwen2.5-1.5B,
+                              2.4–2.9× the fp32 slices at 24–32 rows, ~1.6× at 512, for +0.1–0.15% perplexity.
+                              Steps inside exact_activations() (ModelRunner enters it for a scored prompt), 8-bit
                               weights (at memory bandwidth already) and widths not a multiple of INT8_RUN: the
                               fused fp32 loop; above FUSED_MAX_ROWS_AVX2 rows, fp32 matmul on dequantized slices
 

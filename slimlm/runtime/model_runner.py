@@ -89,12 +89,14 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch, logit_rows: list[int]) -> torch.Tensor:
         """Forward pass over the batch; fp32 logits [len(logit_rows), vocab] for the requested token rows. A
-        step with prompt tokens runs with exact activations, logits included, so prompt log-probabilities are
-        transformers' on every CPU (kernels.exact_activations); decode steps, drafts' verification included,
-        take the kernels' fastest loop."""
+        step with prompt tokens of a sequence that scores its prompt (prompt_logprobs: eval, echo) runs with
+        exact activations, logits included, so those log-probabilities are transformers' on every CPU
+        (kernels.exact_activations); every other step, prompts included, takes the kernels' fastest loop (on
+        AVX2 x quantized to int8, as llama.cpp's prompt processing does too)."""
         self.copy_blocks(batch.copies)
         ids, step = self.inputs(batch)
-        prompt = any(item.seq.num_computed < item.seq.num_prompt_tokens for item in batch.items)
-        with kernels.exact_activations(prompt):
+        scored = any(item.seq.num_computed < item.seq.num_prompt_tokens and item.seq.params.prompt_logprobs is not None
+                     for item in batch.items)  # fmt: skip
+        with kernels.exact_activations(scored):
             hidden = self.model(ids, step, self.kv_cache)
             return self.model.logits(hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)])

@@ -105,9 +105,10 @@ def test_an_untied_embedding_keeps_its_narrower_stored_dtype(tmp_path):
     assert torch.allclose(torch.tensor(got), expected, atol=1e-5)
 
 
-def test_prompt_tokens_are_exact_and_decode_steps_quantize_x_on_avx2(calibrated, tmp_path, monkeypatch):
-    """AVX2's int8 loop runs the decode steps only: prompt log-probabilities are transformers' (to the fp16
-    scales' accuracy, as on any CPU), while every decode step, batched or not, multiplies x̂."""
+def test_scored_prompts_are_exact_and_other_steps_quantize_x_on_avx2(calibrated, tmp_path, monkeypatch):
+    """AVX2's int8 loop runs every step but those of prompts whose log-probabilities are asked for: those are
+    transformers' (to the fp16 scales' accuracy, as on any CPU), while plain prompts and every decode step,
+    batched or not, multiply x̂."""
     from transformers import AutoModelForCausalLM
 
     from tests.kernels.problems import haswell_library
@@ -123,6 +124,32 @@ def test_prompt_tokens_are_exact_and_decode_steps_quantize_x_on_avx2(calibrated,
     lib.calls = []
     llm.generate([ids[:5]] * 30, SamplingParams(max_tokens=3, temperature=0))  # decode steps of 30 sequences
     assert "slimlm_quant_matmul_i8" in lib.calls
+    fresh = LLM(str(out), prefix_caching=False)
+    lib.calls = []
+    fresh.generate([ids], SamplingParams(max_tokens=1))  # one prompt step, nothing scored: x̂ there too
+    assert "slimlm_quant_matmul_i8" in lib.calls and "slimlm_dequantize" not in lib.calls
+
+
+def test_avx2_w4_greedy_text_does_not_depend_on_the_batch(smollm2, tmp_path, monkeypatch):
+    """Every step but a scored prompt's takes the int8 loop, whose rows do not see each other: a prompt's greedy
+    continuation alone is its continuation among seven others of other lengths, prefilled in one step, to the
+    last bit of every log-probability. On `compress rtn`'s default checkpoint (W4 g64, 8-bit head); with
+    prompts run exact, the fused loop alone and fp32 slices among the others gave SmolLM2 another text."""
+    from slimlm.compress.job import quantize_weights
+    from slimlm.compress.rtn import RTN
+    from tests.kernels.problems import haswell_library
+
+    args = QuantArgs(4, 64, True)
+    out = quantize_weights("rtn", RTN(args), args, str(smollm2), tmp_path / "w4", progress=False, lm_head_bits=8,
+                           report_error=False)
+    haswell_library(monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    others = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (7, 19, 33, 50, 3, 28, 61)]
+    prompts = [ids_for(out, 20), *others]  # alone: 20 rows, under FUSED_MAX_ROWS_AVX2
+    greedy = SamplingParams(max_tokens=16, temperature=0, logprobs=0)
+    alone = LLM(str(out), prefix_caching=False).generate([prompts[0]], greedy)[0].outputs[0]
+    together = LLM(str(out), prefix_caching=False).generate(prompts, greedy)[0].outputs[0]
+    assert together.token_ids == alone.token_ids and together.logprobs == alone.logprobs  # bit for bit
 
 
 def test_w4_checkpoint_matches_transformers(calibrated, tmp_path):
