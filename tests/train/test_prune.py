@@ -241,3 +241,84 @@ def test_search_tokens_picks_the_candidate_best_after_a_short_distillation(tiny4
     after = {name: c["ppl_after_search"] for name, c in meta["candidates"].items()}
     assert len(after) >= 2 and meta["arguments"]["candidate"] == min(after, key=after.get)
     assert all(c["ppl_after_search"] < c["ppl"] for c in meta["candidates"].values())
+
+
+@torch.no_grad()
+def test_importance_is_its_definition_summed_over_every_batch(model):
+    """Against the definitions, from hooks on a plain forward of all windows at once (the pipeline sees them
+    two at a time): a head's score is the RMS over tokens of its o_proj contribution |W_o[:, h] x_h|; a
+    neuron's, the RMS of its down_proj input times that column's norm; a hidden channel's, the sum over
+    layers and both norms of the norm output's RMS; a layer's, the mean cosine distance of its input and
+    output."""
+    x = ids(model, 1, shape=(6, 24))
+    got = prune.importance(model, x, batch_size=2, progress=False)
+    seen = {}
+
+    def keep(name):
+        return lambda module, args, out=None: seen.setdefault(name, []).append(
+            (args[0] if args else None, out[0] if isinstance(out, tuple) else out))
+
+    hooks = []
+    for i, block in enumerate(model.model.layers):
+        hooks += [block.self_attn.o_proj.register_forward_pre_hook(keep(f"o{i}")),
+                  block.mlp.down_proj.register_forward_pre_hook(keep(f"d{i}")),
+                  block.input_layernorm.register_forward_hook(keep(f"n{i}.0")),
+                  block.post_attention_layernorm.register_forward_hook(keep(f"n{i}.1")),
+                  block.register_forward_hook(keep(f"l{i}"))]  # fmt: skip
+    model(x)
+    for h in hooks:
+        h.remove()
+
+    def rms(t):  # over every token
+        t = t.double().flatten(0, -2)
+        return (t * t).mean(0).sqrt()
+
+    tokens = x.numel()
+    hidden = 0
+    for i, block in enumerate(model.model.layers):
+        a = seen[f"o{i}"][0][0].double().view(tokens, -1, HD)  # [T, heads, head_dim]
+        w_o = block.self_attn.o_proj.weight.double().view(-1, a.shape[1], HD)
+        contribution = torch.einsum("dnh,tnh->tnd", w_o, a)  # per token and head: W_o[:, h] x_h
+        torch.testing.assert_close(got.heads[i], contribution.norm(dim=-1).pow(2).mean(0).sqrt().float())
+        d = seen[f"d{i}"][0][0]
+        torch.testing.assert_close(got.ffn[i], (rms(d) * block.mlp.down_proj.weight.double().norm(dim=0)).float())
+        hidden = hidden + rms(seen[f"n{i}.0"][0][1]) + rms(seen[f"n{i}.1"][0][1])
+        layer_in, layer_out = seen[f"l{i}"][0][0].flatten(0, -2), seen[f"l{i}"][0][1].flatten(0, -2)
+        distance = (1 - torch.nn.functional.cosine_similarity(layer_in.double(), layer_out.double(), dim=-1)).mean()
+        assert got.layers[i].item() == pytest.approx(distance.item(), rel=1e-5)
+    torch.testing.assert_close(got.hidden, hidden.float())
+
+
+def test_head_counts_kv_heads_and_the_sizes_the_search_tries():
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(hidden_size=768, num_attention_heads=12, num_key_value_heads=4, intermediate_size=640,
+                             num_hidden_layers=6)  # fmt: skip
+    assert prune.head_counts(config) == [3, 4, 6, 8, 9, 12]  # 1-3 heads in each of 4 groups, or 1-4 whole groups
+    kv = {heads: prune.kv_heads_for(config, heads) for heads in (3, 4, 6, 8, 9, 12)}
+    assert kv == {3: 1, 4: 4, 6: 2, 8: 4, 9: 3, 12: 4} and all(type(k) is int for k in kv.values())
+    for heads in (0, 5, 15, 16):
+        message = (f"--heads {heads} breaks the grouping of 12 query heads over 4 KV heads (3 per KV head); counts "
+                   "that work: 3, 4, 6, 8, 9, 12")  # fmt: skip
+        with pytest.raises(prune.SlimlmError, match=f"^{message.replace('(', '[(]').replace(')', '[)]')}$"):
+            prune.kv_heads_for(config, heads)
+    assert prune._sizes(config, "layers", 12) == [1, 2, 3, 4, 5, 6]
+    assert prune._sizes(config, "hidden", 12) == [384, 768]  # multiples of lcm(12 heads, 128-alignment)
+    assert prune._sizes(config, "ffn", 12) == [128, 256, 384, 512, 640]
+    assert prune.alignment(100) == 1 and prune.alignment(96) == 32
+    current, shape = prune.Shape.of(config), prune.Shape(384, 12, 4, 480, 6)
+    assert prune._deepest_cut(shape, current, ("ffn", "hidden")) == 0.5  # hidden cut by half, ffn by a quarter
+    old = SimpleNamespace(hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2)
+    assert prune.Shape.of(old) == prune.Shape(64, 4, 4, 128, 2)  # no num_key_value_heads: multi-head
+
+
+def test_a_pruned_config_keeps_the_attention_kinds_of_the_kept_layers():
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(num_hidden_layers=3, layer_types=["full_attention", "sliding_attention", "full_attention"],
+                         use_sliding_window=True)  # fmt: skip
+    shape = prune.Shape(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                        config.intermediate_size, 2)  # fmt: skip
+    out = prune.pruned_config(config, shape, [1, 2])
+    assert out.layer_types == ["sliding_attention", "full_attention"] and out.num_hidden_layers == 2
+    assert config.layer_types == ["full_attention", "sliding_attention", "full_attention"]  # the source's own
