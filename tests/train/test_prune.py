@@ -322,3 +322,45 @@ def test_a_pruned_config_keeps_the_attention_kinds_of_the_kept_layers():
     out = prune.pruned_config(config, shape, [1, 2])
     assert out.layer_types == ["sliding_attention", "full_attention"] and out.num_hidden_layers == 2
     assert config.layer_types == ["full_attention", "sliding_attention", "full_attention"]  # the source's own
+
+
+@pytest.fixture
+def wide():
+    """A model of a finer grid (hidden 512, 8 heads over 4 KV heads, FFN 1536, 8 layers) on the meta device:
+    the search reads only its config and parameter names."""
+    from accelerate import init_empty_weights
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_each_family_takes_the_most_even_cut_within_the_tolerance(wide):
+    """Every shape a family can take (the grid of its dimensions' sizes): the one chosen is under the target,
+    within the tolerance of it (else the largest under it), and no shape there cuts its deepest dimension
+    less (ties: the larger one)."""
+    import itertools
+    from dataclasses import asdict, replace
+
+    model, current = wide, prune.Shape.of(wide.config)
+    total = prune.count_parameters(model, current)
+    found = prune.candidates(model, 0.6)
+    assert len(found) >= 3  # (a family whose choice repeats an earlier one's is left out)
+    for name, shape in found.items():
+        dims = prune.FAMILIES[name]
+        grid = [[(d, v) for v in prune._sizes(model.config, d, current.heads)] for d in dims if d != "heads"]
+        heads = prune._sizes(model.config, "heads", current.heads) if "heads" in dims else [current.heads]
+        shapes = [replace(current, **dict(choice), heads=h, kv_heads=prune.kv_heads_for(model.config, h))
+                  for h in heads for choice in itertools.product(*grid)]  # fmt: skip
+        fits = [s for s in shapes if prune.count_parameters(model, s) <= 0.6 * total]
+        window = [s for s in fits if prune.count_parameters(model, s) >= 0.57 * total]  # the default 0.03
+        if not window:  # none that close: the largest that fits
+            largest = max(prune.count_parameters(model, s) for s in fits)
+            window = [s for s in fits if prune.count_parameters(model, s) == largest]
+        assert shape in window, (name, asdict(shape))
+        best = min(prune._deepest_cut(s, current, dims) for s in window)
+        even = [s for s in window if prune._deepest_cut(s, current, dims) == best]
+        assert prune._deepest_cut(shape, current, dims) == best
+        assert prune.count_parameters(model, shape) == max(prune.count_parameters(model, s) for s in even)
