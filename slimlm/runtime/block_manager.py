@@ -3,7 +3,10 @@
 A block holds the K/V of `block_size` consecutive tokens. A full block is identified by the chained hash of
 its tokens and all tokens before it, so two sequences with the same prefix map to the same blocks and the
 prefix is computed once. Freed blocks keep their hash until they are handed out again (least recently
-freed first), so a prefix can be reused after the sequence that computed it is gone.
+freed first), so a prefix can be reused after the sequence that computed it is gone. Sequences that score
+their prompt (prompt_logprobs) chain from a root of their own: their prompts run with exact activations
+(model_runner), so they never take blocks another sequence's prompt filled through AVX2's int8 loop, and
+an evaluation does not depend on what the engine served before it.
 
 Only a sequence's last block is ever written. It is private unless the sequence was forked (n > 1); a
 shared last block is copied before the write (copy-on-write), and the runner performs the copies listed in
@@ -26,8 +29,13 @@ class Block:
     tokens: tuple[int, ...] = ()  # the tokens behind `hash`, to rule out collisions
 
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+def chain_hash(parent: int | str | None, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
+
+
+def chain_root(seq: Sequence) -> str | None:
+    """What a sequence's first block hashes from (see the module doc)."""
+    return "scored" if seq.params.prompt_logprobs is not None else None
 
 
 class BlockManager:
@@ -78,7 +86,7 @@ class BlockManager:
         reusable = seq.num_tokens - 1
         if seq.params.prompt_logprobs is not None:
             reusable = min(reusable, seq.params.prompt_logprobs_from - 1)
-        parent = None
+        parent = chain_root(seq)
         for start in range(0, reusable - self.block_size + 1, self.block_size):
             tokens = tuple(seq.token_ids[start : start + self.block_size])
             h = chain_hash(parent, tokens)
@@ -126,7 +134,7 @@ class BlockManager:
         while len(seq.block_hashes) < seq.num_computed // self.block_size:
             i = len(seq.block_hashes)
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else chain_root(seq), tokens)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:

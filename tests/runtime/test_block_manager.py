@@ -160,10 +160,15 @@ def test_recycling_a_duplicate_block_keeps_the_original_cached():
 
 @pytest.mark.parametrize("logprobs_from, reused", [(8, 4), (9, 8), (13, 12)])
 def test_prompt_logprobs_leave_the_scored_positions_to_compute(logprobs_from, reused):
-    """Scoring prompt token i needs the logits of position i − 1, so it must not come from the cache."""
+    """Scoring prompt token i needs the logits of position i − 1, so it must not come from the cache; the
+    blocks before it come from another scored sequence's, never from a plain one's (see chain_root)."""
     bm = BlockManager(num_blocks=20, block_size=4)
     run_prefill(bm, seq(list(range(16))))
-    s = seq(list(range(16)), seq_id=1, prompt_logprobs=0, prompt_logprobs_from=logprobs_from)
+    plain_first = seq(list(range(16)), seq_id=1, prompt_logprobs=0, prompt_logprobs_from=logprobs_from)
+    bm.allocate_prefix(plain_first)
+    assert plain_first.num_computed == 0
+    run_prefill(bm, seq(list(range(16)), seq_id=2, prompt_logprobs=0))
+    s = seq(list(range(16)), seq_id=3, prompt_logprobs=0, prompt_logprobs_from=logprobs_from)
     bm.allocate_prefix(s)
     assert s.num_computed == reused and s.num_cached_tokens == reused
 

@@ -130,6 +130,25 @@ def test_scored_prompts_are_exact_and_other_steps_quantize_x_on_avx2(calibrated,
     assert "slimlm_quant_matmul_i8" in lib.calls and "slimlm_dequantize" not in lib.calls
 
 
+@pytest.mark.parametrize("scored_from", [1, 40])  # echo with logprobs; an eval continuation after 39 tokens
+def test_a_scored_prompt_after_the_same_plain_prompt_is_still_exact(calibrated, tmp_path, monkeypatch, scored_from):
+    """The plain prompt's KV (int8 loop) is in the prefix cache when the same prompt comes back scored: the
+    scored one takes none of those blocks, and its log-probabilities are a fresh engine's, bit for bit."""
+    from tests.kernels.problems import haswell_library
+
+    out = quantize(calibrated, tmp_path / "w4", "rtn", QuantArgs(4, 32, True))
+    haswell_library(monkeypatch)
+    ids = ids_for(out, 48)
+    scored = SamplingParams(max_tokens=1, prompt_logprobs=0, prompt_logprobs_from=scored_from)
+    llm = LLM(str(out))
+    llm.generate([ids], SamplingParams(max_tokens=4))
+    again = llm.generate([ids], scored)[0]
+    assert again.num_cached_tokens == 0
+    assert again.prompt_logprobs == LLM(str(out)).generate([ids], scored)[0].prompt_logprobs
+    shared = (scored_from - 1) // 16 * 16  # the full blocks before the first scored position: 0 or 32
+    assert llm.generate([ids], scored)[0].num_cached_tokens == shared  # scored prompts share among themselves
+
+
 def test_avx2_w4_greedy_text_does_not_depend_on_the_batch(smollm2, tmp_path, monkeypatch):
     """Every step but a scored prompt's takes the int8 loop, whose rows do not see each other: a prompt's greedy
     continuation alone is its continuation among seven others of other lengths, prefilled in one step, to the
