@@ -1,8 +1,12 @@
-"""What AVX2's 4-bit loop gains in batch-1 decode and costs in perplexity by quantizing x to int8 (cpu_gemm's
-"int8" loop, against the fused fp32 loop it replaced), on one checkpoint loaded once, in one run.
+"""What AVX2's 4-bit loop gains in batch-1 decode and in prompt processing, and costs in perplexity, by
+quantizing x to int8 (cpu_gemm's "int8" loop, against the fp32 loops it replaced), on one checkpoint loaded
+once, in one run.
 
 Decode: steps at batch 1 with 256 cached tokens (random KV), the two loops in turns, against the bandwidth
-floor (the packed weights read once per step, at the read bandwidth measured here). Perplexity: the same
+floor (the packed weights read once per step, at the read bandwidth measured here). Prompt: the time to the
+first token of a --prompt-tokens prompt through the engine (a request with max_tokens 1), its prompt step
+run exact (the fused loop and fp32 slices, as a scored prompt runs) or not (the int8 loop, as every other
+prompt runs), in turns. Perplexity: the same
 windows through each loop, with the loop forced for every row count, so the prefill that scores the windows
 multiplies x̂ exactly as a decode step does. On a CPU with AVX-512, SLIMLM_CPU_MARCH=haswell runs the AVX2
 build (the machine's memory, AVX2's instructions; torch's own matmuls keep this CPU's).
@@ -26,6 +30,7 @@ from slimlm.eval import perplexity
 from slimlm.eval.bench import _step_inputs
 from slimlm.kernels import cpu_gemm, cpu_library
 from slimlm.kernels.packed import PackedWeight
+from slimlm.runtime.sampling import SamplingParams
 
 CONTEXT = 256
 RUN = 10  # steps back to back per loop and turn
@@ -68,19 +73,30 @@ def weight_bytes(model) -> int:
     return total
 
 
+def first_token_s(engine, prompt: list[int], exact: bool) -> float:
+    with cpu_gemm.exact_activations(exact):
+        start = time.perf_counter()
+        engine.add_request(prompt, SamplingParams(max_tokens=1))
+        while engine.has_unfinished():
+            engine.step(detokenize=False)
+        return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--prompt-tokens", type=int, default=500)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if cpu_library.vector_bits() != 256:
         raise SystemExit("this CPU runs the AVX-512 build; set SLIMLM_CPU_MARCH=haswell to measure the AVX2 one")
-    engine = perplexity.engine_for(args.model, args.seq_len, dtype="float32")
+    engine = perplexity.engine_for(args.model, max(args.seq_len, args.prompt_tokens), dtype="float32",
+                                   prefix_caching=False)  # fmt: skip
     runner, loops = engine.runner, ("fused", "int8")
     runner.kv_cache.normal_()
     step, ids = _step_inputs(1, CONTEXT, engine.config.block_size), torch.tensor([7])
@@ -94,6 +110,12 @@ def main() -> None:
                         start = time.perf_counter()
                         runner.model.logits(runner.model(ids, step, runner.kv_cache))
                         times[loop].append(time.perf_counter() - start)
+    prompt = torch.randint(3, 1000, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    ttft = {"exact": [], "int8": []}
+    first_token_s(engine, prompt, False)  # warm
+    for _ in range(args.turns):
+        for name, exact in (("exact", True), ("int8", False)):
+            ttft[name].append(first_token_s(engine, prompt, exact))
     nbytes, bandwidth = weight_bytes(runner.model), read_bandwidth()
     floor = nbytes / bandwidth
     ppl = {}
@@ -111,9 +133,14 @@ def main() -> None:
     print(f"int8 / fused: decode {step_s['fused'] / step_s['int8']:.2f}× faster, perplexity "
           f"{100 * (ppl['int8']['perplexity'] / ppl['fused']['perplexity'] - 1):+.3f}% "
           f"({ppl['int8']['tokens_scored']} tokens)")  # fmt: skip
+    best = {name: min(t) for name, t in ttft.items()}
+    print(f"prompt of {args.prompt_tokens} tokens, first token: exact {best['exact']:.2f} s "
+          f"({args.prompt_tokens / best['exact']:.1f} tok/s), int8 {best['int8']:.2f} s "
+          f"({args.prompt_tokens / best['int8']:.1f} tok/s): {best['exact'] / best['int8']:.2f}× faster")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "step_seconds": times, "floor_seconds": floor, "weight_bytes": nbytes,
+            json.dump({"args": vars(args), "step_seconds": times, "first_token_seconds": ttft, "floor_seconds": floor,
+                       "weight_bytes": nbytes,
                        "read_bandwidth": bandwidth, "perplexity": ppl}, f,
                       indent=1)  # fmt: skip
 
