@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,7 +36,7 @@ def test_one_step_equals_a_hand_written_distillation_step(pair, tmp_path):
     windows = torch.randint(0, teacher.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     config = TrainConfig(train_tokens=48, seq_len=24, global_batch=2, micro_batch=1, lr=1e-3, warmup=0.0,
                          weight_decay=5.0, max_grad_norm=0.05, temperature=2.0)  # fmt: skip
-    train(student, teacher, windows, config, tmp_path / "run", progress=False)
+    log = train(student, teacher, windows, config, tmp_path / "run", progress=False)
 
     t = config.temperature
     with torch.no_grad():
@@ -43,6 +44,7 @@ def test_one_step_equals_a_hand_written_distillation_step(pair, tmp_path):
     log_student = torch.log_softmax(reference(windows).logits / t, -1)
     loss = (p_teacher * (p_teacher.log() - log_student)).sum(-1).mean() * t * t  # both windows, one mean
     loss.backward()
+    assert log[-1]["loss"] == pytest.approx(loss.item(), rel=1e-4)  # both micro-batches' halves, summed
     params = [p for p in reference.parameters()]
     norm = torch.sqrt(sum((p.grad**2).sum() for p in params))
     scale = min(1.0, config.max_grad_norm / (norm.item() + 1e-6))
@@ -64,6 +66,10 @@ def test_distillation_loss_is_zero_for_the_teacher_and_mixes_the_lm_loss():
     assert distill_loss(logits, logits, ids, 1.0, 0.0).item() == pytest.approx(0.0, abs=1e-6)
     ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     assert distill_loss(logits, logits, ids, 1.0, 0.25).item() == pytest.approx(0.25 * ce.item(), rel=1e-5)
+    teacher = torch.randn(2, 5, 11)
+    kl = distill_loss(logits, teacher, ids, 1.0, 0.0).item()
+    assert kl > 0 and distill_loss(logits, teacher, ids, 1.0, 1.0).item() == pytest.approx(ce.item(), rel=1e-5)
+    assert distill_loss(logits, teacher, ids, 1.0, 0.25).item() == pytest.approx(0.75 * kl + 0.25 * ce.item(), rel=1e-5)
 
 
 def test_the_learning_rate_warms_up_then_decays_to_zero():
@@ -238,3 +244,112 @@ def test_a_run_killed_inside_a_checkpoint_write_resumes_the_same_curve(tiny_llam
     assert done.returncode == 0, done.stderr[-2000:]
     assert losses(out) == pytest.approx(losses(uninterrupted), rel=1e-6, abs=1e-9)
     assert not run_dir.exists() and not list(tmp_path.glob(".*.tmp-*"))  # nothing of the killed write is left
+
+
+def test_the_curve_plots_loss_and_evaluation_perplexity_against_tokens(tmp_path, monkeypatch):
+    """The figure itself: training loss on the left axis, the evaluation perplexity (the step-0 one included)
+    on a log-scaled right axis, both against training tokens, labelled, at 840×480 pixels."""
+    import struct
+
+    import matplotlib.pyplot as plt
+
+    from slimlm.train.distill import plot
+
+    kept, close = [], plt.close
+    monkeypatch.setattr(plt, "close", kept.append)  # keep the figure to look at
+    log = [{"step": 0, "tokens": 0, "eval_ppl": 90.0}, {"step": 1, "tokens": 64, "loss": 2.0},
+           {"step": 2, "tokens": 128, "loss": 1.5, "eval_ppl": 40.0}]  # fmt: skip
+    plot(log, tmp_path / "curve.png")
+    (fig,) = kept
+    left, right = fig.axes
+    (loss,), (ppl,) = left.get_lines(), right.get_lines()
+    assert list(loss.get_xdata()) == [64, 128] and list(loss.get_ydata()) == [2.0, 1.5]
+    assert list(ppl.get_xdata()) == [0, 128] and list(ppl.get_ydata()) == [90.0, 40.0]
+    assert (ppl.get_marker(), ppl.get_linestyle(), ppl.get_color()) == ("o", "-", "C1")
+    assert (left.get_xlabel(), left.get_ylabel(), right.get_ylabel()) == (
+        "training tokens", "loss (distillation)", "evaluation perplexity (log)")
+    assert right.get_yscale() == "log" and left.get_yscale() == "linear"
+    legend = left.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["training loss", "evaluation perplexity"]
+    assert legend._loc == 1  # upper right
+    header = (tmp_path / "curve.png").read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", header[16:24]) == (840, 480)
+    close(fig)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_the_loop_logs_checkpoints_and_resumes_in_process(pair, tmp_path, monkeypatch, capsys):
+    """6 steps of 2 windows, a checkpoint every 2, an evaluation every 3: the log's every entry (step 0 is the
+    evaluation before training), the checkpoint kept, the progress bar; then a run interrupted after step 5
+    resumes from its step-4 checkpoint to the same log and weights, bit for bit."""
+    from slimlm.train import distill
+
+    student, teacher = pair
+    start = copy.deepcopy(student)
+    windows = torch.randint(0, teacher.config.vocab_size, (12, 16), generator=torch.Generator().manual_seed(2))
+    config = TrainConfig(train_tokens=6 * 2 * 16, seq_len=16, global_batch=2, micro_batch=1, lr=1e-3, warmup=0.3,
+                         checkpoint_every=2, eval_every=3)  # fmt: skip
+
+    def evaluate(model):
+        return {"eval_ppl": math.exp(distill.mean_nll(model, windows[:2]))}
+
+    run = tmp_path / "runs" / "run"  # its parent made too
+    log = train(student, teacher, windows, config, run, evaluate=evaluate)
+    bar = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    assert any(line.startswith("training: 100%") and "6/6" in line and "step/s" in line and "loss=" in line
+               and "tok_s=" in line for line in bar), bar[-3:]  # fmt: skip
+    assert [e["step"] for e in log] == list(range(7)) and log[0].keys() == {"step", "tokens", "eval_ppl"}
+    warmup = round(0.3 * 6)
+    for e in log[1:]:
+        assert e["tokens"] == e["step"] * 2 * 16
+        assert e["lr"] == pytest.approx(1e-3 * distill.lr_factor(e["step"] - 1, 6, warmup))
+        assert {"loss", "lr", "grad_norm"} <= e.keys() and ("eval_ppl" in e) == (e["step"] in (3, 6))
+        assert math.isfinite(e["loss"]) and e["grad_norm"] > 0
+    assert [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()] == log
+    state = json.loads((run / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 4  # the last checkpoint before the end (none at the end: the run is complete)
+    other = TrainConfig(**{**vars(config), "lr": 2e-3})
+    message = f"{run} holds a run with another training options than this one; delete it or rerun with the same ones"
+    with pytest.raises(SlimlmError, match=f"^{re.escape(message)}$"):
+        train(copy.deepcopy(start), teacher, windows, other, run, progress=False)
+
+    real_append, appended = distill._append_log, []
+
+    def interrupt_after_step_5(run_dir, entry):
+        real_append(run_dir, entry)
+        appended.append(entry["step"])
+        if appended.count(5) == 1 and entry["step"] == 5:
+            raise Interrupted
+
+    monkeypatch.setattr(distill, "_append_log", interrupt_after_step_5)
+    interrupted = copy.deepcopy(start)
+    with pytest.raises(Interrupted):
+        train(interrupted, teacher, windows, config, tmp_path / "again", evaluate=evaluate, progress=False)
+    resumed = copy.deepcopy(start)
+    again = train(resumed, teacher, windows, config, tmp_path / "again", evaluate=evaluate, progress=False)
+    assert appended == [0, 1, 2, 3, 4, 5, 5, 6]  # resumed after step 4: 5 is redone
+    assert again == log
+    assert [json.loads(line) for line in (tmp_path / "again" / "log.jsonl").read_text().splitlines()] == log
+    for (name, mine), theirs in zip(resumed.named_parameters(), student.parameters(), strict=True):
+        assert torch.equal(mine, theirs), name
+
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = run / "checkpoint" / "state.safetensors"
+    tensors = load_file(checkpoint)
+    gone = sorted(k for k in tensors if k.startswith("model."))[:4]
+    save_file({k: v for k, v in tensors.items() if k not in gone}, checkpoint)
+    lacking = sorted(k[len("model.") :] for k in gone)[:3]
+    with pytest.raises(SlimlmError, match=re.escape(f"lacks {lacking}; delete the run directory")):
+        train(copy.deepcopy(start), teacher, windows, config, run, progress=False)
+
+
+def test_train_parts_that_match_nothing_are_named(pair):
+    from slimlm.train.distill import trainable
+
+    with pytest.raises(SlimlmError, match="^--train nope,nada matches no parameter of the model$"):
+        trainable(pair[0], ("nope", "nada"))
+    assert [p.requires_grad for p in trainable(pair[0], ("k_proj",))] == [True] * 2  # one k_proj a layer
