@@ -103,17 +103,23 @@ class AsyncEngine:
             self.metrics.rejected_overloaded += 1
             raise Overloaded(f"the waiting queue is full ({self.max_waiting} requests)")
 
-    async def generate(
+    def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str, streaming: bool = False
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as it grows, the last one finished (call admit() first). Raises
-        SlimlmError (bad request) or EngineFailed. Leaving the iteration early (a disconnect) aborts it."""
+        """Queue one request for the engine now, and return its outputs as it grows, the last one finished
+        (call admit() first). Queued at the call, in the same step of the event loop as admit(), so that a
+        burst cannot slip past the waiting bound before the first output is read. Iterating raises
+        SlimlmError (bad request) or EngineFailed; leaving the iteration early (a disconnect) aborts it, and
+        an iterator nobody reads is forgotten when its request finishes."""
         stream = _Stream(asyncio.Queue(), time.perf_counter(), streaming)
         added = self._loop.create_future()
         self._streams[request_id] = stream
         self._num_streaming += streaming
         self._pending_adds += 1
         self._inbox.put(("add", request_id, prompt, params, added))
+        return self._outputs(request_id, stream, added)
+
+    async def _outputs(self, request_id: str, stream: _Stream, added: asyncio.Future) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             await added
@@ -126,10 +132,15 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
-            self._num_streaming -= streaming
+            self._forget(request_id)
             if not finished:
                 self._inbox.put(("abort", request_id))
+
+    def _forget(self, request_id: str) -> None:
+        """Once per request: when its last output (or its failure) is delivered, or its reader leaves."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._num_streaming -= stream.streaming
 
     def _added(self, future: asyncio.Future, error: BaseException | None) -> None:
         self._pending_adds -= 1
@@ -150,6 +161,7 @@ class AsyncEngine:
             self._record_latency(stream, out, now)
             if out.finished:
                 self.metrics.finish(out)
+                self._forget(out.request_id)  # the reader has the queue; a request nobody reads ends here
             stream.queue.put_nowait(out)
 
     def _record_latency(self, stream: _Stream, out: RequestOutput, now: float) -> None:
@@ -167,6 +179,7 @@ class AsyncEngine:
         for r in request_ids:
             stream = self._streams.get(r)
             if stream is not None:
+                self._forget(r)
                 stream.queue.put_nowait(error)
 
     # ---- the engine thread -----------------------------------------------------------------------
