@@ -35,7 +35,7 @@ def chain_hash(parent: int | str | None, tokens: tuple[int, ...]) -> int:
 
 def chain_root(seq: Sequence) -> str | None:
     """What a sequence's first block hashes from (see the module doc)."""
-    return "scored" if seq.params.prompt_logprobs is not None else None
+    return "scored" if seq.scores_prompt else None
 
 
 class BlockManager:

@@ -95,8 +95,7 @@ class ModelRunner:
         AVX2 x quantized to int8, as llama.cpp's prompt processing does too)."""
         self.copy_blocks(batch.copies)
         ids, step = self.inputs(batch)
-        scored = any(item.seq.num_computed < item.seq.num_prompt_tokens and item.seq.params.prompt_logprobs is not None
-                     for item in batch.items)  # fmt: skip
+        scored = any(i.seq.scores_prompt and i.seq.num_computed < i.seq.num_prompt_tokens for i in batch.items)
         with kernels.exact_activations(scored):
             hidden = self.model(ids, step, self.kv_cache)
             return self.model.logits(hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)])

@@ -50,5 +50,10 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def scores_prompt(self) -> bool:
+        """Asks for its prompt's log-probabilities: its prompt runs exact and shares blocks only with its kind."""
+        return self.params.prompt_logprobs is not None
+
+    @property
     def is_finished(self) -> bool:
         return self.status == Status.FINISHED
