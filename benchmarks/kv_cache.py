@@ -24,6 +24,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -73,34 +74,127 @@ def quality(args) -> list[dict]:
     return rows
 
 
+def hadamard(dim: int, seed: int | None = None) -> torch.Tensor:
+    """Sylvester's orthonormal Hadamard matrix [dim, dim] (dim a power of two), its columns' signs flipped at
+    random when seeded (a randomized Hadamard transform)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    if seed is not None:
+        signs = torch.randint(0, 2, (dim,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
+        h = h * signs
+    return h / dim**0.5
+
+
+def fake_int4(x: torch.Tensor, symmetric: bool, int_zero: bool = False) -> torch.Tensor:
+    """x [..., D] rounded to 4 bits per row: one fp16 scale per row, and when asymmetric an fp16 minimum or
+    (int_zero) a 4-bit integer zero point."""
+    if symmetric:
+        step = (x.abs().amax(-1, keepdim=True) / 7).half().float().clamp_min(1e-8)
+        return (x / step).round_().clamp_(-7, 7).mul_(step)
+    lo, hi = x.amin(-1, keepdim=True).half().float(), x.amax(-1, keepdim=True).half().float()
+    step = ((hi - lo) / 15).half().float().clamp_min(1e-8)
+    if int_zero:
+        zero = (-lo / step).round_().clamp_(0, 15)
+        return ((x / step).round_() + zero).clamp_(0, 15).sub_(zero).mul_(step)
+    return ((x - lo) / step).round_().clamp_(0, 15).mul_(step).add_(lo)
+
+
+@dataclass(frozen=True)
+class Int4:
+    """One way to round K and V to 4 bits (see int4())."""
+
+    rotate: bool = False  # a randomized Hadamard rotation of each head's vector first
+    symmetric: bool = False
+    smooth: float | None = None  # divide key channels by amax_c ** smooth first (the query takes the factor)
+    group: int | None = None  # values per scale along the head dimension (None: the whole head)
+    int_zero: bool = False  # asymmetric with a 4-bit integer zero point instead of an fp16 minimum
+    which: str = "kv"  # round keys, values or both
+
+    def bytes_per_element(self, head_dim: int) -> float:
+        meta = 2 if self.symmetric else 3 if self.int_zero else 4
+        return 0.5 + meta / (self.group or head_dim)
+
+
+INT4_VARIANTS = {
+    "asym": Int4(),
+    "asym g32": Int4(group=32),
+    "sym": Int4(symmetric=True),
+    "sym + H": Int4(rotate=True, symmetric=True),
+    "asym + H": Int4(rotate=True),
+    "asym-intzero + H": Int4(rotate=True, int_zero=True),
+    "sym + K chan^0.5": Int4(symmetric=True, smooth=0.5),
+    "sym + K chan^1": Int4(symmetric=True, smooth=1.0),
+    "sym + H + K chan^0.5": Int4(rotate=True, symmetric=True, smooth=0.5),
+    "asym + H + K chan^0.5": Int4(rotate=True, smooth=0.5),
+    "asym + H on K only": Int4(rotate=True, which="k"),
+    "asym + H on V only": Int4(rotate=True, which="v"),
+}
+
+
 def int4(args) -> list[dict]:
-    import slimlm.runtime.model as runtime_model
+    """Each 4-bit variant, simulated: what an int4 cache would return (codes times scales, rotated back) is
+    written into a float32 cache at the write, so the runtime's attention reads exactly those values. The
+    rotation H is orthonormal: storing H·k and rotating the query by H leaves q·k unchanged, so rotating back at
+    the write is the same attention. Per-channel key smoothing divides each key channel by amax_c^alpha (amax
+    observed on --calib after RoPE; the query would take the factor) before the per-token rounding."""
     from slimlm.eval.perplexity import engine_for, perplexity
+    from slimlm.kernels import reference
 
-    def rounded(group: int):
-        def quantized_kv(kv, scale, cache_dtype):
-            x = kv.float().unflatten(-1, (-1, group))
-            lo, hi = x.amin(-1, keepdim=True).half().float(), x.amax(-1, keepdim=True).half().float()
-            step = ((hi - lo) / 15).clamp_min(1e-8)
-            return ((x - lo) / step).round_().clamp_(0, 15).mul_(step).add_(lo).flatten(-2).to(cache_dtype)
+    def write(layer: int, variant: Int4 | None, amax: dict, observe: bool = False):
+        """Attention layer `layer`'s K/V write: as it is (variant None), observing key amax, or rounded."""
+        def rounded(x: torch.Tensor, rotation, factor=None) -> torch.Tensor:
+            x = x if factor is None else x / factor
+            x = x if rotation is None else x @ rotation
+            rows = x.unflatten(-1, (-1, variant.group)) if variant.group else x
+            x = fake_int4(rows, variant.symmetric, variant.int_zero).reshape(x.shape)
+            x = x if rotation is None else x @ rotation.T
+            return x if factor is None else x * factor
 
-        return quantized_kv
+        def rotary_kv_write(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale=None, v_scale=None):
+            kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+            q, k, v = qkv.float().reshape(qkv.shape[0], -1, dim).split(
+                [qkv.shape[1] // dim - 2 * kv_heads, kv_heads, kv_heads], 1)  # fmt: skip
+            cos, signed_sin = cos.float()[:, None], signed_sin.float()[:, None]
+            k = reference.rotate(k, cos, signed_sin)
+            if observe:
+                amax[layer] = torch.maximum(amax.get(layer, torch.zeros(kv_heads, dim)), k.abs().amax(0))
+            if variant is not None:
+                rotation = hadamard(dim, seed=0) if variant.rotate else None
+                factor = None if variant.smooth is None else amax[layer].clamp_min(1e-6) ** variant.smooth
+                k = rounded(k, rotation, factor) if "k" in variant.which else k
+                v = rounded(v, rotation) if "v" in variant.which else v
+            k_cache.view(-1, kv_heads, dim)[slots] = k.to(k_cache.dtype)
+            v_cache.view(-1, kv_heads, dim)[slots] = v.to(v_cache.dtype)
+            return reference.rotate(q, cos, signed_sin).to(qkv.dtype)
 
-    original, rows = runtime_model.quantized_kv, []
-    try:
-        for group in (None, 64, 32, 16):
-            runtime_model.quantized_kv = original if group is None else rounded(group)
-            engine = engine_for(MODEL, 512, kv_cache_dtype="float32")
-            ppl = perplexity(engine, "wiki", 512, args.ppl_tokens, progress=False)["perplexity"]
-            del engine
-            per_element = 4.0 if group is None else 0.5 + 4 / group  # codes + fp16 scale and zero per group
-            rows.append({"kv": "float32" if group is None else f"int4 g{group}", "group": group, "wiki_ppl": ppl,
-                         "bytes_per_element": per_element, "capacity_vs_8bit": 1.0 / per_element})  # fmt: skip
-            change = ppl / rows[0]["wiki_ppl"] - 1
-            print(f"{rows[-1]['kv']:10} wiki ppl {ppl:8.4f} ({change:+.2%}), {per_element:.3f} bytes/element, "
+        return rotary_kv_write
+
+    def perplexity_with(model: str, variant: Int4 | None, amax: dict, source="wiki", tokens=None,
+                        observe=False) -> float:  # fmt: skip
+        engine = engine_for(model, 512, kv_cache_dtype="float32", dtype=args.int4_dtype)
+        for i, layer in enumerate(engine.runner.model.model.layers):
+            layer.self_attn.rotary_kv_write = write(i, variant, amax, observe)
+        return perplexity(engine, source, 512, tokens or args.ppl_tokens, progress=False)["perplexity"]
+
+    rows = []
+    for model in args.int4_models.split(","):
+        amax: dict = {}
+        perplexity_with(model, None, amax, args.calib, args.calib_tokens, observe=True)  # key amax per channel
+        head_dim = next(iter(amax.values())).shape[-1]
+        base = perplexity_with(model, None, amax)
+        rows.append({"model": model, "kv": "float32", "wiki_ppl": base, "bytes_per_element": 4.0})
+        print(f"{model}: float32 KV wiki ppl {base:.4f}", flush=True)
+        for name in args.int4_variants.split(","):
+            variant = INT4_VARIANTS[name]
+            if variant.group is not None and variant.group >= head_dim:
+                continue
+            ppl = perplexity_with(model, variant, amax)
+            per_element = variant.bytes_per_element(head_dim)
+            rows.append({"model": model, "kv": f"int4 {name}", "wiki_ppl": ppl, "bytes_per_element": per_element,
+                         "capacity_vs_8bit": 1 / per_element})  # fmt: skip
+            print(f"  int4 {name:22} wiki ppl {ppl:8.4f} ({ppl / base - 1:+.2%}), {per_element:.3f} bytes/element, "
                   f"capacity {1 / per_element:.2f}x of 8-bit KV", flush=True)  # fmt: skip
-    finally:
-        runtime_model.quantized_kv = original
     return rows
 
 
@@ -224,6 +318,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's, for decode")
+    parser.add_argument("--int4-models", default=MODEL, help="models the int4 variants run on, comma-separated")
+    parser.add_argument("--int4-dtype", default="float32", help="the model's dtype in the int4 part")
+    parser.add_argument("--int4-variants", default=",".join(INT4_VARIANTS), help="names from INT4_VARIANTS")
+    parser.add_argument("--calib", default="owt", help="text the per-channel key amax is observed on (int4)")
+    parser.add_argument("--calib-tokens", type=int, default=16384)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     print(f"{MODEL}, {args.dtype} weights (decode; quality and capacity: float32), {torch.get_num_threads()} threads",

@@ -17,7 +17,8 @@ from slimlm.errors import SlimlmError
 
 KV_DTYPES: dict[str, tuple[torch.dtype, float]] = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}
 STRATEGIES = ("tensor", "attn_head")
-CACHE_DTYPES = ("auto", *KV_DTYPES, "float32", "bfloat16", "float16")  # what a runtime's KV cache may hold
+# what a runtime's KV cache may hold; int4 is formats.kv_int4's (rounded per row as written: no scales on disk)
+CACHE_DTYPES = ("auto", *KV_DTYPES, "int4", "float32", "bfloat16", "float16")
 SUFFIXES = (".self_attn.k_scale", ".self_attn.v_scale")
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from slimlm.kernels import cpu_library
-from slimlm.kernels.reference import cached_kv
+from slimlm.kernels.reference import cached_kv, dequantized
 
 
 def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, native) -> torch.Tensor:
@@ -48,11 +48,11 @@ def _gathered(cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> t
     """The blocks `table` [S, blocks] lists, as one contiguous [Hkv, S, L, D] in `dtype`: whole blocks are
     gathered (one contiguous row each), then laid out head-major for the batched matmuls, one head at a time.
     Measured on CPU (8 x 4096 tokens, fp32): 3.3 ms, against 10-15 ms for a transposed gather or a 4-D permute
-    copy; an 8-bit cache gathers its bytes and widens them after."""
+    copy; an 8-bit cache gathers its bytes and widens them after, a 4-bit one decodes its rows after."""
     s, blocks = table.shape
     rows = torch.index_select(cache.view(cache.shape[0], -1), 0, table.flatten())
-    kv = rows.view(s, blocks * cache.shape[1], cache.shape[2], cache.shape[3])  # [S, L, Hkv, D]
-    return torch.stack([kv[:, :, h] for h in range(cache.shape[2])]).to(dtype)
+    kv = rows.view(s, blocks * cache.shape[1], cache.shape[2], cache.shape[3])  # [S, L, Hkv, D or row bytes]
+    return dequantized(torch.stack([kv[:, :, h] for h in range(cache.shape[2])]), None, dtype)
 
 
 def kernel_takes(heads: int, kv_heads: int, head_dim: int) -> bool:

@@ -3,7 +3,8 @@
 
 Paged attention, shared by the decode and the prefill kernels:
     q            [T, Hq, D]   query tokens of all sequences packed back to back
-    k/v_cache    [num_blocks, block_size, Hkv, D]   fp32/fp16/bf16, fp8 e4m3 or int8 (then k/v_scale [Hkv])
+    k/v_cache    [num_blocks, block_size, Hkv, D]   fp32/fp16/bf16, fp8 e4m3 or int8 (then k/v_scale [Hkv]);
+                 or uint8 [num_blocks, block_size, Hkv, D/2 + 4]: 4-bit rows (formats.kv_int4)
     block_tables int32 [S, max_blocks]   the cache blocks of each sequence, in order
     seq_lens     int32 [S]   tokens in each sequence's cache, the new ones included (already written)
     query_start  int32 [S+1] sequence s owns queries query_start[s]:query_start[s+1], its last tokens
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from slimlm.formats import kv_int4
 from slimlm.formats.kv_cache import KV_DTYPES
 from slimlm.kernels.packed import PackedWeight, dequantize
 
@@ -38,14 +40,18 @@ def int8_activations(x: torch.Tensor, run: int = 32) -> torch.Tensor:
 
 
 def dequantized(kv: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """Cached K or V [..., Hkv, D] in `dtype`, times its per-head scale (fp8/int8 caches)."""
+    """Cached K or V [..., Hkv, D] in `dtype`, times its per-head scale (fp8/int8 caches); 4-bit rows decoded."""
+    if kv.dtype == torch.uint8:
+        return kv_int4.dequantize(kv, dtype)
     kv = kv.to(dtype)
     return kv if scale is None else kv * scale.to(dtype)[:, None]
 
 
 def quantized_kv(kv: torch.Tensor, scale: torch.Tensor | None, cache_dtype: torch.dtype) -> torch.Tensor:
     """K or V [..., Hkv, D] as a cache of `cache_dtype` stores it: kv / scale rounded to the nearest fp8
-    (saturating at ±448) or integer (±127) with a per-head scale; a float cache takes kv as it is."""
+    (saturating at ±448) or integer (±127) with a per-head scale, or to 4-bit rows; a float cache takes kv as it is."""
+    if cache_dtype == torch.uint8:
+        return kv_int4.quantize(kv)
     if scale is None:
         return kv.to(cache_dtype)
     limit = KV_DTYPES["int8" if cache_dtype == torch.int8 else "fp8"][1]
@@ -87,11 +93,11 @@ def rotary_kv_write(
 ) -> torch.Tensor:
     """qkv [T, (Hq + 2·Hkv)·D], each token's cos and signed sin [T, D] -> rotated q [T, Hq, D]; the rotated
     keys and the values are written into the caches [blocks, block_size, Hkv, D] at `slots`, as they store them."""
-    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    kv_heads, dim, row = k_cache.shape[2], cos.shape[-1], k_cache.shape[3]
     q, k, v = qkv.reshape(qkv.shape[0], -1, dim).split([qkv.shape[1] // dim - 2 * kv_heads, kv_heads, kv_heads], 1)
     cos, signed_sin = cos[:, None], signed_sin[:, None]
-    k_cache.view(-1, kv_heads, dim)[slots] = quantized_kv(rotate(k, cos, signed_sin), k_scale, k_cache.dtype)
-    v_cache.view(-1, kv_heads, dim)[slots] = quantized_kv(v, v_scale, v_cache.dtype)
+    k_cache.view(-1, kv_heads, row)[slots] = quantized_kv(rotate(k, cos, signed_sin), k_scale, k_cache.dtype)
+    v_cache.view(-1, kv_heads, row)[slots] = quantized_kv(v, v_scale, v_cache.dtype)
     return rotate(q, cos, signed_sin)
 
 

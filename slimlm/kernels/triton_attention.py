@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from slimlm.kernels import reference
+
 
 @triton.jit
 def _load_kv(cache, scale_ptr, block, kvh, offs_t, t_ok, offs_d, d_ok, stride_b, stride_t, stride_h,
@@ -152,6 +154,9 @@ def paged_attention(
     block_m: int = 64,
     query_lens: list[int] | None = None,
 ) -> torch.Tensor:
+    if k_cache.dtype == torch.uint8:  # 4-bit rows: not in these kernels yet; the PyTorch definition reads them
+        return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale,
+                                         query_lens=query_lens)  # fmt: skip
     out = torch.empty_like(q)
     num_seqs = len(seq_lens)
     meta = _common(q, k_cache, k_scale)

@@ -114,6 +114,13 @@ def set_kv_cache(model: CausalLM, requested: str, scheme: dict | None, scales: l
     if chosen is None or chosen in FLOAT_KV:
         model.kv_cache_dtype = FLOAT_KV.get(chosen, model.model.norm.weight.dtype)
         return
+    if chosen == "int4":  # rounded per row as written: no scales (any stored 8-bit ones are not used)
+        head_dim = layers[0].head_dim
+        if head_dim & (head_dim - 1):
+            raise SlimlmError(f"a 4-bit KV cache rotates each head by a Hadamard matrix, which needs a power-of-two "
+                              f"head dimension; this model's is {head_dim} (use --kv-cache-dtype int8)")  # fmt: skip
+        model.kv_cache_dtype = torch.uint8
+        return
     if torch.device(device).type == "cuda" and chosen == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
         raise SlimlmError(f"an fp8 KV cache needs a GPU of compute capability 8.9 or newer ({device} has "
                           f"{torch.cuda.get_device_capability(device)}); use --kv-cache-dtype int8")  # fmt: skip

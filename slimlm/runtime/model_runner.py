@@ -8,6 +8,7 @@ import torch
 
 from slimlm import kernels
 from slimlm.errors import SlimlmError
+from slimlm.formats import kv_int4
 from slimlm.runtime.loader import load_model
 from slimlm.runtime.model import StepInputs
 from slimlm.runtime.scheduler import Batch
@@ -34,14 +35,15 @@ class ModelRunner:
         attn = self.model.model.layers[0].self_attn
         layers = len(self.model.model.layers)
         kv_dtype = self.model.kv_cache_dtype
-        per_block = layers * 2 * block_size * attn.kv_heads * attn.head_dim * kv_dtype.itemsize
+        row = kv_int4.row_bytes(attn.head_dim) if kv_dtype == torch.uint8 else attn.head_dim  # a token's K of a head
+        per_block = layers * 2 * block_size * attn.kv_heads * row * kv_dtype.itemsize
         self.num_blocks = kv_cache_bytes // per_block
         if self.num_blocks == 0:
             raise SlimlmError(f"a KV cache pool of {kv_cache_bytes} bytes holds less than one block ({per_block} "
                               f"bytes, {block_size} tokens); give it at least {per_block} bytes "
                               "(--kv-cache-memory)")  # fmt: skip
-        # one preallocated pool: [layer, K/V, block, offset, kv_head, head_dim]
-        shape = (layers, 2, self.num_blocks, block_size, attn.kv_heads, attn.head_dim)
+        # one preallocated pool: [layer, K/V, block, offset, kv_head, head_dim (a 4-bit cache: row bytes)]
+        shape = (layers, 2, self.num_blocks, block_size, attn.kv_heads, row)
         pool = self.num_blocks * per_block
         available = _available_memory(device)
         if pool > available:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from slimlm.compress.quantize import quantize_rtn
+from slimlm.formats import kv_int4
 from slimlm.formats.quantized import QuantArgs, QuantizedWeight
 from slimlm.kernels import cpu_gemm, cpu_library, reference
 from slimlm.kernels.packed import PackedWeight, pack
@@ -91,6 +92,10 @@ def paged_problem(
                               + torch.arange(block_size)).flatten()[:n]] = True  # fmt: skip
         k[~written.to(device)] = float("nan")
         v[~written.to(device)] = float("nan")
+    if kv_dtype == torch.uint8:  # 4-bit rows; an unwritten one's step is NaN (a NaN x̂ wherever it is read)
+        k, v = kv_int4.quantize(k), kv_int4.quantize(v)
+        for rows in (k, v):
+            rows[~written.to(device)] = kv_int4.quantize(torch.full((head_dim,), float("nan")))[None].to(device)
     query_start = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(int(query_start[-1]), heads, head_dim, generator=g, device=device)
 

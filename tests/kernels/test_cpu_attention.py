@@ -16,6 +16,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
         (4, 4, 128, torch.float32, torch.float32),
         (9, 3, 64, torch.int8, torch.float32),
         (9, 3, 64, torch.float8_e4m3fn, torch.float32),
+        (9, 3, 64, torch.uint8, torch.float32),  # 4-bit rows
+        (4, 2, 128, torch.uint8, torch.bfloat16),
         (8, 8, 48, torch.bfloat16, torch.bfloat16),
         (9, 3, 64, torch.bfloat16, torch.bfloat16),  # bf16 cache in the C kernel
         (9, 3, 64, torch.bfloat16, torch.float32),

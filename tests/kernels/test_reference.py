@@ -5,6 +5,7 @@ codes dequantize it, and the KV-cache rounding rules written element by element.
 import pytest
 import torch
 
+from slimlm.formats import kv_int4
 from slimlm.kernels import reference
 from tests.kernels.problems import paged_problem, quantized_weight
 
@@ -18,8 +19,8 @@ def contiguous_attention(p, dtype=torch.float64) -> torch.Tensor:
     for s in range(len(p.seq_lens)):
         n, start, end = int(p.seq_lens[s]), int(p.query_start[s]), int(p.query_start[s + 1])
         slots = [int(p.block_tables[s, i // block_size]) * block_size + i % block_size for i in range(n)]
-        k = p.k_cache.flatten(0, 1)[slots].to(dtype)
-        v = p.v_cache.flatten(0, 1)[slots].to(dtype)
+        k, v = (kv_int4.dequantize(c.flatten(0, 1)[slots], dtype) if c.dtype == torch.uint8
+                else c.flatten(0, 1)[slots].to(dtype) for c in (p.k_cache, p.v_cache))  # fmt: skip
         if p.k_scale is not None:
             k, v = k * p.k_scale.to(dtype)[:, None], v * p.v_scale.to(dtype)[:, None]
         for i in range(start, end):
@@ -36,6 +37,7 @@ def contiguous_attention(p, dtype=torch.float64) -> torch.Tensor:
      ([16, 1], [16, 1], 3, 3, torch.float16),  # block-aligned, a one-token sequence, MHA
      ([40, 9], [3, 2], 6, 2, torch.int8),  # scaled caches, GQA 3
      ([17], [5], 2, 1, torch.float8_e4m3fn),
+     ([30, 12], [30, 1], 4, 2, torch.uint8),  # 4-bit rows
      ([9, 5], [2, 5], 8, 4, torch.float32)],  # more KV heads than slots in a block (block_size 2 below)
 )  # fmt: skip
 def test_paged_attention_equals_attention_over_contiguous_kv(seq_lens, q_lens, heads, kv_heads, kv_dtype):

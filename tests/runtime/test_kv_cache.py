@@ -14,11 +14,11 @@ from safetensors.torch import load_file, save_file
 from slimlm import SlimlmError
 from slimlm.compress.job import quantize_weights
 from slimlm.compress.kv import KVCache
-from slimlm.formats import kv_cache
+from slimlm.formats import kv_cache, kv_int4
 from slimlm.runtime.engine import Engine, EngineConfig
 from slimlm.runtime.llm import LLM
 from slimlm.runtime.sampling import SamplingParams
-from tests.conftest import make_text
+from tests.conftest import make_text, make_tiny_llama
 from tests.runtime.conftest import next_token_logprobs
 
 
@@ -136,8 +136,8 @@ def test_without_scales_fp8_uses_1_with_a_warning_and_int8_is_refused(tiny_llama
     assert torch.equal(engine.model.model.layers[0].self_attn.v_scale, torch.ones(2))
     with pytest.raises(SlimlmError, match="has no KV-cache scales, which an int8 KV cache needs; calibrate them"):
         Engine(str(tiny_llama), EngineConfig(kv_cache_dtype="int8", max_model_len=256))
-    with pytest.raises(SlimlmError, match="kv_cache_dtype 'int4' is not one of auto, fp8, int8"):
-        EngineConfig(kv_cache_dtype="int4")
+    with pytest.raises(SlimlmError, match="kv_cache_dtype 'int2' is not one of auto, fp8, int8, int4"):
+        EngineConfig(kv_cache_dtype="int2")
 
 
 def _broken(model_dir, tmp_path, edit) -> str:
@@ -171,3 +171,63 @@ def test_an_unsupported_kv_cache_scheme_is_named(kv_checkpoint, tmp_path):
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(SlimlmError, match="kv_cache_scheme num_bits=4 type=.* is not supported"):
         Engine(str(bad), EngineConfig(max_model_len=256))
+
+
+@pytest.fixture
+def int4_reference(tiny_llama, monkeypatch):
+    """transformers' Llama whose attention sees every K (after RoPE) and V as 4-bit rows hold them."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    rotary = modeling_llama.apply_rotary_pos_emb
+
+    def rounded(x: torch.Tensor) -> torch.Tensor:
+        return kv_int4.dequantize(kv_int4.quantize(x), x.dtype)
+
+    def rotary_then_quantize(q, k, cos, sin, *args, **kwargs):
+        q, k = rotary(q, k, cos, sin, *args, **kwargs)
+        return q, rounded(k)
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", rotary_then_quantize)
+    heads = model.config.num_key_value_heads
+    for block in model.model.layers:
+        block.self_attn.v_proj.register_forward_hook(
+            lambda _m, _x, out: rounded(out.unflatten(-1, (heads, -1))).flatten(-2))
+    return model
+
+
+def test_int4_prompt_logprobs_and_greedy_tokens_match_transformers_through_the_same_rows(tiny_llama, int4_reference):
+    llm = LLM(str(tiny_llama), kv_cache_dtype="int4", block_size=8, max_num_batched_tokens=32)
+    assert llm.engine.runner.kv_cache.dtype == torch.uint8
+    ids = _prompt(llm.engine, 5, 70)  # several blocks, prefilled in chunks
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    ours = torch.tensor(llm.generate([ids], params)[0].prompt_logprobs)
+    with torch.no_grad():
+        theirs = next_token_logprobs(int4_reference(torch.tensor([ids])).logits[0], ids)
+    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=0)
+    float_kv = torch.tensor(LLM(str(tiny_llama)).generate([ids], params)[0].prompt_logprobs)
+    assert (float_kv - theirs).abs().max() > 10 * 2e-4  # the rounding is really there and really matched
+    prompts = [_prompt(llm.engine, s, n) for s, n in ((1, 5), (2, 19))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for ids, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            want = int4_reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                           min_new_tokens=12)  # fmt: skip
+        assert out.outputs[0].token_ids == want[0, len(ids) :].tolist()
+
+
+def test_int4_holds_head_dim_over_half_of_it_plus_4_times_the_tokens_of_int8(tiny_llama, kv_checkpoint):
+    model_dir, _ = kv_checkpoint
+    budget = dict(kv_cache_memory=4 << 20, max_model_len=256)
+    eight = Engine(str(model_dir), EngineConfig(**budget)).runner
+    four = Engine(str(model_dir), EngineConfig(kv_cache_dtype="int4", **budget)).runner  # stored scales unused
+    assert four.model.model.layers[0].self_attn.k_scale is None
+    assert four.kv_bytes_per_token * 16 == eight.kv_bytes_per_token * (16 // 2 + 4)  # head_dim 16: 12 of 16 bytes
+    assert four.num_blocks == (4 << 20) // (four.kv_bytes_per_token * 16)
+
+
+def test_int4_refuses_a_head_dimension_hadamard_cannot_rotate(tmp_path):
+    model = make_tiny_llama(tmp_path / "hd24", hidden=96)  # 4 heads of 24
+    with pytest.raises(SlimlmError, match="needs a power-of-two head dimension; this model's is 24"):
+        Engine(str(model), EngineConfig(kv_cache_dtype="int4", max_model_len=256))
