@@ -5,13 +5,15 @@
             128 owt windows of 512): fp8 and int8, per layer ("tensor") and per KV head ("attn_head")
   capacity  one KV memory budget: how many sequences of a fixed context it holds, and the output
             throughput of a Poisson workload of long prompts under it (preemptions counted)
-  int4      the stretch, simulated: K and V rounded to 4 bits (asymmetric, per token, in groups of G along the
-            head dimension, fp16 scale and zero point per group) as they are written to a float32 cache, so
-            attention reads exactly what an int4 cache would hold; wiki perplexity against float32 KV, and
-            the bytes per element such a cache would need (capacity against 8-bit KV)
-  decode    one decode step at context 4096, batch 1 and 8, with the cache filled, the model in --dtype (float32;
-            bfloat16 runs the bf16 paths: tile-unit scores, the bf16 dot product over 8-bit values), against the
-            floor: (weight bytes + KV bytes read) / the bandwidth of a large copy measured in the same run
+  int4      the 4-bit variants the int4 cache was chosen from, simulated: K and V rounded as each variant
+            would (rotation or not, symmetric or not, per-channel key smoothing, groups along the head dimension)
+            and written back into a float32 cache, so attention reads exactly what that cache would hold; wiki
+            perplexity against float32 KV, and the bytes per element (capacity against 8-bit KV), on
+            --int4-models
+  decode    one decode step at context 4096, batch 1 and 8, with the cache filled (every KV dtype, int4
+            included), the model in --dtype (float32; bfloat16 runs the bf16 paths: tile-unit scores, the bf16
+            dot product over 8-bit values), against the floor: (weight bytes + KV bytes read) / the bandwidth
+            of a large copy measured in the same run
 
     .venv/bin/python benchmarks/kv_cache.py [--parts quality,capacity,decode] [--json out/kv.json]
 """
@@ -261,7 +263,8 @@ def decode(args) -> list[dict]:
     bandwidth = copy_bandwidth()
     rows = []
     configs = [("bfloat16 KV", MODEL, "bfloat16"), ("fp8 tensor", checkpoint("fp8 tensor", args.cache), "auto"),
-               ("int8 attn_head", checkpoint("int8 attn_head", args.cache), "auto")]  # fmt: skip
+               ("int8 attn_head", checkpoint("int8 attn_head", args.cache), "auto"),
+               ("int4", MODEL, "int4")]  # fmt: skip
     if args.dtype == "float32":  # a bf16 model's cache is never wider than its activations
         configs.insert(0, ("float32 KV", MODEL, "float32"))
     for label, model, kv_dtype in configs:
@@ -276,7 +279,9 @@ def decode(args) -> list[dict]:
                                                 + (16 << 20), max_model_len=ctx + 16))  # fmt: skip
             runner, bs = engine.runner, engine.config.block_size
             cache = runner.kv_cache
-            if cache.dtype.itemsize == 1:  # random finite bytes: fp8 codes below its NaN pattern, int8 anything
+            if cache.dtype == torch.uint8:  # 4-bit rows: any codes, fp16 steps and minima below 1 (bytes < 60)
+                cache.random_(0, 60)
+            elif cache.dtype.itemsize == 1:  # random finite bytes: fp8 codes below its NaN pattern, int8 anything
                 cache.view(torch.uint8).random_(0, 120)
             else:
                 cache.normal_()

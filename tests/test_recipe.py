@@ -233,3 +233,106 @@ def test_a_recipe_killed_at_a_random_point_finishes_on_the_rerun(tiny_llama, cal
     rerun = subprocess.run([*run, str(killed)], env=env, capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert _recipe_state(tmp_path / "killed" / "runs") == _recipe_state(tmp_path / "clean" / "runs")
+
+
+def fake_commands(monkeypatch) -> list[tuple]:
+    """Every command a recipe calls, replaced by one that records its call and writes what the real one would
+    leave behind (a step's slimlm.json, eval.json, bench.json): the run's bookkeeping in milliseconds."""
+    from slimlm import cli
+
+    calls: list[tuple] = []
+
+    def step(command: str):
+        def run(args) -> int:
+            assert args.overwrite
+            calls.append((command, args.model, str(args.out)))
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "slimlm.json").write_text("{}")
+            return 0
+
+        return run
+
+    def measure(part: str):
+        def run(args) -> int:
+            assert args.overwrite
+            target = args.output if part == "eval" else args.json
+            calls.append((part, args.model, str(target), *([args.baseline] if part == "bench" else [])))
+            Path(target).write_text("{}")
+            return 0
+
+        return run
+
+    for command in ("rtn", "kv"):
+        monkeypatch.setitem(cli.COMMANDS, command, step(command))
+    for part in ("eval", "bench"):
+        monkeypatch.setitem(cli.COMMANDS, part, measure(part))
+    return calls
+
+
+def test_a_run_does_each_step_once_reuses_shared_chains_and_redoes_what_changed(tmp_path, monkeypatch, capsys):
+    src, runs = tmp_path / "src", tmp_path / "runs"
+    src.mkdir()
+    (src / "model.safetensors").write_text("weights")
+    (src / "notes.md").write_text("not part of the fingerprint")
+    path = tmp_path / "r.yaml"
+    path.write_text(f"model: {src}\nruns: {runs}\neval: {{max_tokens: 256}}\nstages:\n  float: []\n"
+                    "  rtn: [{rtn: {bits: 8}}]\n  rtn-kv: [{rtn: {bits: 8}}, {kv: {kv_dtype: int8}}]\n")  # fmt: skip
+    calls = fake_commands(monkeypatch)
+
+    def run(*overrides: str) -> list[tuple]:
+        calls.clear()
+        assert recipes.run(recipes.load(path, list(overrides))) == [runs / "float", runs / "rtn", runs / "rtn-kv"]
+        return list(calls)
+
+    rtn, kv = str(runs / "rtn" / "model"), str(runs / "rtn-kv" / "model")
+    expected = [("eval", str(src), str(runs / "float" / "eval.json")),
+                ("bench", str(src), str(runs / "float" / "bench.json"), "none"),
+                ("rtn", str(src), rtn), ("eval", rtn, str(runs / "rtn" / "eval.json")),
+                ("bench", rtn, str(runs / "rtn" / "bench.json"), str(src)),
+                ("kv", rtn, kv),  # the rtn step rtn-kv shares with rtn ran once
+                ("eval", kv, str(runs / "rtn-kv" / "eval.json")),
+                ("bench", kv, str(runs / "rtn-kv" / "bench.json"), str(src))]  # fmt: skip
+    assert run() == expected
+    err = capsys.readouterr().err
+    assert f"[recipe] rtn-kv: step 1/2 rtn: the same as {rtn}, reused" in err
+    assert "[recipe] rtn: step 1/1 rtn {'bits': 8}" in err and "[recipe] float: eval\n" in err
+    state = json.loads((runs / "rtn-kv" / "run.json").read_text())
+    assert state["name"] == "rtn-kv" and state["model"] == kv
+    assert set(state["hashes"]) == {"step1", "model", "eval", "bench"}  # step0 was rtn's
+    assert json.loads((runs / "float" / "run.json").read_text())["model"] == str(src)
+    stamps = {p: p.stat().st_mtime_ns for p in runs.rglob("*.json")}
+
+    assert run() == []  # all done: nothing runs, nothing is rewritten
+    err = capsys.readouterr().err
+    assert err.count("done before, skipped") == 3 * 2 + 2 and "rtn-kv: step 1/2 rtn: the same as" in err
+    assert {p: p.stat().st_mtime_ns for p in runs.rglob("*.json")} == stamps
+
+    assert run("stages.rtn-kv.1.kv.kv_dtype=fp8") == expected[5:]  # only what follows the edit
+    assert run("stages.rtn-kv.1.kv.kv_dtype=fp8", "eval.max_tokens=128") == [expected[0], expected[3], expected[6]]
+    (runs / "rtn" / "model" / "slimlm.json").unlink()  # an output gone: its step runs again, then what reads it
+    assert run("stages.rtn-kv.1.kv.kv_dtype=fp8", "eval.max_tokens=128") == [expected[2]]
+    (src / "notes.md").write_text("edited")
+    assert run("stages.rtn-kv.1.kv.kv_dtype=fp8", "eval.max_tokens=128") == []
+    (src / "model.safetensors").write_text("new weights")  # a new source: everything again
+    assert run("stages.rtn-kv.1.kv.kv_dtype=fp8", "eval.max_tokens=128") == expected
+
+
+def test_a_stage_directory_is_refused_unless_its_run_json_names_the_stage(tmp_path, monkeypatch):
+    fake_commands(monkeypatch)
+    path = tmp_path / "r.yaml"
+    path.write_text(f"model: m\nruns: {tmp_path / 'runs'}\nstages:\n  a: []\n")
+    stage = tmp_path / "runs" / "a"
+    stage.mkdir(parents=True)
+    recipes.run(recipes.load(path))  # an empty directory is taken
+    assert json.loads((stage / "run.json").read_text())["name"] == "a"
+    for text in (json.dumps({"name": "b"}), "{not json", json.dumps(["a"])):
+        (stage / "run.json").write_text(text)
+        with pytest.raises(SlimlmError, match=f"{stage} holds files this recipe did not write"):
+            recipes.load(path)
+    (stage / "run.json").unlink()
+    (stage / "eval.json").unlink()
+    (stage / "bench.json").unlink()
+    stage.rmdir()
+    stage.write_text("a file")
+    with pytest.raises(SlimlmError, match=f"{stage} exists and is not a directory; point runs: elsewhere"):
+        recipes.load(path)

@@ -22,8 +22,11 @@
 #define MIN_PART 64    // tokens a part holds at least
 
 // What a cache holds: fp32, bf16, or 8-bit codes (int8, fp8 e4m3) with a scale per KV head
-enum { KIND_F32, KIND_BF16, KIND_INT8, KIND_FP8 };
-#define ELEM(kind) ((kind) == KIND_F32 ? 4 : (kind) == KIND_BF16 ? 2 : 1)  // bytes per value
+enum { KIND_F32, KIND_BF16, KIND_INT8, KIND_FP8, KIND_INT4 };
+#define ELEM(kind) ((kind) == KIND_F32 ? 4 : (kind) == KIND_BF16 ? 2 : 1)  // bytes per value (not KIND_INT4)
+// bytes of one KV head's vector in a token's row: a 4-bit cache's is D/2 bytes of codes, then fp16 step and
+// minimum (formats/kv_int4.py: element d < D/2 in byte d's low nibble, element D/2 + d in its high nibble)
+#define HEAD_BYTES(kind, D) ((kind) == KIND_INT4 ? (D) / 2 + 4 : (D) * ELEM(kind))
 
 // The 128 fp8 e4m3 magnitudes as bf16, exactly: m·2⁻⁹ for the subnormals, else the exponent and mantissa moved
 // up 4 bits with 120 more exponent bias; the NaN code (never written) as 480, as load16 reads it.
@@ -91,6 +94,31 @@ static inline __attribute__((always_inline)) __m512 dot_lanes(const float *q, co
     for (int64_t i = 0; i < d; i += 16)
         acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16((const char *)k + i * ELEM(kind), kind), acc);
     return acc;
+}
+
+// A 4-bit row's 32 codes from 16 bytes: the low nibbles (elements i..i+15) and the high ones (D/2 + i..).
+static inline __attribute__((always_inline)) void load_nibbles(const char *p, __m512 *lo, __m512 *hi) {
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4));
+}
+
+// The lanes of q·codes for a 4-bit row (q·x̂ = step·(q·codes) + lo·Σq: the caller applies step and lo).
+static inline __attribute__((always_inline)) __m512 dot_lanes_int4(const float *q, const char *k, int64_t d) {
+    __m512 acc = _mm512_setzero_ps(), lo, hi;
+    for (int64_t i = 0; i < d / 2; i += 16) {
+        load_nibbles(k + i, &lo, &hi);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), lo, acc);
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d / 2 + i), hi, acc);
+    }
+    return acc;
+}
+
+// A 4-bit row's step and minimum (the fp16 pair after its D/2 code bytes).
+static inline __attribute__((always_inline)) void row_meta(const char *row, int64_t d, float *step, float *lo) {
+    uint16_t h[2];
+    memcpy(h, row + d / 2, sizeof h);
+    *step = _cvtsh_ss(h[0]), *lo = _cvtsh_ss(h[1]);
 }
 
 #ifdef __AVX512BF16__
@@ -283,16 +311,27 @@ static inline __attribute__((always_inline)) void value_block(const char *const 
     __m512 acc[G][D / 16];
     for (int64_t g = 0; g < G; g++)
         for (int64_t i = 0; i < D / 16; i++) acc[g][i] = _mm512_loadu_ps(o + g * D + 16 * i);
+    float shift[G];  // a 4-bit cache: Σ_j p·lo_j, the part of Σ p·x̂ every element shares (x̂ = step·code + lo)
+    for (int64_t g = 0; g < G; g++) shift[g] = 0.f;
     for (int64_t j = 0; j < n; j++) {
         __m512 vr[MAX_DIM / 16];  // the head's values, widened once for its G queries
-        for (int64_t i = 0; i < D / 16; i++) vr[i] = load16(v[j] + at + 16 * i * ELEM(kind), kind);
+        float step = 1.f, lo = 0.f;
+        if (kind == KIND_INT4) {
+            for (int64_t i = 0; i < D / 32; i++) load_nibbles(v[j] + at + 16 * i, &vr[i], &vr[D / 32 + i]);
+            row_meta(v[j] + at, D, &step, &lo);
+        } else {
+            for (int64_t i = 0; i < D / 16; i++) vr[i] = load16(v[j] + at + 16 * i * ELEM(kind), kind);
+        }
         for (int64_t g = 0; g < G; g++) {
-            const __m512 w = _mm512_set1_ps(p[g * L + j]);
+            const __m512 w = _mm512_set1_ps(p[g * L + j] * step);
             for (int64_t i = 0; i < D / 16; i++) acc[g][i] = _mm512_fmadd_ps(w, vr[i], acc[g][i]);
+            if (kind == KIND_INT4) shift[g] += p[g * L + j] * lo;
         }
     }
     for (int64_t g = 0; g < G; g++)
-        for (int64_t i = 0; i < D / 16; i++) _mm512_storeu_ps(o + g * D + 16 * i, acc[g][i]);
+        for (int64_t i = 0; i < D / 16; i++)
+            _mm512_storeu_ps(o + g * D + 16 * i,
+                             kind == KIND_INT4 ? _mm512_add_ps(acc[g][i], _mm512_set1_ps(shift[g])) : acc[g][i]);
 }
 
 // Tokens [t0, t1) of one sequence, all KV heads, for its Hq queries (q [Hq, D]): each query's scores (into
@@ -306,13 +345,17 @@ static inline __attribute__((always_inline)) void
 attend(const float *q, const void *k_cache, const void *v_cache, int kind, const float *k_scale, const float *v_scale,
        const int32_t *table, int64_t t0, int64_t t1, int64_t Hq, int64_t G, int64_t D, int64_t Hkv, int64_t block_size,
        float scale, float *scores, float *out, float *part, int amx, uint16_t *qb, uint16_t *kb) {
-    const int64_t elem = ELEM(kind), row = Hkv * D * elem, L = t1 - t0;
-    float top[MAX_HEADS], total[MAX_HEADS];
+    const int64_t head = HEAD_BYTES(kind, D), row = Hkv * head, L = t1 - t0;
+    float top[MAX_HEADS], total[MAX_HEADS], qsum[MAX_HEADS];
+    for (int64_t g = 0; kind == KIND_INT4 && g < Hq; g++) {  // Σq: a 4-bit key's minimum times it
+        qsum[g] = 0.f;
+        for (int64_t d = 0; d < D; d++) qsum[g] += q[g * D + d];
+    }
     for (int64_t g = 0; g < Hq; g++) top[g] = -INFINITY;
     int exact = 0;  // whether the queries are exact in bf16 (a bf16 model's), with a cache that bf16 holds exactly
 #ifdef __AVX512BF16__
     __m512bh qp[Hq][(D + 31) / 32];  // the queries as bf16, in order, when that is exact
-    exact = kind != KIND_F32;
+    exact = kind != KIND_F32 && kind != KIND_INT4;
     for (int64_t i = 0; exact && i < Hq * D; i++) exact = bf16_exact(q[i]);
     for (int64_t g = 0; exact && g < Hq; g++)
         for (int64_t i = 0; i < D; i += 32) {
@@ -335,8 +378,22 @@ attend(const float *q, const void *k_cache, const void *v_cache, int kind, const
         }
         const __mmask16 valid = n == 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
         for (int64_t g = 0; g < Hq; g++) {
-            const int64_t at = g / G * D * elem;  // the query's KV head within a row
+            const int64_t at = g / G * head;  // the query's KV head within a row
             __m512 lanes[16];
+            if (kind == KIND_INT4) {  // scores = step·(q·codes) + lo·Σq, a token's step and lo to its lane
+                float step[16] = {0}, lo[16] = {0};
+                for (int64_t j = 0; j < n; j++) {
+                    lanes[j] = dot_lanes_int4(q + g * D, k[j] + at, D);
+                    row_meta(k[j] + at, D, step + j, lo + j);
+                }
+                for (int64_t j = n; j < 16; j++) lanes[j] = _mm512_setzero_ps();
+                const __m512 dots = _mm512_fmadd_ps(_mm512_loadu_ps(step), sum16(lanes),
+                                                    _mm512_mul_ps(_mm512_loadu_ps(lo), _mm512_set1_ps(qsum[g])));
+                const __m512 x = _mm512_mul_ps(dots, _mm512_set1_ps(scale));
+                _mm512_mask_storeu_ps(scores + g * L + c, valid, x);
+                top[g] = fmaxf(top[g], _mm512_mask_reduce_max_ps(valid, x));
+                continue;
+            }
             for (int64_t j = 0; j < 16; j++) {
 #ifdef __AVX512BF16__
                 if (exact && kind == KIND_BF16) {
@@ -375,10 +432,10 @@ attend(const float *q, const void *k_cache, const void *v_cache, int kind, const
         for (int64_t h = 0; h < Hkv; h++) {
 #ifdef __AVX512BF16__
 #define VALUES(GROUP)                                                                                            \
-    (exact && kind == KIND_FP8 ? value_pairs : value_block)(v, n, h * D * elem, scores + h * G * L + c, L, GROUP, D,  \
+    (exact && kind == KIND_FP8 ? value_pairs : value_block)(v, n, h * head, scores + h * G * L + c, L, GROUP, D,      \
                                                              kind, out + h * G * D)
 #else
-#define VALUES(GROUP) value_block(v, n, h * D * elem, scores + h * G * L + c, L, GROUP, D, kind, out + h * G * D)
+#define VALUES(GROUP) value_block(v, n, h * head, scores + h * G * L + c, L, GROUP, D, kind, out + h * G * D)
 #endif
             switch (G) {  // literal group sizes: the sums stay in registers
                 case 1: VALUES(1); break;
@@ -419,7 +476,8 @@ static void merge_parts(const float *sums, const float *stats, int64_t parts, in
 }
 
 // q, out [S, Hq, D] fp32; caches [blocks, block_size, Hkv, D] of `kind` (KIND_*), with k_scale, v_scale [Hkv]
-// (NULL: 1) for 8-bit codes; tables [S, width]. D a multiple of 16, <= MAX_DIM; Hq <= MAX_HEADS. Returns 0, or
+// (NULL: 1) for 8-bit codes, or 4-bit rows [blocks, block_size, Hkv, D/2 + 4] (D a multiple of 32; q and out
+// in the rows' rotated space: the caller rotates); tables [S, width]. D a multiple of 16, <= MAX_DIM; Hq <= MAX_HEADS. Returns 0, or
 // -1 when out of memory.
 // A task is one sequence, all its KV heads. With fewer sequences than 2 per thread, each splits into parts of
 // its tokens (as flash-decoding does; a multiple of 16 tokens each), merged after: one long sequence then runs
@@ -431,7 +489,7 @@ int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache
                         int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, float scale, int amx, float *out,
                         int nthreads) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    amx = amx && kind != KIND_F32 && Hq <= 16 && D % 32 == 0 && block_size % 16 == 0;
+    amx = amx && kind != KIND_F32 && kind != KIND_INT4 && Hq <= 16 && D % 32 == 0 && block_size % 16 == 0;
 #else
     amx = 0;
 #endif
@@ -468,6 +526,7 @@ int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache
             case KIND_F32: ATTEND_D(KIND_F32) break;
             case KIND_BF16: ATTEND_D(KIND_BF16) break;
             case KIND_INT8: ATTEND_D(KIND_INT8) break;
+            case KIND_INT4: ATTEND_D(KIND_INT4) break;
             default: ATTEND_D(KIND_FP8)
         }
 #undef ATTEND_D

@@ -1,10 +1,11 @@
 """Paged attention on CPU. Same contract as reference.paged_attention.
 
-Decoding sequences (one query each) are done together: by the C kernel (cpu_attention.c) for fp32, bf16 and 8-bit
-(int8, fp8 e4m3, per-head scales) caches, which reads K and V in place through the block table; otherwise in
+Decoding sequences (one query each) are done together: by the C kernel (cpu_attention.c) for fp32, bf16, 8-bit
+(int8, fp8 e4m3, per-head scales) and 4-bit caches, which reads K and V in place through the block table (a 4-bit
+cache's rotation is applied to the queries and the outputs, outside the kernel); otherwise in
 PyTorch with one gather of their blocks into a padded [S, L, Hkv, D] tensor, two batched matmuls and a masked
 softmax. Prompt chunks (several queries) go to the C flash-attention kernel in one call for all sequences
-(AVX-512 builds, the same caches); otherwise one sequence at a time in PyTorch, causal mask included. GQA is a
+(AVX-512 builds, the same caches but 4-bit); otherwise one sequence at a time in PyTorch, causal mask included. GQA is a
 reshape of the queries to [Hkv, group, ...] that broadcasts against the KV heads, never a copy of K and V per
 query head.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from slimlm.formats import kv_int4
 from slimlm.kernels import cpu_library
 from slimlm.kernels.reference import cached_kv, dequantized
 
@@ -62,14 +64,16 @@ def kernel_takes(heads: int, kv_heads: int, head_dim: int) -> bool:
 
 
 VERIFY_MAX_ROWS = 16  # a sequence with at most this many new tokens is attended a query at a time (decode kernel)
-# What the C kernels take a cache as (cpu_attention.c's KIND_*): fp32, bf16, or 8-bit codes with per-head scales
-KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
+# What the C kernels take a cache as (cpu_attention.c's KIND_*): fp32, bf16, 8-bit codes with per-head scales, or
+# 4-bit rows (formats.kv_int4; decode only)
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3, torch.uint8: 4}
 EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)
 
 
 def _native_applies(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
     return (k_cache.dtype in KINDS and (k_scale is None or k_cache.dtype in EIGHT_BIT) and k_cache.is_contiguous()
-            and kernel_takes(q.shape[1], k_cache.shape[2], q.shape[2]))  # fmt: skip
+            and kernel_takes(q.shape[1], k_cache.shape[2], q.shape[2])
+            and (k_cache.dtype != torch.uint8 or q.shape[2] % 32 == 0))  # 4-bit: 16 code bytes a step  # fmt: skip
 
 
 def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple:
@@ -81,6 +85,9 @@ def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple
 
 def _decode_native(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale) -> torch.Tensor:
     qf = q.to(torch.float32).contiguous()
+    rotation = kv_int4.rotation(q.shape[2]) if k_cache.dtype == torch.uint8 else None
+    if rotation is not None:  # 4-bit rows hold k·H and v·H: q·k = (q·H)·(k·H), Σ p·v = (Σ p·(v·H))·Hᵀ
+        qf = qf @ rotation
     tables, lens = block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(qf)
     (ks, vs), _held = _scales(k_scale, v_scale)
@@ -91,11 +98,12 @@ def _decode_native(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, 
     )  # fmt: skip
     if status != 0:
         raise MemoryError("paged decode attention could not allocate its score buffers")
-    return out.to(q.dtype)
+    return (out if rotation is None else out @ rotation.T).to(q.dtype)
 
 
 def _prefill_native_applies(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
-    return (_native_applies(q, k_cache, k_scale) and q.dtype in (torch.float32, torch.bfloat16) and q.is_contiguous()
+    return (_native_applies(q, k_cache, k_scale) and k_cache.dtype != torch.uint8 and q.is_contiguous()
+            and q.dtype in (torch.float32, torch.bfloat16)
             and hasattr(cpu_library.load(), "slimlm_paged_prefill"))  # fmt: skip
 
 

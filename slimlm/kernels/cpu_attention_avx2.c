@@ -6,13 +6,15 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <immintrin.h>
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
 
-enum { KIND_F32, KIND_BF16, KIND_INT8, KIND_FP8 };  // what a cache holds, as in cpu_attention.c
+enum { KIND_F32, KIND_BF16, KIND_INT8, KIND_FP8, KIND_INT4 };  // what a cache holds, as in cpu_attention.c
 #define ELEM(kind) ((kind) == KIND_F32 ? 4 : (kind) == KIND_BF16 ? 2 : 1)
+#define HEAD_BYTES(kind, D) ((kind) == KIND_INT4 ? (D) / 2 + 4 : (D) * ELEM(kind))
 
 // 8 cache values as fp32 (before any scale), as cpu_attention.c's load16 widens them
 static inline __attribute__((always_inline)) __m256 load8(const void *p, int kind) {
@@ -44,6 +46,26 @@ static inline __attribute__((always_inline)) float dot(const float *a, const voi
     return sum8(_mm256_add_ps(acc0, acc1));
 }
 
+// A 4-bit row's 16 codes from 8 bytes: the low nibbles (elements i..i+7) and the high ones (D/2 + i..).
+static inline __attribute__((always_inline)) void load_nibbles(const char *p, __m256 *lo, __m256 *hi) {
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(15)));
+    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4));
+}
+
+// q·x̂ for a 4-bit row: step·(q·codes) + lo·Σq (formats/kv_int4.py; the fp16 step and lo after the codes)
+static inline __attribute__((always_inline)) float dot_int4(const float *q, const char *k, int64_t d, float qsum) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), lo, hi;
+    for (int64_t i = 0; i < d / 2; i += 8) {
+        load_nibbles(k + i, &lo, &hi);
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), lo, acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d / 2 + i), hi, acc1);
+    }
+    uint16_t meta[2];
+    memcpy(meta, k + d / 2, sizeof meta);
+    return _cvtsh_ss(meta[0]) * sum8(_mm256_add_ps(acc0, acc1)) + _cvtsh_ss(meta[1]) * qsum;
+}
+
 // e^x for x <= 0, to float precision: 2^(x·log2 e) split into an integer power n, put into the exponent
 // bits, and a fraction f in [-0.5, 0.5] whose 2^f is Cephes' exp2f polynomial. x is clamped at -87 so that
 // 2^n stays a normal float (e^-87 ≈ 1.6e-38 against a largest term of 1: nothing in this sum).
@@ -71,20 +93,23 @@ static inline __attribute__((always_inline)) int
 attend_head(const float *q, const void *k_cache, const void *v_cache, int kind, const float *k_scale,
             const float *v_scale, const int32_t *tables, int64_t width, const int32_t *seq_lens, int64_t s, int64_t h,
             int64_t Hq, int64_t G, int64_t D, int64_t Hkv, int64_t block_size, float scale, float *out) {
-    const int64_t elem = ELEM(kind), L = seq_lens[s];
+    const int64_t head = HEAD_BYTES(kind, D), L = seq_lens[s];
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     float *scores = malloc(sizeof(float) * G * L);
     if (!scores) return -1;
     const float *qh = q + (s * Hq + h * G) * D;
     if (k_scale) scale *= k_scale[h];
-    float top[MAX_GROUP], total[MAX_GROUP];
+    float top[MAX_GROUP], total[MAX_GROUP], qsum[MAX_GROUP] = {0}, shift[MAX_GROUP] = {0};
     for (int64_t g = 0; g < G; g++) top[g] = -INFINITY;
+    for (int64_t g = 0; kind == KIND_INT4 && g < G; g++)  // Σq: a 4-bit key's minimum times it
+        for (int64_t d = 0; d < D; d++) qsum[g] += qh[g * D + d];
     for (int64_t t0 = 0; t0 < L; t0 += block_size) {  // block by block: no division per token
         const char *k = (const char *)k_cache +
-                        ((int64_t)tables[s * width + t0 / block_size] * block_size * Hkv + h) * D * elem;
-        for (int64_t t = t0; t < t0 + block_size && t < L; t++, k += Hkv * D * elem) {
+                        ((int64_t)tables[s * width + t0 / block_size] * block_size * Hkv + h) * head;
+        for (int64_t t = t0; t < t0 + block_size && t < L; t++, k += Hkv * head) {
             for (int64_t g = 0; g < G; g++) {
-                const float x = dot(qh + g * D, k, D, kind) * scale;
+                const float x = (kind == KIND_INT4 ? dot_int4(qh + g * D, k, D, qsum[g]) : dot(qh + g * D, k, D, kind))
+                                * scale;
                 scores[g * L + t] = x;
                 if (x > top[g]) top[g] = x;
             }
@@ -108,19 +133,34 @@ attend_head(const float *q, const void *k_cache, const void *v_cache, int kind, 
         for (int64_t i = 0; i < D / 8; i++) acc[g][i] = _mm256_setzero_ps();
     for (int64_t t0 = 0; t0 < L; t0 += block_size) {
         const char *v = (const char *)v_cache +
-                        ((int64_t)tables[s * width + t0 / block_size] * block_size * Hkv + h) * D * elem;
-        for (int64_t t = t0; t < t0 + block_size && t < L; t++, v += Hkv * D * elem) {
+                        ((int64_t)tables[s * width + t0 / block_size] * block_size * Hkv + h) * head;
+        for (int64_t t = t0; t < t0 + block_size && t < L; t++, v += Hkv * head) {
+            if (kind == KIND_INT4) {  // Σ p·x̂ = Σ (p·step)·code + Σ p·lo
+                __m256 vr[MAX_DIM / 8];
+                for (int64_t i = 0; i < D / 16; i++) load_nibbles(v + 8 * i, &vr[i], &vr[D / 16 + i]);
+                uint16_t meta[2];
+                memcpy(meta, v + D / 2, sizeof meta);
+                const float step = _cvtsh_ss(meta[0]), lo = _cvtsh_ss(meta[1]);
+                for (int64_t g = 0; g < G; g++) {
+                    const __m256 w = _mm256_set1_ps(scores[g * L + t] * step);
+                    for (int64_t i = 0; i < D / 8; i++) acc[g][i] = _mm256_fmadd_ps(w, vr[i], acc[g][i]);
+                    shift[g] += scores[g * L + t] * lo;
+                }
+                continue;
+            }
             for (int64_t g = 0; g < G; g++) {
                 const __m256 p = _mm256_set1_ps(scores[g * L + t]);
                 for (int64_t i = 0; i < D / 8; i++)
-                    acc[g][i] = _mm256_fmadd_ps(p, load8(v + 8 * i * elem, kind), acc[g][i]);
+                    acc[g][i] = _mm256_fmadd_ps(p, load8(v + 8 * i * ELEM(kind), kind), acc[g][i]);
             }
         }
     }
     for (int64_t g = 0; g < G; g++) {
         const __m256 inv = _mm256_set1_ps((v_scale ? v_scale[h] : 1.f) / total[g]);
         float *o = out + (s * Hq + h * G + g) * D;
-        for (int64_t i = 0; i < D / 8; i++) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(acc[g][i], inv));
+        const __m256 add = _mm256_set1_ps(shift[g]);  // zero but for a 4-bit cache
+        for (int64_t i = 0; i < D / 8; i++)
+            _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(kind == KIND_INT4 ? _mm256_add_ps(acc[g][i], add) : acc[g][i], inv));
     }
     free(scores);
     return 0;
@@ -139,7 +179,8 @@ int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache
                                  Hq / Hkv, D, Hkv, block_size, scale, out)
             // a literal kind for each: its own loops
             const int status = kind == KIND_F32 ? ATTEND(KIND_F32) : kind == KIND_BF16 ? ATTEND(KIND_BF16)
-                             : kind == KIND_INT8 ? ATTEND(KIND_INT8) : ATTEND(KIND_FP8);
+                             : kind == KIND_INT8 ? ATTEND(KIND_INT8) : kind == KIND_INT4 ? ATTEND(KIND_INT4)
+                             : ATTEND(KIND_FP8);
 #undef ATTEND
             if (status) failed = 1;
         }

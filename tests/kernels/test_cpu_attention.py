@@ -62,6 +62,25 @@ def test_c_kernel_over_other_block_sizes(poisoned, monkeypatch, block_size, seq_
     assert relative_error(out, reference.paged_attention(*p.args(), dtype=torch.float64)) < TOLERANCE[kv_dtype]
 
 
+@pytest.mark.skipif(not cpu_library.available(), reason="needs gcc and AVX-512 or AVX2")
+@pytest.mark.parametrize("head_dim,group,block_size", [(64, 3, 16), (128, 6, 8), (32, 1, 32)])
+def test_c_kernel_reads_4bit_rows_in_place(poisoned, head_dim, group, block_size):
+    """A 4-bit cache's decodes go to the C kernel (queries and outputs rotated around it), split into parts on
+    two threads for one long sequence, and match the definition; a head dimension not a multiple of 32 takes PyTorch."""
+    p = paged_problem([300, 17, 1], [1, 1, 1], 2 * group, 2, head_dim, block_size, torch.uint8, torch.float32)
+    assert cpu_attention._native_applies(p.q, p.k_cache, p.k_scale)
+    for seqs, threads in ((slice(None), 1), (slice(0, 1), 2)):
+        args = list(p.args())
+        args[0], args[3], args[4], args[5] = p.q[seqs], p.block_tables[seqs], p.seq_lens[seqs], \
+            torch.arange(len(p.seq_lens[seqs]) + 1, dtype=torch.int32)
+        with torch_threads(threads):
+            out = cpu_attention.paged_attention(*args, native=True)
+        # step·(q·codes) and lo·Σq are summed apart and partly cancel: fp32 rounding up to ~1.1e-5 measured
+        assert relative_error(out, reference.paged_attention(*args, dtype=torch.float64)) < 3e-5
+    p = paged_problem([40], [1], 4, 2, 16, kv_dtype=torch.uint8, q_dtype=torch.float32)
+    assert not cpu_attention._native_applies(p.q, p.k_cache, p.k_scale)
+
+
 def test_c_kernel_takes_fp32_decodes():
     p = paged_problem([40, 7], [1, 1], 8, 2, 64, kv_dtype=torch.float32, q_dtype=torch.float32)
     assert cpu_attention._native_applies(p.q, p.k_cache, p.k_scale)
