@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "llama-3.1-70b, mistral-7b, qwen2.5-7b")  # fmt: skip
     p.add_argument("--weights", type=weight_format, default="bf16",
                    help="bf16 | fp16 | fp32 | wBITS[gGROUP][-asym], e.g. w4g128")
-    p.add_argument("--kv-dtype", default="bf16", choices=["fp32", "bf16", "fp16", "fp8", "int8"])
+    p.add_argument("--kv-dtype", default="bf16", choices=["fp32", "bf16", "fp16", "fp8", "int8", "int4"])
     p.add_argument("--context", type=positive_int, default=2048, help="tokens per sequence")
     p.add_argument("--batch", type=int_list, default="1,8,32,64", help="comma-separated batch sizes")
     p.add_argument("--kv-heads", type=int_list, help="comma-separated KV-head counts to compare (default: the model's)")

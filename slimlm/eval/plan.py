@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from slimlm.errors import SlimlmError
 
 FLOAT_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
-KV_BYTES = {**FLOAT_BYTES, "fp8": 1, "int8": 1}
+KV_BYTES = {**FLOAT_BYTES, "fp8": 1, "int8": 1, "int4": 0.5}  # per element; int4 adds 4 bytes per head vector
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,12 @@ def read_bytes(d: Dims, w: WeightFormat) -> int:
 
 
 def kv_bytes_per_token(d: Dims, kv_dtype: str) -> int:
-    return 2 * KV_BYTES[kv_dtype] * d.layers * d.kv_heads * d.head_dim
+    return 2 * d.layers * d.kv_heads * _head_bytes(d, kv_dtype)
+
+
+def _head_bytes(d: Dims, kv_dtype: str) -> int:
+    """One token's K (or V) of one KV head: a 4-bit row is D/2 bytes of codes and an fp16 step and minimum."""
+    return int(KV_BYTES[kv_dtype] * d.head_dim) + 4 * (kv_dtype == "int4")
 
 
 def decode_step(d: Dims, w: WeightFormat, kv_dtype: str, batch: int, context: int, device: Device) -> dict:
@@ -159,7 +164,8 @@ def decode_step(d: Dims, w: WeightFormat, kv_dtype: str, batch: int, context: in
     compute = 2 * batch * matmul / device.peak_flops  # the linears' arithmetic at the device's peak
     return {"batch": batch, "context": context, "kv_bytes": kv, "bytes_moved": moved, "step_ms": 1e3 * tau,
             "tokens_per_s": batch / tau, "linear_intensity": 2 * batch * linear_params(d) / _linear_bytes(d, w),
-            "attention_intensity": 2 * (d.heads / d.kv_heads) / KV_BYTES[kv_dtype], "compute_ms": 1e3 * compute,
+            "attention_intensity": 2 * (d.heads / d.kv_heads) * d.head_dim / _head_bytes(d, kv_dtype),
+            "compute_ms": 1e3 * compute,
             "bound": "compute" if compute > tau else "bandwidth",
             "roofline_tokens_per_s": batch / max(tau, compute)}  # fmt: skip
 
@@ -289,8 +295,11 @@ def against_bench(bench: dict, config: dict) -> list[dict]:
     system = bench["systems"]["model"]
     dtype = bench["config"]["dtype"]
     dims, weights = Dims.from_config(config), weight_format_of(config, dtype)
-    kv = {1: "int8", 2: "bf16", 4: "fp32"}[system["offline"]["kv_bytes_per_token"]
-                                           // (2 * dims.layers * dims.kv_heads * dims.head_dim)]  # fmt: skip
+    measured = system["offline"]["kv_bytes_per_token"]
+    kv = next((k for k in ("int4", "int8", "bf16", "fp32") if kv_bytes_per_token(dims, k) == measured), None)
+    if kv is None:
+        raise SlimlmError(f"the bench's {measured} KV bytes per token fit no KV dtype of this model's shape; "
+                          "was it run on another model?")  # fmt: skip
     device = Device("measured", float("inf"), bench["bandwidth_bytes_s"], float("inf"))
     rows = []
     for d in system["offline"]["decode"]:

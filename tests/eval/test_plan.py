@@ -66,6 +66,18 @@ def test_kv_bytes_and_the_bandwidth_only_step():
     assert plan.read_bytes(untied, w) == plan.weight_bytes(untied, w) - 2 * 256_000  # B rows, not the table
 
 
+def test_a_4bit_cache_is_half_a_byte_per_value_and_4_bytes_per_head_vector(tiny_llama):
+    from slimlm.models import read_config
+    from slimlm.runtime.engine import Engine, EngineConfig
+
+    assert plan.kv_bytes_per_token(SMALL, "int4") == 2 * 1 * 1 * (128 // 2 + 4)  # K and V, a layer, a KV head
+    step = plan.decode_step(SMALL, plan.WeightFormat("bfloat16"), "int4", batch=1, context=10, device=DEVICE)
+    assert step["attention_intensity"] == pytest.approx(2 * 2 * 128 / 68)  # 2 FLOPs per value per query head
+    engine = Engine(str(tiny_llama), EngineConfig(kv_cache_dtype="int4", max_model_len=64, kv_cache_memory=1 << 20))
+    assert plan.kv_bytes_per_token(plan.Dims.from_config(read_config(tiny_llama)), "int4") == \
+        engine.runner.kv_bytes_per_token  # what the runtime allocates
+
+
 def test_what_fits_and_the_crossover():
     w = plan.WeightFormat("bfloat16")
     weights = plan.weight_bytes(SMALL, w)
