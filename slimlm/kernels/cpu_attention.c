@@ -552,15 +552,26 @@ int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache
 #define AMX_CHUNK 32  // keys a chunk on the tile unit
 
 // tokens [c, c + 16) of KV head h as fp32 rows [16][D]; tokens at or past `end` are zeros (their slots may
-// hold anything: a NaN there times a zero weight would still be NaN)
+// hold anything: a NaN there times a zero weight would still be NaN). A 4-bit row decodes to code·step + lo.
 static inline __attribute__((always_inline)) void widen_chunk(const void *cache, const int32_t *table, int64_t c,
                                                               int64_t end, int64_t h, int64_t D, int64_t Hkv,
                                                               int64_t block_size, int kind, float *dst) {
-    const int64_t elem = ELEM(kind), row = Hkv * D * elem;
+    const int64_t head = HEAD_BYTES(kind, D), row = Hkv * head;
     for (int64_t j = 0; j < TILE; j++) {
-        const char *src = c + j < end ? token_row(cache, table, c + j, block_size, row) + h * D * elem : NULL;
+        const char *src = c + j < end ? token_row(cache, table, c + j, block_size, row) + h * head : NULL;
+        if (kind == KIND_INT4 && src) {
+            float step, lo;
+            __m512 a, b;
+            row_meta(src, D, &step, &lo);
+            for (int64_t i = 0; i < D / 2; i += 16) {
+                load_nibbles(src + i, &a, &b);
+                _mm512_storeu_ps(dst + j * D + i, _mm512_fmadd_ps(a, _mm512_set1_ps(step), _mm512_set1_ps(lo)));
+                _mm512_storeu_ps(dst + j * D + D / 2 + i, _mm512_fmadd_ps(b, _mm512_set1_ps(step), _mm512_set1_ps(lo)));
+            }
+            continue;
+        }
         for (int64_t i = 0; i < D; i += 16)
-            _mm512_storeu_ps(dst + j * D + i, src ? load16(src + i * elem, kind) : _mm512_setzero_ps());
+            _mm512_storeu_ps(dst + j * D + i, src ? load16(src + i * ELEM(kind), kind) : _mm512_setzero_ps());
     }
 }
 
@@ -706,7 +717,8 @@ static void amx_queries(const uint16_t *x, int64_t stride, int64_t rows, int64_t
 #endif
 
 // q, out [T, Hq, D] bf16 (bf16 = 1) or fp32; caches [blocks, block_size, Hkv, D] of `kind`, with k_scale,
-// v_scale [Hkv] (NULL: 1) for 8-bit codes; sequence s's queries are rows query_start[s] .. query_start[s + 1],
+// v_scale [Hkv] (NULL: 1) for 8-bit codes, or 4-bit rows (D a multiple of 32; q and out in their rotated space, as
+// for decode); sequence s's queries are rows query_start[s] .. query_start[s + 1],
 // the last of its seq_lens[s] cached tokens (causal). Sequences of at most skip_rows queries are skipped (the
 // decode kernel takes them, a query at a time). D a multiple of 16, <= MAX_DIM; Hq / Hkv <= MAX_HEADS. With amx set (the
 // caller has the tile unit: slimlm_amx_ready), bf16 queries, a cache bf16 holds exactly (not fp32) and D a
@@ -718,7 +730,7 @@ int slimlm_paged_prefill(const void *q, const void *k_cache, const void *v_cache
                          int nthreads) {
     const int64_t G = Hq / Hkv, elem = bf16 ? 2 : 4;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    amx = amx && bf16 && kind != KIND_F32 && D % 32 == 0;
+    amx = amx && bf16 && kind != KIND_F32 && kind != KIND_INT4 && D % 32 == 0;
 #else
     amx = 0;
 #endif

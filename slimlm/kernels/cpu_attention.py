@@ -5,7 +5,7 @@ Decoding sequences (one query each) are done together: by the C kernel (cpu_atte
 cache's rotation is applied to the queries and the outputs, outside the kernel); otherwise in
 PyTorch with one gather of their blocks into a padded [S, L, Hkv, D] tensor, two batched matmuls and a masked
 softmax. Prompt chunks (several queries) go to the C flash-attention kernel in one call for all sequences
-(AVX-512 builds, the same caches but 4-bit); otherwise one sequence at a time in PyTorch, causal mask included. GQA is a
+(AVX-512 builds, the same caches); otherwise one sequence at a time in PyTorch, causal mask included. GQA is a
 reshape of the queries to [Hkv, group, ...] that broadcasts against the KV heads, never a copy of K and V per
 query head.
 """
@@ -102,15 +102,28 @@ def _decode_native(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, 
 
 
 def _prefill_native_applies(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
-    return (_native_applies(q, k_cache, k_scale) and k_cache.dtype != torch.uint8 and q.is_contiguous()
-            and q.dtype in (torch.float32, torch.bfloat16)
+    return (_native_applies(q, k_cache, k_scale) and q.dtype in (torch.float32, torch.bfloat16) and q.is_contiguous()
             and hasattr(cpu_library.load(), "slimlm_paged_prefill"))  # fmt: skip
 
 
 def _prefill_native(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, k_scale, v_scale,
                     out) -> torch.Tensor:  # fmt: skip
     """The prompt chunks' rows of `out` (its decode rows already written) by the C flash kernel, one call. The
-    sequences are query_start's (block_tables and seq_lens may hold more rows: they are not read)."""
+    sequences are query_start's (block_tables and seq_lens may hold more rows: they are not read). Over 4-bit
+    rows the kernel attends in their rotated space, in fp32: queries rotated in, its rows rotated back out."""
+    if k_cache.dtype != torch.uint8:
+        return _prefill_call(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, k_scale, v_scale, out)
+    rotation = kv_int4.rotation(q.shape[2])
+    rotated = _prefill_call((q.float() @ rotation).contiguous(), k_cache, v_cache, block_tables, seq_lens,
+                            query_start, scale, None, None, torch.empty(q.shape, dtype=torch.float32))  # fmt: skip
+    lens, starts = (query_start[1:] - query_start[:-1]).tolist(), query_start.tolist()
+    rows = [r for s, n in enumerate(lens) if n > VERIFY_MAX_ROWS for r in range(starts[s], starts[s] + n)]
+    out[rows] = (rotated[rows] @ rotation.T).to(out.dtype)
+    return out
+
+
+def _prefill_call(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, k_scale, v_scale,
+                  out) -> torch.Tensor:  # fmt: skip
     tables, lens = block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
     starts = query_start.to(torch.int32).contiguous()
     (ks, vs), _held = _scales(k_scale, v_scale)

@@ -95,7 +95,7 @@ def test_c_kernel_takes_fp32_decodes():
     "head_dim,kv_dtype,dtype",
     [(64, torch.bfloat16, torch.bfloat16), (128, torch.bfloat16, torch.bfloat16), (128, torch.float32, torch.float32),
      (48, torch.bfloat16, torch.bfloat16), (64, torch.int8, torch.bfloat16), (64, torch.float8_e4m3fn, torch.bfloat16),
-     (64, torch.float8_e4m3fn, torch.float32)],
+     (64, torch.float8_e4m3fn, torch.float32), (64, torch.uint8, torch.float32), (128, torch.uint8, torch.bfloat16)],
 )  # fmt: skip
 @pytest.mark.parametrize("amx", [True, False])
 def test_c_prompt_kernel_in_one_call(poisoned, monkeypatch, block_size, head_dim, kv_dtype, dtype, amx):
@@ -103,7 +103,7 @@ def test_c_prompt_kernel_in_one_call(poisoned, monkeypatch, block_size, head_dim
     tails, a chunk of 70 after 100 cached tokens (keys 16 or 32 at a time across blocks of 8 or 32), a decode
     mixed in (the decode kernel's), and every slot past a sequence's end NaN. bf16 queries with head_dim 64 or
     128 and a bf16 or 8-bit cache run on the tile unit where the CPU has one (amx), and on the AVX-512 loops
-    otherwise."""
+    otherwise (4-bit rows always: in fp32, in their rotated space)."""
     if amx and not cpu_library.has_amx():
         pytest.skip("needs AMX (e.g. Sapphire Rapids)")
     monkeypatch.setattr(cpu_library, "has_amx", lambda: amx)
