@@ -109,6 +109,7 @@ class Int4:
     rotate: bool = False  # a randomized Hadamard rotation of each head's vector first
     symmetric: bool = False
     smooth: float | None = None  # divide key channels by amax_c ** smooth first (the query takes the factor)
+    center: bool = False  # subtract each key channel's calibrated mean first (softmax is blind to it)
     group: int | None = None  # values per scale along the head dimension (None: the whole head)
     int_zero: bool = False  # asymmetric with a 4-bit integer zero point instead of an fp16 minimum
     which: str = "kv"  # round keys, values or both
@@ -129,6 +130,9 @@ INT4_VARIANTS = {
     "sym + K chan^1": Int4(symmetric=True, smooth=1.0),
     "sym + H + K chan^0.5": Int4(rotate=True, symmetric=True, smooth=0.5),
     "asym + H + K chan^0.5": Int4(rotate=True, smooth=0.5),
+    "asym + H + K centered": Int4(rotate=True, center=True),
+    "sym + H + K centered": Int4(rotate=True, symmetric=True, center=True),
+    "asym + K centered": Int4(center=True),
     "asym + H on K only": Int4(rotate=True, which="k"),
     "asym + H on V only": Int4(rotate=True, which="v"),
 }
@@ -139,7 +143,8 @@ def int4(args) -> list[dict]:
     written into a float32 cache at the write, so the runtime's attention reads exactly those values. The
     rotation H is orthonormal: storing H·k and rotating the query by H leaves q·k unchanged, so rotating back at
     the write is the same attention. Per-channel key smoothing divides each key channel by amax_c^alpha (amax
-    observed on --calib after RoPE; the query would take the factor) before the per-token rounding."""
+    observed on --calib after RoPE; the query would take the factor) before the per-token rounding; centering
+    subtracts each key channel's mean on --calib (after RoPE), which no softmax can see."""
     from slimlm.eval.perplexity import engine_for, perplexity
     from slimlm.kernels import reference
 
@@ -159,11 +164,15 @@ def int4(args) -> list[dict]:
                 [qkv.shape[1] // dim - 2 * kv_heads, kv_heads, kv_heads], 1)  # fmt: skip
             cos, signed_sin = cos.float()[:, None], signed_sin.float()[:, None]
             k = reference.rotate(k, cos, signed_sin)
-            if observe:
+            if observe:  # per key channel: the largest |k|, and the sum and count for the mean
                 amax[layer] = torch.maximum(amax.get(layer, torch.zeros(kv_heads, dim)), k.abs().amax(0))
+                amax[("sum", layer)] = amax.get(("sum", layer), 0) + k.double().sum(0)
+                amax[("count", layer)] = amax.get(("count", layer), 0) + k.shape[0]
             if variant is not None:
                 rotation = hadamard(dim, seed=0) if variant.rotate else None
                 factor = None if variant.smooth is None else amax[layer].clamp_min(1e-6) ** variant.smooth
+                if variant.center:  # q·(k − μ) = q·k − q·μ: the same shift for every key of a query
+                    k = k - (amax[("sum", layer)] / amax[("count", layer)]).float()
                 k = rounded(k, rotation, factor) if "k" in variant.which else k
                 v = rounded(v, rotation) if "v" in variant.which else v
             k_cache.view(-1, kv_heads, dim)[slots] = k.to(k_cache.dtype)
@@ -183,7 +192,7 @@ def int4(args) -> list[dict]:
     for model in args.int4_models.split(","):
         amax: dict = {}
         perplexity_with(model, None, amax, args.calib, args.calib_tokens, observe=True)  # key amax per channel
-        head_dim = next(iter(amax.values())).shape[-1]
+        head_dim = amax[0].shape[-1]
         base = perplexity_with(model, None, amax)
         rows.append({"model": model, "kv": "float32", "wiki_ppl": base, "bytes_per_element": 4.0})
         print(f"{model}: float32 KV wiki ppl {base:.4f}", flush=True)

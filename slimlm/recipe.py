@@ -69,8 +69,7 @@ def _lines(node, path: str = "", out: dict | None = None) -> dict[str, int]:
     out = {} if out is None else out
     out[path] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
-        for key, value in node.value:
-            out[f"{path}.{key.value}".lstrip(".")] = key.start_mark.line + 1
+        for key, value in node.value:  # a field's line is its value's (where a wrong value is)
             _lines(value, f"{path}.{key.value}".lstrip("."), out)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
@@ -127,11 +126,11 @@ def load(path: Path, overrides: list[str] = ()) -> Recipe:
 
     def where(field: str) -> str:
         touched = [o for o in overrides if o.partition("=")[0].startswith(field)] if field else []
-        place = f"{path}:{lines[field]}" if field in lines else str(path)
+        place = f"{path}:{lines[field]}" if field and field in lines else str(path)
         return place + (f" (with --set {', '.join(touched)})" if touched else "")
 
-    def fail(field: str, message: str):
-        raise SlimlmError(f"{where(field)}: {field}: {message}")
+    def fail(field: str, message: str):  # field "": the recipe as a whole
+        raise SlimlmError(f"{where(field)}: {field + ': ' if field else ''}{message}")
 
     for key in data:
         if key not in FIELDS:
