@@ -1,15 +1,20 @@
 """The 4-bit KV cache: each token's key or value of one KV head is one row of bytes, rounded as it is written.
 
-A vector x [D] (a key after RoPE, or a value) is first rotated, y = x·H with H a fixed randomized Hadamard
-matrix (orthonormal: Sylvester's ±1 matrix with seeded column signs, over √D). The rotation spreads a few large
-channels over all of them (QuaRot), so one scale per row fits every value; attention is unchanged by it, since
-q·k = (q·H)·(k·H) and Σ p·v = (Σ p·(v·H))·Hᵀ. y is then rounded asymmetrically to 16 levels:
+A key (after RoPE) first loses its layer's offset μ [Hkv, D], the mean key per KV head and channel (measured
+by the runtime at load, ModelRunner.set_key_offsets): no softmax can see it, since q·(k − μ) = q·k − q·μ is the
+same shift for every key of a query, and it is most of a key's range in models with large key biases (Qwen2:
+channels at ±350 that vary by ±1; rounded with them, the 1.5B's wiki perplexity rose a thousandfold). Values are
+not shifted (the read would have to add μ back). A vector x [D] (a key less μ, or a value) is then rotated,
+y = x·H with H a fixed randomized Hadamard matrix (orthonormal: Sylvester's ±1 matrix with seeded column signs,
+over √D). The rotation spreads a few large channels over all of them (QuaRot), so one scale per row fits every
+value; attention is unchanged by it, since q·k = (q·H)·(k·H) and Σ p·v = (Σ p·(v·H))·Hᵀ. y is then rounded
+asymmetrically to 16 levels:
     step = fp16((max y − min y) / 15), lo = fp16(min y), code = clamp(round((y − lo) / step), 0, 15)
-and read back as x̂ = (code·step + lo)·Hᵀ. The row holds D/2 bytes of codes, byte j carrying code j in its
-low nibble and code j + D/2 in its high nibble, then step and lo as fp16: D/2 + 4 bytes, against D for an
-8-bit cache (1.78× the tokens per byte at D = 64, 1.88× at D = 128). Nothing is calibrated: the scales are
-each row's own. Chosen by measurement over symmetric rows, per-channel key scales and no rotation
-(benchmarks/kv_cache.py --parts int4).
+and read back as x̂ = (code·step + lo)·Hᵀ (+ μ for a key, which attention never needs). The row holds D/2 bytes
+of codes, byte j carrying code j in its low nibble and code j + D/2 in its high nibble, then step and lo as
+fp16: D/2 + 4 bytes, against D for an 8-bit cache (1.78× the tokens per byte at D = 64, 1.88× at D = 128). The
+scales are each row's own. Chosen by measurement over symmetric rows, per-channel key scales and no rotation
+or no centering (benchmarks/kv_cache.py --parts int4).
 """
 
 from __future__ import annotations
@@ -43,10 +48,10 @@ def rotation(dim: int, device: str = "cpu") -> torch.Tensor:
     return (h * signs / dim**0.5).to(device)
 
 
-def quantize(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] float -> uint8 rows [..., D/2 + 4] (see the module docstring)."""
+def quantize(x: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., D] float, less `offset` (broadcast; keys' μ) -> uint8 rows [..., D/2 + 4] (see the module docstring)."""
     dim = x.shape[-1]
-    y = x.float() @ rotation(dim, str(x.device))
+    y = (x.float() if offset is None else x.float() - offset.float()) @ rotation(dim, str(x.device))
     lo = y.amin(-1, keepdim=True).half()
     step = ((y.amax(-1, keepdim=True) - lo.float()) / 15).half()
     # a zero step (a constant row) reads back lo whatever the code: 0 then

@@ -56,11 +56,13 @@ def rotary_kv_write(
     v_cache: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotated q [T, Hq, D]; rotated keys and the values written at `slots` into the caches: float ones of qkv's
-    dtype, unscaled, or 8-bit ones (int8, fp8 e4m3) with both per-head scales or neither (a scale of 1)."""
+    dtype, unscaled, or 8-bit ones (int8, fp8 e4m3) with both per-head scales or neither (a scale of 1). A 4-bit
+    cache (and its keys' k_offset) takes the PyTorch definition."""
     if not _c_writes(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale):
-        return reference.rotary_kv_write(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale)
+        return reference.rotary_kv_write(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale, k_offset)
     kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
     heads = qkv.shape[1] // dim - 2 * kv_heads
     q = torch.empty(qkv.shape[0], heads, dim, dtype=qkv.dtype)

@@ -47,11 +47,13 @@ def dequantized(kv: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
     return kv if scale is None else kv * scale.to(dtype)[:, None]
 
 
-def quantized_kv(kv: torch.Tensor, scale: torch.Tensor | None, cache_dtype: torch.dtype) -> torch.Tensor:
+def quantized_kv(kv: torch.Tensor, scale: torch.Tensor | None, cache_dtype: torch.dtype,
+                 offset: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """K or V [..., Hkv, D] as a cache of `cache_dtype` stores it: kv / scale rounded to the nearest fp8
-    (saturating at ±448) or integer (±127) with a per-head scale, or to 4-bit rows; a float cache takes kv as it is."""
+    (saturating at ±448) or integer (±127) with a per-head scale, or kv − offset ([Hkv, D], keys') to 4-bit rows; a
+    float cache takes kv as it is."""
     if cache_dtype == torch.uint8:
-        return kv_int4.quantize(kv)
+        return kv_int4.quantize(kv, offset)
     if scale is None:
         return kv.to(cache_dtype)
     limit = KV_DTYPES["int8" if cache_dtype == torch.int8 else "fp8"][1]
@@ -90,13 +92,16 @@ def rotary_kv_write(
     v_cache: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv [T, (Hq + 2·Hkv)·D], each token's cos and signed sin [T, D] -> rotated q [T, Hq, D]; the rotated
-    keys and the values are written into the caches [blocks, block_size, Hkv, D] at `slots`, as they store them."""
+    keys and the values are written into the caches [blocks, block_size, Hkv, D] at `slots`, as they store them
+    (a 4-bit cache's keys less k_offset)."""
     kv_heads, dim, row = k_cache.shape[2], cos.shape[-1], k_cache.shape[3]
     q, k, v = qkv.reshape(qkv.shape[0], -1, dim).split([qkv.shape[1] // dim - 2 * kv_heads, kv_heads, kv_heads], 1)
     cos, signed_sin = cos[:, None], signed_sin[:, None]
-    k_cache.view(-1, kv_heads, row)[slots] = quantized_kv(rotate(k, cos, signed_sin), k_scale, k_cache.dtype)
+    k_cache.view(-1, kv_heads, row)[slots] = quantized_kv(rotate(k, cos, signed_sin), k_scale, k_cache.dtype,
+                                                          k_offset)  # fmt: skip
     v_cache.view(-1, kv_heads, row)[slots] = quantized_kv(v, v_scale, v_cache.dtype)
     return rotate(q, cos, signed_sin)
 

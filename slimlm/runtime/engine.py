@@ -20,7 +20,7 @@ from slimlm.devices import resolve_device
 from slimlm.errors import SlimlmError
 from slimlm.formats.kv_cache import CACHE_DTYPES as KV_CACHE_DTYPES
 from slimlm.runtime.block_manager import BlockManager
-from slimlm.runtime.model_runner import DTYPES, ModelRunner
+from slimlm.runtime.model_runner import DTYPES, KEY_OFFSET_TEXT, ModelRunner
 from slimlm.runtime.outputs import CompletionOutput, OutputProcessor, RequestOutput
 from slimlm.runtime.sampling import SamplingParams, sample, top_logprobs
 from slimlm.runtime.scheduler import Batch, Scheduler
@@ -111,6 +111,8 @@ class Engine:
             model_dir, DTYPES[config.dtype], str(self.device), config.kv_cache_memory, config.block_size,
             self.max_model_len, config.kv_cache_dtype,
         )  # fmt: skip
+        if self.runner.kv_cache.dtype == torch.uint8:  # a 4-bit cache: keys are stored less their mean
+            self.runner.set_key_offsets(self.tokenizer.encode(KEY_OFFSET_TEXT)[: self.max_model_len])
         self.capacity = self.runner.num_blocks * config.block_size  # tokens the pool holds
         if self.capacity < self.max_model_len and config.max_model_len is None:
             # The model's own context would not fit one sequence (Qwen2.5's 32K in the default 512 MiB): serve

@@ -114,13 +114,15 @@ class Attention(nn.Module):
         self.attention = kernels.paged_attention  # the load-time Backend's, once set_backend ran
         self.rotary_kv_write = kernels.reference.rotary_kv_write  # likewise
         self.k_scale = self.v_scale = None  # fp32 [kv_heads] for an fp8/int8 cache (loader.set_kv_cache)
+        self.k_offset = None  # fp32 [kv_heads, head_dim]: the mean key a 4-bit cache's keys lose (ModelRunner)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs, kv_cache: torch.Tensor
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
         qkv = joined_outputs(self.qkv, x)
-        q = self.rotary_kv_write(qkv, cos, sin, step.slots, k_cache, v_cache, self.k_scale, self.v_scale)
+        q = self.rotary_kv_write(qkv, cos, sin, step.slots, k_cache, v_cache, self.k_scale, self.v_scale,
+                                 k_offset=self.k_offset)  # fmt: skip
         out = self.attention(
             q, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start, self.scale,
             self.k_scale, self.v_scale, query_lens=step.query_lens,

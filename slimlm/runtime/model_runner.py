@@ -15,6 +15,21 @@ from slimlm.runtime.scheduler import Batch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # activation dtypes by name
 
+# What a 4-bit KV cache's key offsets are measured on at load (set_key_offsets): any ordinary text does, since the
+# offsets only need the part of each key channel that barely moves from token to token (a bias, in Qwen2 ±350
+# with ±1 around it); 8K tokens of owt instead moved the 1.5B's int4 wiki perplexity by under 0.1% (benchmarks/
+# kv_cache.py --parts int4). Fixed, so every load of a model gets the same offsets.
+KEY_OFFSET_TEXT = (
+    "The river rises in the hills north of the town and runs south through farmland for about forty miles "
+    "before it reaches the sea. In the nineteenth century its banks were lined with mills, and the town grew "
+    "around them; most were closed by 1950, and several now house a museum, a school and small workshops. "
+    "The climate is mild, with wet winters and dry summers. The economy today rests on agriculture, tourism "
+    "and a university founded in 1962, whose library holds one of the largest collections of maps in the "
+    "country. def mean(values):\n    return sum(values) / len(values)\n\nprint(mean([3, 1, 4, 1, 5]))\n"
+    "Visitors arrive by train from the capital, a journey of two hours, or by the coastal road. Each spring "
+    "the town holds a festival of music and film that draws thousands of people to its streets and squares."
+)
+
 
 def _available_memory(device: str) -> int:
     if torch.device(device).type == "cuda":
@@ -50,6 +65,26 @@ class ModelRunner:
             raise SlimlmError(f"a KV cache pool of {pool / 2**30:.2f} GiB does not fit in the "
                               f"{available / 2**30:.2f} GiB free on {device}; lower --kv-cache-memory")  # fmt: skip
         self.kv_cache = torch.empty(shape, dtype=kv_dtype, device=device)
+
+    @torch.inference_mode()
+    def set_key_offsets(self, ids: list[int]) -> None:
+        """Give each attention layer of a 4-bit cache its key offsets: the mean key (after RoPE) per KV head and
+        channel over `ids`, run once through a scratch float cache (formats.kv_int4 says why)."""
+        attns = [layer.self_attn for layer in self.model.model.layers]
+        n, bs, dtype = len(ids), self.block_size, self.model.model.norm.weight.dtype
+        blocks = -(-n // bs)
+        scratch = torch.zeros((len(attns), 2, blocks, bs, attns[0].kv_heads, attns[0].head_dim), dtype=dtype,
+                              device=self.device)  # fmt: skip
+        step = StepInputs(
+            positions=torch.arange(n, device=self.device), slots=torch.arange(n, device=self.device),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            query_start=torch.tensor([0, n], dtype=torch.int32, device=self.device), query_lens=[n],
+        )  # fmt: skip
+        self.model(torch.tensor(ids, device=self.device), step, scratch)
+        keys = scratch[:, 0].flatten(1, 2)[:, :n].float().mean(1)  # [layers, kv_heads, head_dim]
+        for attn, offset in zip(attns, keys, strict=True):
+            attn.k_offset = offset
 
     def weight_bytes(self) -> int:
         """Bytes of weights a decode step reads (the embedding table is gathered from, not read)."""

@@ -55,3 +55,13 @@ def test_a_constant_row_reads_back_exactly_and_a_zero_row_is_zero():
     assert torch.allclose(kv_int4.dequantize(kv_int4.quantize(const), torch.float32), const, atol=1e-6)
     assert torch.equal(kv_int4.dequantize(kv_int4.quantize(torch.zeros(2, 16)), torch.float32), torch.zeros(2, 16))
     assert kv_int4.head_dim(torch.zeros(4, 2, kv_int4.row_bytes(128), dtype=torch.uint8)) == 128
+
+
+def test_an_offset_is_subtracted_before_the_rotation_and_never_added_back():
+    x, mu = torch.randn(5, 2, 32) * 4, torch.randn(2, 32) * 100
+    assert torch.equal(kv_int4.quantize(x, mu), kv_int4.quantize(x - mu))
+    # a large constant part (a key bias) takes the whole range unless subtracted: 4 bits then say little else
+    x = x + mu
+    centered = kv_int4.dequantize(kv_int4.quantize(x, mu), torch.float32) + mu
+    plain = kv_int4.dequantize(kv_int4.quantize(x), torch.float32)
+    assert (centered - x).norm() * 10 < (plain - x).norm()

@@ -173,38 +173,46 @@ def test_an_unsupported_kv_cache_scheme_is_named(kv_checkpoint, tmp_path):
         Engine(str(bad), EngineConfig(max_model_len=256))
 
 
-@pytest.fixture
-def int4_reference(tiny_llama, monkeypatch):
-    """transformers' Llama whose attention sees every K (after RoPE) and V as 4-bit rows hold them."""
+def int4_reference(tiny_llama, offsets: list[torch.Tensor]):
+    """transformers' Llama whose attention sees every K (after RoPE) and V as 4-bit rows hold them: keys rounded
+    less the engine's offsets μ and given them back (attention cannot tell: q·μ shifts every score alike)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.llama import modeling_llama
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    rotary = modeling_llama.apply_rotary_pos_emb
+    rotary, layer = modeling_llama.apply_rotary_pos_emb, {}
 
-    def rounded(x: torch.Tensor) -> torch.Tensor:
-        return kv_int4.dequantize(kv_int4.quantize(x), x.dtype)
+    def rounded(x: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+        if offset is None:
+            return kv_int4.dequantize(kv_int4.quantize(x), x.dtype)
+        shift = offset[:, None]  # [B, H, T, D] against μ [H, D]
+        return kv_int4.dequantize(kv_int4.quantize(x, shift), x.dtype) + shift
 
     def rotary_then_quantize(q, k, cos, sin, *args, **kwargs):
         q, k = rotary(q, k, cos, sin, *args, **kwargs)
-        return q, rounded(k)
+        return q, rounded(k, offsets[layer["i"]])
 
-    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", rotary_then_quantize)
     heads = model.config.num_key_value_heads
-    for block in model.model.layers:
+    for i, block in enumerate(model.model.layers):
+        block.self_attn.register_forward_pre_hook(lambda _m, _a, i=i: layer.update(i=i))
         block.self_attn.v_proj.register_forward_hook(
             lambda _m, _x, out: rounded(out.unflatten(-1, (heads, -1))).flatten(-2))
-    return model
+    return model, rotary_then_quantize
 
 
-def test_int4_prompt_logprobs_and_greedy_tokens_match_transformers_through_the_same_rows(tiny_llama, int4_reference):
+def test_int4_prompt_logprobs_and_greedy_tokens_match_transformers_through_the_same_rows(tiny_llama, monkeypatch):
+    from transformers.models.llama import modeling_llama
+
     llm = LLM(str(tiny_llama), kv_cache_dtype="int4", block_size=8, max_num_batched_tokens=32)
     assert llm.engine.runner.kv_cache.dtype == torch.uint8
+    offsets = [layer.self_attn.k_offset for layer in llm.engine.model.model.layers]
+    reference, patched = int4_reference(tiny_llama, offsets)
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", patched)
     ids = _prompt(llm.engine, 5, 70)  # several blocks, prefilled in chunks
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     ours = torch.tensor(llm.generate([ids], params)[0].prompt_logprobs)
     with torch.no_grad():
-        theirs = next_token_logprobs(int4_reference(torch.tensor([ids])).logits[0], ids)
+        theirs = next_token_logprobs(reference(torch.tensor([ids])).logits[0], ids)
     torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=0)
     float_kv = torch.tensor(LLM(str(tiny_llama)).generate([ids], params)[0].prompt_logprobs)
     assert (float_kv - theirs).abs().max() > 10 * 2e-4  # the rounding is really there and really matched
@@ -212,9 +220,37 @@ def test_int4_prompt_logprobs_and_greedy_tokens_match_transformers_through_the_s
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for ids, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
-            want = int4_reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                                           min_new_tokens=12)  # fmt: skip
+            want = reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
         assert out.outputs[0].token_ids == want[0, len(ids) :].tolist()
+
+
+def test_int4_key_offsets_are_the_mean_key_of_a_fixed_text(tiny_llama, monkeypatch):
+    """Each layer's offset is its mean key (after RoPE) per KV head and channel over KEY_OFFSET_TEXT (its first
+    max_model_len tokens), as transformers' own attention computes the keys; the same on every load; none for
+    other caches."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    from slimlm.runtime.model_runner import KEY_OFFSET_TEXT
+
+    engine = Engine(str(tiny_llama), EngineConfig(kv_cache_dtype="int4", max_model_len=256))
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    keys, rotary = [], modeling_llama.apply_rotary_pos_emb
+
+    def grab(q, k, *args, **kwargs):
+        q, k = rotary(q, k, *args, **kwargs)
+        keys.append(k[0].mean(1))  # [H, D]
+        return q, k
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", grab)
+    with torch.no_grad():
+        model(torch.tensor([engine.tokenizer.encode(KEY_OFFSET_TEXT)[:256]]))  # as far as the context goes
+    offsets = [layer.self_attn.k_offset for layer in engine.model.model.layers]
+    for ours, theirs in zip(offsets, keys, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    again = Engine(str(tiny_llama), EngineConfig(kv_cache_dtype="int4", max_model_len=256))
+    assert all(torch.equal(a, b.self_attn.k_offset) for a, b in zip(offsets, again.model.model.layers, strict=True))
+    assert Engine(str(tiny_llama), EngineConfig(max_model_len=256)).model.model.layers[0].self_attn.k_offset is None
 
 
 def test_int4_holds_head_dim_over_half_of_it_plus_4_times_the_tokens_of_int8(tiny_llama, kv_checkpoint):
