@@ -25,9 +25,10 @@ import time
 from dataclasses import dataclass
 
 from slimlm.errors import SlimlmError
+from slimlm.formats import kv_int4
 
 FLOAT_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
-KV_BYTES = {**FLOAT_BYTES, "fp8": 1, "int8": 1, "int4": 0.5}  # per element; int4 adds 4 bytes per head vector
+KV_BYTES = {**FLOAT_BYTES, "fp8": 1, "int8": 1, "int4": 0.5}  # per element (int4: and its row's scales)
 
 
 @dataclass(frozen=True)
@@ -151,8 +152,8 @@ def kv_bytes_per_token(d: Dims, kv_dtype: str) -> int:
 
 
 def _head_bytes(d: Dims, kv_dtype: str) -> int:
-    """One token's K (or V) of one KV head: a 4-bit row is D/2 bytes of codes and an fp16 step and minimum."""
-    return int(KV_BYTES[kv_dtype] * d.head_dim) + 4 * (kv_dtype == "int4")
+    """One token's K (or V) of one KV head: a 4-bit row is D/2 bytes of codes and its scales (formats.kv_int4)."""
+    return kv_int4.row_bytes(d.head_dim) if kv_dtype == "int4" else int(KV_BYTES[kv_dtype] * d.head_dim)
 
 
 def decode_step(d: Dims, w: WeightFormat, kv_dtype: str, batch: int, context: int, device: Device) -> dict:

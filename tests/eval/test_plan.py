@@ -8,6 +8,7 @@ import pytest
 
 from slimlm.cli import main
 from slimlm.eval import plan
+from slimlm.formats import kv_int4
 
 # one layer, hand-sized: q/o 256×256, k/v 256×128, gate/up 256×512, down 512×256 = 589,824 linear weights
 SMALL = plan.Dims(vocab=1000, hidden=256, heads=2, kv_heads=1, head_dim=128, ffn=512, layers=1, tied=True)
@@ -66,13 +67,14 @@ def test_kv_bytes_and_the_bandwidth_only_step():
     assert plan.read_bytes(untied, w) == plan.weight_bytes(untied, w) - 2 * 256_000  # B rows, not the table
 
 
-def test_a_4bit_cache_is_half_a_byte_per_value_and_4_bytes_per_head_vector(tiny_llama):
+def test_a_4bit_cache_is_half_a_byte_per_value_and_its_scales_per_head_vector(tiny_llama):
     from slimlm.models import read_config
     from slimlm.runtime.engine import Engine, EngineConfig
 
-    assert plan.kv_bytes_per_token(SMALL, "int4") == 2 * 1 * 1 * (128 // 2 + 4)  # K and V, a layer, a KV head
+    row = 128 // 2 + kv_int4.META_BYTES
+    assert plan.kv_bytes_per_token(SMALL, "int4") == 2 * 1 * 1 * row  # K and V, a layer, a KV head
     step = plan.decode_step(SMALL, plan.WeightFormat("bfloat16"), "int4", batch=1, context=10, device=DEVICE)
-    assert step["attention_intensity"] == pytest.approx(2 * 2 * 128 / 68)  # 2 FLOPs per value per query head
+    assert step["attention_intensity"] == pytest.approx(2 * 2 * 128 / row)  # 2 FLOPs per value per query head
     engine = Engine(str(tiny_llama), EngineConfig(kv_cache_dtype="int4", max_model_len=64, kv_cache_memory=1 << 20))
     assert plan.kv_bytes_per_token(plan.Dims.from_config(read_config(tiny_llama)), "int4") == \
         engine.runner.kv_bytes_per_token  # what the runtime allocates
