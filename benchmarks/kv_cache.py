@@ -56,7 +56,7 @@ def quality(args) -> list[dict]:
     from slimlm.eval.perplexity import engine_for, perplexity
 
     configs = [("float32 KV", MODEL, "float32"), ("bfloat16 KV", MODEL, "bfloat16"), ("fp8 scale 1", MODEL, "fp8")]
-    configs += [(label, checkpoint(label, args.cache), "auto") for label in CHECKPOINTS]
+    configs += [(label, checkpoint(label, args.cache), "auto") for label in CHECKPOINTS] + [("int4", MODEL, "int4")]
     rows = []
     for label, model, kv_dtype in configs:
         engine = engine_for(model, 512, kv_cache_dtype=kv_dtype)
@@ -110,6 +110,7 @@ class Int4:
     symmetric: bool = False
     smooth: float | None = None  # divide key channels by amax_c ** smooth first (the query takes the factor)
     center: bool = False  # subtract each key channel's calibrated mean first (softmax is blind to it)
+    center_v: bool = False  # values too: rounded less their channels' mean, which the output gets back
     group: int | None = None  # values per scale along the head dimension (None: the whole head)
     int_zero: bool = False  # asymmetric with a 4-bit integer zero point instead of an fp16 minimum
     which: str = "kv"  # round keys, values or both
@@ -133,6 +134,8 @@ INT4_VARIANTS = {
     "asym + H + K centered": Int4(rotate=True, center=True),
     "sym + H + K centered": Int4(rotate=True, symmetric=True, center=True),
     "asym + K centered": Int4(center=True),
+    "asym + H + K, V centered": Int4(rotate=True, center=True, center_v=True),
+    "sym + H + K, V centered": Int4(rotate=True, symmetric=True, center=True, center_v=True),
     "asym + H on K only": Int4(rotate=True, which="k"),
     "asym + H on V only": Int4(rotate=True, which="v"),
 }
@@ -158,7 +161,7 @@ def int4(args) -> list[dict]:
             x = x if rotation is None else x @ rotation.T
             return x if factor is None else x * factor
 
-        def rotary_kv_write(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale=None, v_scale=None):
+        def rotary_kv_write(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale=None, v_scale=None, k_offset=None):
             kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
             q, k, v = qkv.float().reshape(qkv.shape[0], -1, dim).split(
                 [qkv.shape[1] // dim - 2 * kv_heads, kv_heads, kv_heads], 1)  # fmt: skip
@@ -168,13 +171,15 @@ def int4(args) -> list[dict]:
                 amax[layer] = torch.maximum(amax.get(layer, torch.zeros(kv_heads, dim)), k.abs().amax(0))
                 amax[("sum", layer)] = amax.get(("sum", layer), 0) + k.double().sum(0)
                 amax[("count", layer)] = amax.get(("count", layer), 0) + k.shape[0]
+                amax[("vsum", layer)] = amax.get(("vsum", layer), 0) + v.double().sum(0)
             if variant is not None:
                 rotation = hadamard(dim, seed=0) if variant.rotate else None
                 factor = None if variant.smooth is None else amax[layer].clamp_min(1e-6) ** variant.smooth
                 if variant.center:  # q·(k − μ) = q·k − q·μ: the same shift for every key of a query
                     k = k - (amax[("sum", layer)] / amax[("count", layer)]).float()
                 k = rounded(k, rotation, factor) if "k" in variant.which else k
-                v = rounded(v, rotation) if "v" in variant.which else v
+                mean_v = (amax[("vsum", layer)] / amax[("count", layer)]).float() if variant.center_v else 0
+                v = rounded(v - mean_v, rotation) + mean_v if "v" in variant.which else v
             k_cache.view(-1, kv_heads, dim)[slots] = k.to(k_cache.dtype)
             v_cache.view(-1, kv_heads, dim)[slots] = v.to(v_cache.dtype)
             return reference.rotate(q, cos, signed_sin).to(qkv.dtype)
@@ -224,7 +229,8 @@ def _workload(args, tokenizer) -> list[dict]:
 
 def capacity(args) -> list[dict]:
     configs = [("float32 KV", MODEL, "float32"), ("bfloat16 KV", MODEL, "bfloat16"),
-               ("int8 attn_head", checkpoint("int8 attn_head", args.cache), "auto")]  # fmt: skip
+               ("int8 attn_head", checkpoint("int8 attn_head", args.cache), "auto"),
+               ("int4", MODEL, "int4")]  # fmt: skip
     return [serve_under_budget(label, model, kv_dtype, args) for label, model, kv_dtype in configs]
 
 
@@ -271,12 +277,16 @@ def decode(args) -> list[dict]:
 
     bandwidth = copy_bandwidth()
     rows = []
-    configs = [("bfloat16 KV", MODEL, "bfloat16"), ("fp8 tensor", checkpoint("fp8 tensor", args.cache), "auto"),
-               ("int8 attn_head", checkpoint("int8 attn_head", args.cache), "auto"),
-               ("int4", MODEL, "int4")]  # fmt: skip
+    def made(label: str) -> str:  # a compress kv checkpoint, made only when its row is asked for
+        return checkpoint(label, args.cache) if not args.decode_kv or label in args.decode_kv.split(",") else ""
+
+    configs = [("bfloat16 KV", MODEL, "bfloat16"), ("fp8 tensor", made("fp8 tensor"), "auto"),
+               ("int8 attn_head", made("int8 attn_head"), "auto"), ("int4", MODEL, "int4")]  # fmt: skip
     if args.dtype == "float32":  # a bf16 model's cache is never wider than its activations
         configs.insert(0, ("float32 KV", MODEL, "float32"))
     for label, model, kv_dtype in configs:
+        if args.decode_kv and label not in args.decode_kv.split(","):
+            continue
         for batch in (1, 8):
             ctx = args.context
             probe = Engine(model, EngineConfig(dtype=args.dtype, kv_cache_dtype=kv_dtype, kv_cache_memory=1 << 20,
@@ -331,6 +341,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--decode-kv", default="", help="decode rows to run, comma-separated labels (default: all)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's, for decode")
     parser.add_argument("--int4-models", default=MODEL, help="models the int4 variants run on, comma-separated")
     parser.add_argument("--int4-dtype", default="float32", help="the model's dtype in the int4 part")
