@@ -134,8 +134,8 @@ INT4_VARIANTS = {
     "asym + H + K centered": Int4(rotate=True, center=True),
     "sym + H + K centered": Int4(rotate=True, symmetric=True, center=True),
     "asym + K centered": Int4(center=True),
-    "asym + H + K, V centered": Int4(rotate=True, center=True, center_v=True),
-    "sym + H + K, V centered": Int4(rotate=True, symmetric=True, center=True, center_v=True),
+    "asym + H + K+V centered": Int4(rotate=True, center=True, center_v=True),
+    "sym + H + K+V centered": Int4(rotate=True, symmetric=True, center=True, center_v=True),
     "asym + H on K only": Int4(rotate=True, which="k"),
     "asym + H on V only": Int4(rotate=True, which="v"),
 }

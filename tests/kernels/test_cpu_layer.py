@@ -145,8 +145,14 @@ def test_what_the_c_code_does_not_cover_runs_the_reference(reference_calls):
         reference_calls.clear()
         cpu_layer.rotary_kv_write(*args)
         assert [call[0] for call in reference_calls] == ["rotary_kv_write"], name
-        passed = (*args, None, None)[:8]  # the scales default to None
+        passed = (*args, None, None, None)[:9]  # the scales and the key offset default to None
         assert all(a is b for a, b in zip(reference_calls[0][1], passed, strict=True)), name
+    # a 4-bit cache and its key offset reach the reference too
+    offset = torch.randn(1, 16)
+    int4 = [torch.zeros(2, 4, 1, 12, dtype=torch.uint8) for _ in range(2)]
+    reference_calls.clear()
+    cpu_layer.rotary_kv_write(qkv, cos, sin, slots, *int4, k_offset=offset)
+    assert reference_calls[0][1][-1] is offset
     # an int8 cache: both scales reach the reference, which quantizes K and V with them
     int8 = [torch.zeros(2, 4, 1, 16, dtype=torch.int8) for _ in range(2)]
     k_scale, v_scale = torch.tensor([0.1]), torch.tensor([0.05])

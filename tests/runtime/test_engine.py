@@ -380,8 +380,9 @@ def test_prompt_top_logprobs_gather_over_every_chunk(tiny_llama, hf, prompts):
     "kwargs, message",
     [
         (dict(dtype="fp64"), "dtype 'fp64' is not one of float32, bfloat16, float16"),
-        (dict(kv_cache_dtype=8), "kv_cache_dtype 8 is not one of auto, fp8, int8, float32, bfloat16, float16"),
-        (dict(kv_cache_dtype="fp4"), "kv_cache_dtype 'fp4' is not one of auto, fp8, int8, float32, bfloat16, float16"),
+        (dict(kv_cache_dtype=8), "kv_cache_dtype 8 is not one of auto, fp8, int8, int4, float32, bfloat16, float16"),
+        (dict(kv_cache_dtype="fp4"),
+         "kv_cache_dtype 'fp4' is not one of auto, fp8, int8, int4, float32, bfloat16, float16"),
         (dict(block_size=24), "block_size must be a power of two, got 24"),
         (dict(block_size=0), "block_size must be a positive integer, got 0"),
         (dict(speculative=""), "speculative must be 'ngram', a draft model or None, got ''"),
