@@ -151,7 +151,7 @@ def load(path: Path, overrides: list[str] = ()) -> Recipe:
     parsed: dict[str, list[Step]] = {}
     for name, steps in stages.items():
         field = f"stages.{name}"
-        if not isinstance(name, str) or not STAGE_NAME.fullmatch(name) or name in (".", ".."):
+        if not isinstance(name, str) or not STAGE_NAME.fullmatch(name):  # never "." or "..": a letter first
             fail(field, f"a stage name is a plain name (letters, digits, '.', '_', '-'), got {name!r}")
         if not isinstance(steps, list | type(None)):
             fail(field, "a list of steps, e.g. [{gptq: {bits: 4}}] ([] for the source itself)")

@@ -102,6 +102,9 @@ def test_a_recipe_runs_resumes_and_redoes_only_what_changed(tiny_llama, calib_tx
     ("model: m\nruns: r\nstages:\n  1: []\n", "got 1"),
     ("model: m\nruns: x.yaml\nstages: {a: []}\n", "x.yaml:2: runs: x.yaml exists and is not a directory"),
     ("- model: m\n", "x.yaml: a recipe is a mapping with the fields model, runs, eval, bench, report, notes, stages"),
+    ("", "x.yaml: a recipe is a mapping with the fields model, runs, eval, bench, report, notes, stages"),
+    ("model: m\nruns: r\nXtra: 1\nstages: {a: []}\n",
+     "x.yaml:3: Xtra: unknown field (a recipe has model, runs, eval, bench, report, notes, stages)"),
 ])  # fmt: skip
 def test_malformed_recipes_name_the_file_line_and_field(tmp_path, text, message, monkeypatch):
     """The whole message: where (file:line, the line of the offending value), the field, and what to do."""
@@ -147,6 +150,25 @@ def test_set_refusals_are_whole_sentences(tmp_path, assignment, message):
         recipes.load(path, [assignment])
     assert str(error.value) == message
     assert recipes.load(path, ["notes=a=b", "eval.limit="]).notes == "a=b"  # the first '=' splits; empty is null
+
+
+def test_a_loaded_recipe_holds_its_fields_and_names_the_overrides_behind_an_error(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("model: m\nruns: r\nreport: out/r.html\nstages:\n  a: [{rtn: {bits: 4}}]\n")
+    recipe = recipes.load(path)
+    assert (recipe.path, recipe.model, recipe.runs, recipe.report) == (path, "m", Path("r"), Path("out/r.html"))
+    assert (recipe.eval, recipe.bench, recipe.notes, list(recipe.stages)) == ({}, {}, "", ["a"])
+    assert recipes.load(path, ["report=", "notes=short"]).report is None
+    with pytest.raises(SlimlmError) as error:
+        recipes.load(path, ["stages.a.0.rtn.bits=5", "stages.a.0.rtn.group_size=32", "notes=x"])
+    assert str(error.value).startswith(f"{path}:5 (with --set stages.a.0.rtn.bits=5, stages.a.0.rtn.group_size=32): ")
+    with pytest.raises(SlimlmError) as error:
+        recipes.load(path, ["model=", "notes=x"])  # about one field, not the recipe's overrides as a whole
+    assert str(error.value) == f"{path}:1 (with --set model=): model: required: a string"
+    path.write_text("runs: r\nstages: {a: []}\n")
+    with pytest.raises(SlimlmError) as error:
+        recipes.load(path, ["notes=x"])
+    assert str(error.value) == f"{path}: the field 'model' is required"
 
 
 def test_overrides_are_checked_too(tmp_path, capsys):
