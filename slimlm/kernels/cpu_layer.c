@@ -11,6 +11,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <immintrin.h>  // F16C's fp16 conversions (a 4-bit KV row's step and minimum)
 
 static inline float from_bf16(uint16_t h) {
     union { uint32_t u; float f; } v = {(uint32_t)h << 16};
@@ -96,7 +97,7 @@ static inline __attribute__((always_inline)) void rotate(const char *x, const ch
 }
 
 // What a KV cache holds (cpu_attention.c's KIND_*): the step's float dtype, or 8-bit codes with a scale per head
-enum { KIND_F32, KIND_BF16, KIND_INT8, KIND_FP8 };
+enum { KIND_F32, KIND_BF16, KIND_INT8, KIND_FP8, KIND_INT4 };
 
 // x / scale as quantized_kv stores it: divided in fp32, clamped to ±127 (int8) or ±448 (fp8), then rounded to
 // the nearest code, ties to even: an integer, or an fp8 e4m3 (a subnormal below 2⁻⁶, in steps of 2⁻⁹; else
@@ -116,15 +117,52 @@ static inline uint8_t quantized(float x, float scale, int kind) {
     return (uint8_t)(sign | ((a + 0x7FFFF + ((a >> 20) & 1) - (120u << 23)) >> 20));
 }
 
+// One K or V vector of a KV head (dim values of the step's dtype at src) as a 4-bit row (formats/kv_int4.py): less
+// `offset` (NULL: none), times the rotation H [dim, dim], then 16 levels from its minimum to its maximum, each
+// step of the way rounded as kv_int4.quantize rounds it; dim/2 bytes of codes (code j low, code j + dim/2 high),
+// then the fp16 step and minimum. The product with H sums in another order than torch's: a value on a rounding
+// boundary can take the neighbouring code.
+static void int4_row(const char *src, int bf16, int64_t dim, const float *offset, const float *rotation,
+                     uint8_t *row) {
+    float x[256], y[256];
+    for (int64_t d = 0; d < dim; d++) x[d] = load(src, d, bf16) - (offset ? offset[d] : 0.f);
+    for (int64_t j = 0; j < dim; j++) y[j] = 0.f;
+    for (int64_t d = 0; d < dim; d++)
+        for (int64_t j = 0; j < dim; j++) y[j] += x[d] * rotation[d * dim + j];
+    float lo = y[0], hi = y[0];
+    for (int64_t j = 1; j < dim; j++) lo = y[j] < lo ? y[j] : lo, hi = y[j] > hi ? y[j] : hi;
+    const uint16_t lo_h = _cvtss_sh(lo, _MM_FROUND_TO_NEAREST_INT);
+    const float lo16 = _cvtsh_ss(lo_h);
+    const uint16_t step_h = _cvtss_sh((hi - lo16) / 15.f, _MM_FROUND_TO_NEAREST_INT);
+    const float step = _cvtsh_ss(step_h);
+    uint8_t codes[256];
+    for (int64_t j = 0; j < dim; j++) {
+        const float c = step > 0.f ? rintf((y[j] - lo16) / step) : 0.f;
+        codes[j] = (uint8_t)(c < 0.f ? 0.f : (c > 15.f ? 15.f : c));
+    }
+    for (int64_t j = 0; j < dim / 2; j++) row[j] = (uint8_t)(codes[j] | codes[j + dim / 2] << 4);
+    memcpy(row + dim / 2, &step_h, 2), memcpy(row + dim / 2 + 2, &lo_h, 2);
+}
+
 // One row of slimlm_rotary_kv_write, for a literal dtype: q rotated into q; k rotated and v copied into the
 // cache rows k, v, or quantized there with their heads' scales (8-bit kinds; NULL: 1; tmp: kv_heads·dim
 // scratch).
 static inline __attribute__((always_inline)) void rotary_row(const char *x, int64_t heads, int64_t kv_heads,
                                                              int64_t dim, const char *cos, const char *sin, char *k,
                                                              char *v, char *q, int bf16, int kind,
-                                                             const float *k_scale, const float *v_scale, char *tmp) {
+                                                             const float *k_scale, const float *v_scale, char *tmp,
+                                                             const float *k_offset, const float *rotation) {
     const int64_t head = dim * (bf16 ? 2 : 4);
     for (int64_t h = 0; h < heads; h++) rotate(x + h * head, cos, sin, q + h * head, dim, bf16);
+    if (kind == KIND_INT4) {  // keys rotated into tmp, then each head's key and value as a 4-bit row
+        const int64_t row = dim / 2 + 4;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            rotate(x + (heads + h) * head, cos, sin, tmp + h * head, dim, bf16);
+            int4_row(tmp + h * head, bf16, dim, k_offset ? k_offset + h * dim : NULL, rotation, (uint8_t *)k + h * row);
+            int4_row(x + (heads + kv_heads + h) * head, bf16, dim, NULL, rotation, (uint8_t *)v + h * row);
+        }
+        return;
+    }
     const int quantize = kind == KIND_INT8 || kind == KIND_FP8;
     for (int64_t h = 0; h < kv_heads; h++) rotate(x + (heads + h) * head, cos, sin, (quantize ? tmp : k) + h * head, dim, bf16);
     if (!quantize) {
@@ -139,20 +177,22 @@ static inline __attribute__((always_inline)) void rotary_row(const char *x, int6
 
 // qkv [rows, (heads + 2·kv_heads)·dim]: q rotated into q_out [rows, heads, dim]; k rotated and v copied into
 // the caches' slot slots[r] (caches [slots, kv_heads, dim]: qkv's dtype, or 8-bit codes of `kind` with
-// k_scale, v_scale [kv_heads], NULL for 1). cos, sin [rows, dim].
+// k_scale, v_scale [kv_heads], NULL for 1; or 4-bit rows [slots, kv_heads, dim/2 + 4], keys less k_offset
+// [kv_heads, dim] (NULL: none), both through `rotation` [dim, dim]). cos, sin [rows, dim].
 void slimlm_rotary_kv_write(const void *qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
                             const void *cos, const void *sin, const int64_t *slots, void *k_cache, void *v_cache,
                             void *q_out, int bf16, int kind, const float *k_scale, const float *v_scale,
-                            int nthreads) {
+                            const float *k_offset, const float *rotation, int nthreads) {
     const int64_t elem = bf16 ? 2 : 4, row = (heads + 2 * kv_heads) * dim * elem, head = dim * elem;
-    const int64_t cached = kv_heads * dim * (kind == KIND_INT8 || kind == KIND_FP8 ? 1 : elem);  // bytes a slot
+    const int64_t cached = kind == KIND_INT4 ? kv_heads * (dim / 2 + 4)  // bytes a slot
+                           : kv_heads * dim * (kind == KIND_INT8 || kind == KIND_FP8 ? 1 : elem);
 #pragma omp parallel for num_threads(nthreads) if (rows >= 16)
     for (int64_t r = 0; r < rows; r++) {
         const char *x = (const char *)qkv + r * row, *c = (const char *)cos + r * head, *s = (const char *)sin + r * head;
         char *k = (char *)k_cache + slots[r] * cached, *v = (char *)v_cache + slots[r] * cached;
         char *q = (char *)q_out + r * heads * head, tmp[MAX_KV_BYTES];
-        if (bf16) rotary_row(x, heads, kv_heads, dim, c, s, k, v, q, 1, kind, k_scale, v_scale, tmp);
-        else rotary_row(x, heads, kv_heads, dim, c, s, k, v, q, 0, kind, k_scale, v_scale, tmp);
+        if (bf16) rotary_row(x, heads, kv_heads, dim, c, s, k, v, q, 1, kind, k_scale, v_scale, tmp, k_offset, rotation);
+        else rotary_row(x, heads, kv_heads, dim, c, s, k, v, q, 0, kind, k_scale, v_scale, tmp, k_offset, rotation);
     }
 }
 
@@ -294,7 +334,7 @@ static int decode_layer(void *x, void *residual, const Layer *layer, float eps, 
     if (linear(&w[0], b->h, rows, b->qkv, b->padded, nthreads)) return -1;
     PHASE(1);
     slimlm_rotary_kv_write(b->qkv, rows, heads, kv_heads, dim, cos, sin, slots, k_cache, v_cache, b->q, bf16, kind,
-                           layer->k_scale, layer->v_scale, nthreads);
+                           layer->k_scale, layer->v_scale, NULL, NULL, nthreads);
     PHASE(2);
     float *of = b->qf + rows * heads * dim;  // the attention kernel reads and writes fp32
     for (int64_t i = 0; i < rows * heads * dim; i++) b->qf[i] = load(b->q, i, bf16);

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from slimlm.formats import kv_int4
 from slimlm.kernels import cpu_attention, cpu_gemm, cpu_library, reference
 from slimlm.kernels.packed import PackedWeight
 
@@ -59,18 +60,21 @@ def rotary_kv_write(
     k_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotated q [T, Hq, D]; rotated keys and the values written at `slots` into the caches: float ones of qkv's
-    dtype, unscaled, or 8-bit ones (int8, fp8 e4m3) with both per-head scales or neither (a scale of 1). A 4-bit
-    cache (and its keys' k_offset) takes the PyTorch definition."""
-    if not _c_writes(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale):
+    dtype, unscaled, 8-bit ones (int8, fp8 e4m3) with both per-head scales or neither (a scale of 1), or 4-bit rows
+    (keys less k_offset [Hkv, D])."""
+    if not _c_writes(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale, k_offset):
         return reference.rotary_kv_write(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale, k_offset)
-    kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
+    kv_heads, dim = k_cache.shape[2], cos.shape[-1]
     heads = qkv.shape[1] // dim - 2 * kv_heads
     q = torch.empty(qkv.shape[0], heads, dim, dtype=qkv.dtype)
     (ks, vs), _held = cpu_attention._scales(k_scale, v_scale)
+    offset = None if k_offset is None else k_offset.to(torch.float32).contiguous()
+    rotation = kv_int4.rotation(dim) if k_cache.dtype == torch.uint8 else None
     cpu_library.load().slimlm_rotary_kv_write(
         qkv.data_ptr(), qkv.shape[0], heads, kv_heads, dim, cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(), int(qkv.dtype == torch.bfloat16),
-        cpu_attention.KINDS[k_cache.dtype], ks, vs, torch.get_num_threads(),
+        cpu_attention.KINDS[k_cache.dtype], ks, vs, 0 if offset is None else offset.data_ptr(),
+        0 if rotation is None else rotation.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return q
 
@@ -78,12 +82,17 @@ def rotary_kv_write(
 MAX_KV_VALUES = 16 * 256  # a token's keys, kv_heads·head_dim, that the C write's scratch holds (MAX_KV_BYTES)
 
 
-def _c_writes(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale) -> bool:
+def _c_writes(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale, k_offset=None) -> bool:
     """Whether the C rotary + KV write takes these: flat tensors of one float dtype, and caches of that dtype
-    unscaled or 8-bit ones with both scales or neither."""
+    unscaled, 8-bit ones with both scales or neither, or 4-bit ones (head_dim at most 256, its offsets fp32)."""
     flat = all(t.dtype == qkv.dtype and t.is_contiguous() for t in (qkv, cos, signed_sin))
     caches = k_cache.dtype == v_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
-    if k_cache.dtype in cpu_attention.EIGHT_BIT:
+    if k_cache.dtype == torch.uint8:
+        caches = caches and k_scale is None and v_scale is None and cos.shape[-1] <= 256 and \
+            k_cache.shape[2] * cos.shape[-1] <= MAX_KV_VALUES and (k_offset is None or k_offset.is_contiguous())
+    elif k_offset is not None:
+        return False
+    elif k_cache.dtype in cpu_attention.EIGHT_BIT:
         fits = k_cache.shape[2] * k_cache.shape[3] <= MAX_KV_VALUES
         caches = caches and (k_scale is None) == (v_scale is None) and fits
     else:

@@ -4,6 +4,7 @@ rotary kernel equal bit for bit in fp32 and bf16, the norm within the last bit o
 import pytest
 import torch
 
+from slimlm.formats import kv_int4
 from slimlm.kernels import cpu_layer, cpu_library, reference
 from tests.kernels.problems import torch_threads
 
@@ -147,12 +148,13 @@ def test_what_the_c_code_does_not_cover_runs_the_reference(reference_calls):
         assert [call[0] for call in reference_calls] == ["rotary_kv_write"], name
         passed = (*args, None, None, None)[:9]  # the scales and the key offset default to None
         assert all(a is b for a, b in zip(reference_calls[0][1], passed, strict=True)), name
-    # a 4-bit cache and its key offset reach the reference too
+    # a key offset over a float cache, or a 4-bit cache with scales, reaches the reference with it
     offset = torch.randn(1, 16)
-    int4 = [torch.zeros(2, 4, 1, 12, dtype=torch.uint8) for _ in range(2)]
-    reference_calls.clear()
-    cpu_layer.rotary_kv_write(qkv, cos, sin, slots, *int4, k_offset=offset)
-    assert reference_calls[0][1][-1] is offset
+    for caches_, scales in ((caches, ()), ([torch.zeros(2, 4, 1, 12, dtype=torch.uint8) for _ in range(2)],
+                                           (scale, scale))):  # fmt: skip
+        reference_calls.clear()
+        cpu_layer.rotary_kv_write(qkv, cos, sin, slots, *caches_, *(scales or (None, None)), k_offset=offset)
+        assert reference_calls[0][1][-1] is offset
     # an int8 cache: both scales reach the reference, which quantizes K and V with them
     int8 = [torch.zeros(2, 4, 1, 16, dtype=torch.int8) for _ in range(2)]
     k_scale, v_scale = torch.tensor([0.1]), torch.tensor([0.05])
@@ -171,3 +173,28 @@ def test_what_the_c_code_does_not_cover_runs_the_reference(reference_calls):
         out, h = cpu_layer.add_rms_norm(*args)
         assert [call[0] for call in reference_calls] == ["add_rms_norm"], name
         assert all(a is b for a, b in zip(reference_calls[0][1], args, strict=True)), name
+
+
+@pytest.mark.skipif(not cpu_library.available(), reason="needs gcc and AVX-512 or AVX2")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim,kv_heads", [(64, 3), (128, 2)])
+def test_the_c_write_rounds_4bit_rows_as_the_reference(dtype, dim, kv_heads):
+    """q bit for bit; each 4-bit row's step and minimum as the reference's, and its codes too but where the
+    rotation's sums, taken in another order, put a value on the other side of a rounding boundary (a code off
+    by one, at most 1% of them)."""
+    rows, heads = 5, 2 * kv_heads
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim).to(dtype) * 3
+    cos, sin = torch.randn(rows, dim).to(dtype), torch.randn(rows, dim).to(dtype)
+    slots = torch.tensor([3, 0, 9, 4, 12])
+    offset = torch.randn(kv_heads, dim) * 10
+    caches = [torch.zeros(4, 4, kv_heads, kv_int4.row_bytes(dim), dtype=torch.uint8) for _ in range(4)]
+    expected = reference.rotary_kv_write(qkv, cos, sin, slots, caches[0], caches[1], k_offset=offset)
+    got = cpu_layer.rotary_kv_write(qkv, cos, sin, slots, caches[2], caches[3], k_offset=offset)
+    assert torch.equal(got, expected)
+    for ours, theirs in ((caches[2], caches[0]), (caches[3], caches[1])):
+        width = kv_int4.row_bytes(dim)
+        a, b = ours.view(-1, kv_heads, width)[slots], theirs.view(-1, kv_heads, width)[slots]
+        assert torch.equal(a[..., dim // 2 :], b[..., dim // 2 :])  # step and minimum
+        codes = [torch.cat([x[..., : dim // 2] & 15, x[..., : dim // 2] >> 4], -1).int() for x in (a, b)]
+        off = (codes[0] - codes[1]).abs()
+        assert off.max() <= 1 and (off > 0).float().mean() <= 0.01
