@@ -121,6 +121,16 @@ static inline __attribute__((always_inline)) void row_meta(const char *row, int6
     *step = _cvtsh_ss(h[0]), *lo = _cvtsh_ss(h[1]);
 }
 
+// The steps and minima of up to 16 rows (rows[j] + at), widened together: one conversion each for all 16
+// (per row, two scalar conversions cost more than the row's codes did, measured at batch 8). Lanes past n: 0.
+static inline __attribute__((always_inline)) void rows_meta(const char *const *rows, int64_t n, int64_t at,
+                                                            int64_t d, __m512 *step, __m512 *lo) {
+    uint16_t s[16] = {0}, m[16] = {0};
+    for (int64_t j = 0; j < n; j++) memcpy(s + j, rows[j] + at + d / 2, 2), memcpy(m + j, rows[j] + at + d / 2 + 2, 2);
+    *step = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s));
+    *lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)m));
+}
+
 #ifdef __AVX512BF16__
 static inline int bf16_exact(float x) {  // whether x converts to bf16 and back unchanged
     uint32_t u;
@@ -312,13 +322,19 @@ static inline __attribute__((always_inline)) void value_block(const char *const 
     for (int64_t g = 0; g < G; g++)
         for (int64_t i = 0; i < D / 16; i++) acc[g][i] = _mm512_loadu_ps(o + g * D + 16 * i);
     float shift[G];  // a 4-bit cache: Σ_j p·lo_j, the part of Σ p·x̂ every element shares (x̂ = step·code + lo)
+    float steps[16] __attribute__((aligned(64))), los[16] __attribute__((aligned(64)));
     for (int64_t g = 0; g < G; g++) shift[g] = 0.f;
+    if (kind == KIND_INT4) {
+        __m512 st, lo;
+        rows_meta(v, n, at, D, &st, &lo);
+        _mm512_store_ps(steps, st), _mm512_store_ps(los, lo);
+    }
     for (int64_t j = 0; j < n; j++) {
         __m512 vr[MAX_DIM / 16];  // the head's values, widened once for its G queries
         float step = 1.f, lo = 0.f;
         if (kind == KIND_INT4) {
             for (int64_t i = 0; i < D / 32; i++) load_nibbles(v[j] + at + 16 * i, &vr[i], &vr[D / 32 + i]);
-            row_meta(v[j] + at, D, &step, &lo);
+            step = steps[j], lo = los[j];
         } else {
             for (int64_t i = 0; i < D / 16; i++) vr[i] = load16(v[j] + at + 16 * i * ELEM(kind), kind);
         }
@@ -377,18 +393,15 @@ attend(const float *q, const void *k_cache, const void *v_cache, int kind, const
             if (c + j + 16 < L) prefetch_bytes(token_row(k_cache, table, t0 + c + j + 16, block_size, row), row);
         }
         const __mmask16 valid = n == 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
+        __m512 kstep = _mm512_setzero_ps(), klo = _mm512_setzero_ps();  // a 4-bit head's 16 steps and minima
         for (int64_t g = 0; g < Hq; g++) {
             const int64_t at = g / G * head;  // the query's KV head within a row
             __m512 lanes[16];
             if (kind == KIND_INT4) {  // scores = step·(q·codes) + lo·Σq, a token's step and lo to its lane
-                float step[16] = {0}, lo[16] = {0};
-                for (int64_t j = 0; j < n; j++) {
-                    lanes[j] = dot_lanes_int4(q + g * D, k[j] + at, D);
-                    row_meta(k[j] + at, D, step + j, lo + j);
-                }
+                if (g % G == 0) rows_meta(k, n, at, D, &kstep, &klo);  // once per KV head and 16 tokens
+                for (int64_t j = 0; j < n; j++) lanes[j] = dot_lanes_int4(q + g * D, k[j] + at, D);
                 for (int64_t j = n; j < 16; j++) lanes[j] = _mm512_setzero_ps();
-                const __m512 dots = _mm512_fmadd_ps(_mm512_loadu_ps(step), sum16(lanes),
-                                                    _mm512_mul_ps(_mm512_loadu_ps(lo), _mm512_set1_ps(qsum[g])));
+                const __m512 dots = _mm512_fmadd_ps(kstep, sum16(lanes), _mm512_mul_ps(klo, _mm512_set1_ps(qsum[g])));
                 const __m512 x = _mm512_mul_ps(dots, _mm512_set1_ps(scale));
                 _mm512_mask_storeu_ps(scores + g * L + c, valid, x);
                 top[g] = fmaxf(top[g], _mm512_mask_reduce_max_ps(valid, x));
