@@ -81,29 +81,40 @@ def _prompt(engine: Engine, seed: int, n: int) -> list[int]:
     return engine.tokenizer.encode(" ".join(make_text(30, seed=seed).split()[:n]))
 
 
-def test_prompt_logprobs_match_transformers_through_the_same_quantized_cache(kv_checkpoint, reference, tiny_llama):
-    model_dir, kv_dtype = kv_checkpoint
-    llm = LLM(str(model_dir), block_size=16)
-    assert llm.engine.runner.kv_cache.dtype == kv_cache.KV_DTYPES[kv_dtype][0]
+def assert_prompt_logprobs_match(llm: LLM, reference, tiny_llama) -> None:
+    """A prompt of several blocks: its log-probabilities as `reference` computes them, and far from a float
+    cache's (the rounding is really there and really matched)."""
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    ids = _prompt(llm.engine, 5, 70)  # several blocks, prefilled in one chunk
+    ids = _prompt(llm.engine, 5, 70)
     ours = torch.tensor(llm.generate([ids], params)[0].prompt_logprobs)
     with torch.no_grad():
         theirs = next_token_logprobs(reference(torch.tensor([ids])).logits[0], ids)
     torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=0)
     float_kv = torch.tensor(LLM(str(tiny_llama)).generate([ids], params)[0].prompt_logprobs)
-    assert (float_kv - theirs).abs().max() > 10 * 2e-4  # the quantization is really there and really matched
+    assert (float_kv - theirs).abs().max() > 10 * 2e-4
+
+
+def assert_greedy_matches(llm: LLM, reference, lengths: tuple[int, ...], tokens: int) -> None:
+    prompts = [_prompt(llm.engine, seed, n) for seed, n in enumerate(lengths, 1)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    for ids, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            want = reference.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False,
+                                      min_new_tokens=tokens)  # fmt: skip
+        assert out.outputs[0].token_ids == want[0, len(ids) :].tolist()
+
+
+def test_prompt_logprobs_match_transformers_through_the_same_quantized_cache(kv_checkpoint, reference, tiny_llama):
+    model_dir, kv_dtype = kv_checkpoint
+    llm = LLM(str(model_dir), block_size=16)  # the prompt prefilled in one chunk
+    assert llm.engine.runner.kv_cache.dtype == kv_cache.KV_DTYPES[kv_dtype][0]
+    assert_prompt_logprobs_match(llm, reference, tiny_llama)
 
 
 def test_greedy_decoding_matches_transformers_through_the_same_quantized_cache(kv_checkpoint, reference):
     model_dir, _ = kv_checkpoint
     llm = LLM(str(model_dir), block_size=8, max_num_batched_tokens=16)  # chunked prefill, decodes across blocks
-    prompts = [_prompt(llm.engine, s, n) for s, n in ((1, 5), (2, 19), (3, 33))]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
-    for ids, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            want = reference.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, min_new_tokens=20)
-        assert out.outputs[0].token_ids == want[0, len(ids) :].tolist()
+    assert_greedy_matches(llm, reference, (5, 19, 33), 20)
 
 
 def test_one_memory_budget_holds_4x_the_tokens_of_fp32_in_8_bits(kv_checkpoint, tiny_llama):
@@ -208,20 +219,8 @@ def test_int4_prompt_logprobs_and_greedy_tokens_match_transformers_through_the_s
     offsets = [layer.self_attn.k_offset for layer in llm.engine.model.model.layers]
     reference, patched = int4_reference(tiny_llama, offsets)
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", patched)
-    ids = _prompt(llm.engine, 5, 70)  # several blocks, prefilled in chunks
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    ours = torch.tensor(llm.generate([ids], params)[0].prompt_logprobs)
-    with torch.no_grad():
-        theirs = next_token_logprobs(reference(torch.tensor([ids])).logits[0], ids)
-    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=0)
-    float_kv = torch.tensor(LLM(str(tiny_llama)).generate([ids], params)[0].prompt_logprobs)
-    assert (float_kv - theirs).abs().max() > 10 * 2e-4  # the rounding is really there and really matched
-    prompts = [_prompt(llm.engine, s, n) for s, n in ((1, 5), (2, 19))]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    for ids, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            want = reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
-        assert out.outputs[0].token_ids == want[0, len(ids) :].tolist()
+    assert_prompt_logprobs_match(llm, reference, tiny_llama)  # prefilled in chunks
+    assert_greedy_matches(llm, reference, (5, 19), 12)
 
 
 def test_int4_key_offsets_are_the_mean_key_of_a_fixed_text(tiny_llama, monkeypatch):
