@@ -76,18 +76,6 @@ def quality(args) -> list[dict]:
     return rows
 
 
-def hadamard(dim: int, seed: int | None = None) -> torch.Tensor:
-    """Sylvester's orthonormal Hadamard matrix [dim, dim] (dim a power of two), its columns' signs flipped at
-    random when seeded (a randomized Hadamard transform)."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < dim:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    if seed is not None:
-        signs = torch.randint(0, 2, (dim,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
-        h = h * signs
-    return h / dim**0.5
-
-
 def fake_int4(x: torch.Tensor, symmetric: bool, int_zero: bool = False) -> torch.Tensor:
     """x [..., D] rounded to 4 bits per row: one fp16 scale per row, and when asymmetric an fp16 minimum or
     (int_zero) a 4-bit integer zero point."""
@@ -149,6 +137,7 @@ def int4(args) -> list[dict]:
     observed on --calib after RoPE; the query would take the factor) before the per-token rounding; centering
     subtracts each key channel's mean on --calib (after RoPE), which no softmax can see."""
     from slimlm.eval.perplexity import engine_for, perplexity
+    from slimlm.formats import kv_int4
     from slimlm.kernels import reference
 
     def write(layer: int, variant: Int4 | None, amax: dict, observe: bool = False):
@@ -173,7 +162,7 @@ def int4(args) -> list[dict]:
                 amax[("count", layer)] = amax.get(("count", layer), 0) + k.shape[0]
                 amax[("vsum", layer)] = amax.get(("vsum", layer), 0) + v.double().sum(0)
             if variant is not None:
-                rotation = hadamard(dim, seed=0) if variant.rotate else None
+                rotation = kv_int4.rotation(dim) if variant.rotate else None  # the cache's own H
                 factor = None if variant.smooth is None else amax[layer].clamp_min(1e-6) ** variant.smooth
                 if variant.center:  # q·(k − μ) = q·k − q·μ: the same shift for every key of a query
                     k = k - (amax[("sum", layer)] / amax[("count", layer)]).float()

@@ -98,6 +98,7 @@ static inline __attribute__((always_inline)) void rotate(const char *x, const ch
 
 // What a KV cache holds (cpu_attention.c's KIND_*): the step's float dtype, or 8-bit codes with a scale per head
 enum { KIND_F32, KIND_BF16, KIND_INT8, KIND_FP8, KIND_INT4 };
+#define INT4_ROW(dim) ((dim) / 2 + 4)  // bytes of a 4-bit row: the codes, then the fp16 step and minimum
 
 // x / scale as quantized_kv stores it: divided in fp32, clamped to ±127 (int8) or ±448 (fp8), then rounded to
 // the nearest code, ties to even: an integer, or an fp8 e4m3 (a subnormal below 2⁻⁶, in steps of 2⁻⁹; else
@@ -155,7 +156,7 @@ static inline __attribute__((always_inline)) void rotary_row(const char *x, int6
     const int64_t head = dim * (bf16 ? 2 : 4);
     for (int64_t h = 0; h < heads; h++) rotate(x + h * head, cos, sin, q + h * head, dim, bf16);
     if (kind == KIND_INT4) {  // keys rotated into tmp, then each head's key and value as a 4-bit row
-        const int64_t row = dim / 2 + 4;
+        const int64_t row = INT4_ROW(dim);
         for (int64_t h = 0; h < kv_heads; h++) {
             rotate(x + (heads + h) * head, cos, sin, tmp + h * head, dim, bf16);
             int4_row(tmp + h * head, bf16, dim, k_offset ? k_offset + h * dim : NULL, rotation, (uint8_t *)k + h * row);
@@ -184,7 +185,7 @@ void slimlm_rotary_kv_write(const void *qkv, int64_t rows, int64_t heads, int64_
                             void *q_out, int bf16, int kind, const float *k_scale, const float *v_scale,
                             const float *k_offset, const float *rotation, int nthreads) {
     const int64_t elem = bf16 ? 2 : 4, row = (heads + 2 * kv_heads) * dim * elem, head = dim * elem;
-    const int64_t cached = kind == KIND_INT4 ? kv_heads * (dim / 2 + 4)  // bytes a slot
+    const int64_t cached = kind == KIND_INT4 ? kv_heads * INT4_ROW(dim)  // bytes a slot
                            : kv_heads * dim * (kind == KIND_INT8 || kind == KIND_FP8 ? 1 : elem);
 #pragma omp parallel for num_threads(nthreads) if (rows >= 16)
     for (int64_t r = 0; r < rows; r++) {

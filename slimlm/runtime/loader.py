@@ -18,7 +18,7 @@ import torch
 
 from slimlm import kernels
 from slimlm.errors import SlimlmError
-from slimlm.formats import kv_cache, reader
+from slimlm.formats import kv_cache, kv_int4, reader
 from slimlm.kernels import cpu_gemm, pack
 from slimlm.kernels.packed import KERNEL_BITS, pack_dense
 from slimlm.runtime.model import CausalLM, Linear
@@ -115,10 +115,12 @@ def set_kv_cache(model: CausalLM, requested: str, scheme: dict | None, scales: l
         model.kv_cache_dtype = FLOAT_KV.get(chosen, model.model.norm.weight.dtype)
         return
     if chosen == "int4":  # rounded per row as written: no scales (any stored 8-bit ones are not used)
-        head_dim = layers[0].head_dim
-        if head_dim & (head_dim - 1):
+        try:
+            kv_int4.rotation(layers[0].head_dim)
+        except ValueError:
             raise SlimlmError(f"a 4-bit KV cache rotates each head by a Hadamard matrix, which needs a power-of-two "
-                              f"head dimension; this model's is {head_dim} (use --kv-cache-dtype int8)")  # fmt: skip
+                              f"head dimension; this model's is {layers[0].head_dim} (use --kv-cache-dtype "
+                              "int8)") from None  # fmt: skip
         model.kv_cache_dtype = torch.uint8
         return
     if torch.device(device).type == "cuda" and chosen == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
