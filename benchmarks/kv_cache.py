@@ -55,11 +55,15 @@ def quality(args) -> list[dict]:
     from slimlm.eval import harness
     from slimlm.eval.perplexity import engine_for, perplexity
 
-    configs = [("float32 KV", MODEL, "float32"), ("bfloat16 KV", MODEL, "bfloat16"), ("fp8 scale 1", MODEL, "fp8")]
-    configs += [(label, checkpoint(label, args.cache), "auto") for label in CHECKPOINTS] + [("int4", MODEL, "int4")]
+    spec = args.quality_model  # the 8-bit checkpoints are the default model's
+    wanted = args.quality_kv.split(",") if args.quality_kv else None
+    configs = [("float32 KV", spec, "float32"), ("bfloat16 KV", spec, "bfloat16"), ("fp8 scale 1", spec, "fp8")]
+    configs += [(label, "", "auto") for label in CHECKPOINTS] + [("int4", spec, "int4")]
+    configs = [(label, model or checkpoint(label, args.cache), kv) for label, model, kv in configs
+               if wanted is None or label in wanted]  # fmt: skip
     rows = []
     for label, model, kv_dtype in configs:
-        engine = engine_for(model, 512, kv_cache_dtype=kv_dtype)
+        engine = engine_for(model, 512, kv_cache_dtype=kv_dtype, dtype=args.quality_dtype)
         ppl = perplexity(engine, "wiki", 512, args.ppl_tokens, progress=False)["perplexity"]
         del engine
         row = {"kv": label, "kv_cache_dtype": kv_dtype, "model": model, "wiki_ppl": ppl}
@@ -330,6 +334,9 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--quality-kv", default="", help="quality rows to run, comma-separated labels (default: all)")
+    parser.add_argument("--quality-model", default=MODEL, help="the model of the quality part's float and int4 rows")
+    parser.add_argument("--quality-dtype", default="float32", help="the model's dtype in the quality part")
     parser.add_argument("--decode-kv", default="", help="decode rows to run, comma-separated labels (default: all)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's, for decode")
     parser.add_argument("--int4-models", default=MODEL, help="models the int4 variants run on, comma-separated")

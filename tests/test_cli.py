@@ -302,6 +302,15 @@ def test_generate_rejects_a_prompt_longer_than_the_context(capsys, tiny_llama):
     assert_one_line_error(code, err, "model's context holds 512")
 
 
+def test_an_int4_cache_on_a_head_dimension_it_cannot_rotate_is_one_line(capsys, tmp_path):
+    from tests.conftest import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "hd24", hidden=96)  # 4 heads of 24
+    code, _, err = run_cli(capsys, "generate", str(model), "--prompt", "x", "--kv-cache-dtype", "int4")
+    assert_one_line_error(code, err, "power-of-two head dimension; this model's is 24 (use int8, calibrated by "
+                          "compress kv, or a float cache)")  # fmt: skip
+
+
 def test_generate_rejects_a_malformed_memory_size(capsys, tiny_llama):
     with pytest.raises(SystemExit) as exc:
         main(["generate", str(tiny_llama), "--prompt", "x", "--kv-cache-memory", "lots"])

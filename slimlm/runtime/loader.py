@@ -119,8 +119,8 @@ def set_kv_cache(model: CausalLM, requested: str, scheme: dict | None, scales: l
             kv_int4.rotation(layers[0].head_dim)
         except ValueError:
             raise SlimlmError(f"a 4-bit KV cache rotates each head by a Hadamard matrix, which needs a power-of-two "
-                              f"head dimension; this model's is {layers[0].head_dim} (use --kv-cache-dtype "
-                              "int8)") from None  # fmt: skip
+                              f"head dimension; this model's is {layers[0].head_dim} (use int8, calibrated by "
+                              "compress kv, or a float cache)") from None  # fmt: skip
         model.kv_cache_dtype = torch.uint8
         return
     if torch.device(device).type == "cuda" and chosen == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
