@@ -172,7 +172,7 @@ def test_the_converted_checkpoint_loads_in_transformers_and_the_runtime_agrees_t
     assert main(["rtn", "--model", str(out), "--bits", "8", "--group-size", "32", "--out", str(tmp_path / "q")]) == 0
     llm = LLM(str(tmp_path / "q"), kv_cache_memory=4 << 20)
     assert llm.engine.runner.model.config.num_key_value_heads == 1
-    assert len(llm.generate([prompt], SamplingParams(max_tokens=4))[0].outputs[0].token_ids) == 4
+    assert len(llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids) == 4
 
 
 @pytest.mark.parametrize("flags,fragment", [
