@@ -24,7 +24,7 @@ import time
 import uuid
 from pathlib import Path
 
-from slimlm.cli import parse_size  # the sizes --kv-cache-memory takes
+from slimlm.jobs.options import parse_size  # the sizes --kv-cache-memory takes
 
 V2, V1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory")
 

@@ -14,20 +14,17 @@
         - prune: {target_params: 0.6, distill_tokens: 65536}
         - gptq: {bits: 4, group_size: 64}   # each step reads the previous step's output
 
-Options are the commands' own flags, with underscores (true gives the flag, false leaves it out, a list is
-comma-joined). Every step is checked by its command's parser before anything runs; an error names the
-file, the line and the field. Each part of a stage (each step, the eval, the bench) records a hash of its
-inputs in run.json: a part whose output exists with the same hash is skipped, so an interrupted recipe
-resumes where it stopped and an edited one redoes only what the edit changed; a chain of steps two stages
-share (prune, then prune + GPTQ) runs once.
+Options are the fields of the commands' jobs (slimlm.jobs: the flags, with underscores; a list may stand for
+comma-separated text). Every step is checked as its job before anything runs; an error names the file, the
+line and the field, e.g. `x.yaml:12: stages.gptq-w4.0.gptq.bits: invalid choice: 5 (choose from 2, 3, 4, 8)`.
+Each part of a stage (each step, the eval, the bench) records a hash of its inputs in run.json: a part whose
+output exists with the same hash is skipped, so an interrupted recipe resumes where it stopped and an edited
+one redoes only what the edit changed; a chain of steps two stages share (prune, then prune + GPTQ) runs once.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import hashlib
-import io
 import json
 import re
 import sys
@@ -38,10 +35,11 @@ import yaml
 
 from slimlm.errors import SlimlmError
 from slimlm.formats import atomic
+from slimlm.jobs import JOBS, STEPS, Job
+from slimlm.jobs.options import OptionError
 
-STEP_COMMANDS = ("rtn", "gptq", "awq", "kv", "gqa", "prune")
 FIELDS = ("model", "runs", "eval", "bench", "report", "notes", "stages")
-SET_BY_RECIPE = ("model", "out", "output", "json", "baseline", "overwrite")
+SET_BY_RECIPE = ("model", "out", "output", "json", "json_path", "baseline", "overwrite")
 STAGE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")  # one directory under runs/, never a path
 
 
@@ -49,7 +47,6 @@ STAGE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")  # one directory under r
 class Step:
     command: str
     options: dict
-    where: str  # "FILE:LINE", for errors
 
 
 @dataclass
@@ -82,23 +79,29 @@ def _problem(e: yaml.YAMLError) -> str:
     return " ".join(str(getattr(e, "problem", None) or e).split())
 
 
+def _shown(text: str) -> str:
+    """User text inside a one-line message: quoted and escaped when it holds a newline or another control."""
+    return text if text.isprintable() else repr(text)
+
+
 def _override(data: dict, assignment: str) -> None:
     """`--set a.b=value`: the value as YAML, at a path whose parent exists (a list's items by index)."""
     key, sep, text = assignment.partition("=")
+    shown = _shown(key)
     if not sep or not key:
         raise SlimlmError(f"--set {assignment!r}: use --set FIELD=VALUE, e.g. --set eval.limit=10")
     try:
         value = yaml.safe_load(text) if text else None
     except yaml.YAMLError as e:
-        raise SlimlmError(f"--set {key}: the value is not valid YAML ({_problem(e)})") from None
+        raise SlimlmError(f"--set {shown}: the value is not valid YAML ({_problem(e)})") from None
     parts = key.split(".")
     target = data
     for depth, part in enumerate(parts, 1):
         if isinstance(target, list) and not (part.isdigit() and int(part) < len(target)):
-            raise SlimlmError(f"--set {key}: {part!r} is not an item there (a list of {len(target)}, from 0)")
+            raise SlimlmError(f"--set {shown}: {part!r} is not an item there (a list of {len(target)}, from 0)")
         at_leaf = depth == len(parts)
         if not isinstance(target, dict | list) or (not at_leaf and isinstance(target, dict) and part not in target):
-            raise SlimlmError(f"--set {key}: the recipe has no field {part!r} there")
+            raise SlimlmError(f"--set {shown}: the recipe has no field {part!r} there")
         index = int(part) if isinstance(target, list) else part
         if at_leaf:
             target[index] = value
@@ -126,8 +129,11 @@ def load(path: Path, overrides: list[str] = ()) -> Recipe:
 
     def where(field: str) -> str:
         touched = [o for o in overrides if o.partition("=")[0].startswith(field)] if field else []
-        place = f"{path}:{lines[field]}" if field and field in lines else str(path)
-        return place + (f" (with --set {', '.join(touched)})" if touched else "")
+        known = field
+        while known and known not in lines:  # a field the YAML does not spell out: its parent's line
+            known = known.rpartition(".")[0]
+        place = f"{path}:{lines[known]}" if known else str(path)
+        return place + (f" (with --set {', '.join(map(_shown, touched))})" if touched else "")
 
     def fail(field: str, message: str):  # field "": the recipe as a whole
         raise SlimlmError(f"{where(field)}: {field + ': ' if field else ''}{message}")
@@ -160,59 +166,34 @@ def load(path: Path, overrides: list[str] = ()) -> Recipe:
             if not isinstance(step, dict) or len(step) != 1:
                 fail(f"{field}.{i}", "a step is one command with its options, e.g. {gptq: {bits: 4}}")
             (command, options), = step.items()
-            if command not in STEP_COMMANDS:
-                fail(f"{field}.{i}", f"unknown step {command!r} (steps: {', '.join(STEP_COMMANDS)})")
+            if command not in STEPS:
+                fail(f"{field}.{i}", f"unknown step {command!r} (steps: {', '.join(STEPS)})")
             options = options or {}
             if not isinstance(options, dict):
                 fail(f"{field}.{i}.{command}", "options are a mapping, e.g. {bits: 4, group_size: 64}")
-            parsed[name].append(Step(command, options, where(f"{field}.{i}.{command}")))
+            parsed[name].append(Step(command, options))
     report = Path(data["report"]) if data.get("report") else None
     recipe = Recipe(path, data["model"], Path(data["runs"]), data.get("eval") or {}, data.get("bench") or {},
                     report, parsed, str(data.get("notes") or ""))  # fmt: skip
-    for name, steps in parsed.items():  # every command line, checked now, before any work
-        for i, step in enumerate(steps):
-            _parse(step.command, step.options, "model", Path("out"), f"{step.where}: stages.{name}.{i}.{step.command}")
-    _parse("eval", recipe.eval, recipe.model, None, f"{where('eval')}: eval")
-    _parse("bench", recipe.bench, recipe.model, None, f"{where('bench')}: bench")
+    step = {"model": "model", "out": Path("out")}
+    parts = [(f"stages.{name}.{i}.{s.command}", s.command, s.options, step) for name, steps in parsed.items()
+             for i, s in enumerate(steps)] + [("eval", "eval", recipe.eval, {}), ("bench", "bench", recipe.bench, {})]
+    for field, command, options, placeholders in parts:  # every step's job, checked now, before any work
+        try:
+            job(command, options, **{"model": recipe.model, **placeholders})
+        except OptionError as e:
+            fail(f"{field}.{e.field}", e.problem)
     for name in parsed:  # a stage directory holding what the recipe did not write is refused now, not mid-run
         _state(recipe.runs / name, name)
     return recipe
 
 
-def _parse(command: str, options: dict, model: str, out: Path | None, context: str) -> argparse.Namespace:
-    """The options as `compress COMMAND` would parse them, or a one-line error in the recipe's terms."""
-    from slimlm.cli import build_parser
-
-    parser = build_parser()
-    sub = parser._subparsers._group_actions[0].choices[command]  # noqa: SLF001 the subcommand's own parser
-    actions = {a.dest: a for a in sub._actions}  # noqa: SLF001
+def job(command: str, options: dict, **set_by_recipe) -> Job:
+    """A step's (or eval's, bench's) job from its options and what the recipe sets; OptionError names a field."""
     for key in options:
         if key in SET_BY_RECIPE:
-            raise SlimlmError(f"{context}: {key} is set by the recipe; leave it out")
-    argv = [command]
-    positional = actions.get("model") is not None and not actions["model"].option_strings
-    argv += [model] if positional else ["--model", model]
-    for key, value in options.items():
-        flag = "--" + key.replace("_", "-")
-        action = next((a for a in sub._actions if flag in a.option_strings), None)  # noqa: SLF001
-        if value is True:
-            argv.append(flag)
-        elif value is False or value is None:
-            continue
-        elif isinstance(value, list):
-            many = action is not None and action.nargs in ("*", "+")
-            argv += [flag, *map(str, value)] if many else [flag, ",".join(map(str, value))]
-        else:
-            argv += [flag, str(value)]
-    if out is not None:
-        argv += ["--out", str(out), "--overwrite"]
-    errors = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(errors):
-            return parser.parse_args(argv)
-    except SystemExit:
-        message = errors.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]
-        raise SlimlmError(f"{context}: {message}") from None
+            raise OptionError("", key, "set by the recipe; leave it out")
+    return JOBS[command].from_options({**options, **set_by_recipe})
 
 
 def _hash(*parts) -> str:
@@ -259,8 +240,6 @@ def _state(run_dir: Path, name: str) -> dict:
 
 
 def _run_stage(recipe: Recipe, name: str, steps: list[Step], log, produced: dict[str, str]) -> Path:
-    from slimlm.cli import COMMANDS
-
     run_dir = recipe.runs / name
     state_path = run_dir / "run.json"
     state = _state(run_dir, name)
@@ -288,7 +267,7 @@ def _run_stage(recipe: Recipe, name: str, steps: list[Step], log, produced: dict
             log(f"{name}: step {i + 1}/{len(steps)} {step.command}: done before, skipped")
         else:
             log(f"{name}: step {i + 1}/{len(steps)} {step.command} {step.options or ''}")
-            COMMANDS[step.command](_parse(step.command, step.options, model, out, step.where))
+            job(step.command, step.options, model=model, out=out, overwrite=True).run()
             record(f"step{i}", key, str(out))
         produced.setdefault(key, str(out))
         model = str(out)
@@ -299,12 +278,8 @@ def _run_stage(recipe: Recipe, name: str, steps: list[Step], log, produced: dict
             log(f"{name}: {part}: done before, skipped")
             continue
         log(f"{name}: {part}")
-        args = _parse(part, options, model, None, f"{recipe.path}: {part}")
-        args.overwrite = True  # its own file: the run directory is this stage's (_state)
-        if part == "eval":
-            args.output = run_dir / target
-        else:
-            args.json, args.baseline = run_dir / target, (recipe.model if steps else "none")
-        COMMANDS[part](args)
+        own = {"output": run_dir / target} if part == "eval" else {  # the run directory is this stage's (_state)
+            "json_path": run_dir / target, "baseline": recipe.model if steps else "none"}
+        job(part, options, model=model, overwrite=True, **own).run()
         record(part, part_key, model)
     return run_dir

@@ -389,7 +389,7 @@ def _numeric_options() -> list[tuple[str, list[str], str]]:
     """(command, its required arguments, flag) for every option of every command that parses a number."""
     import argparse
 
-    from slimlm.cli import build_parser, task_list, weight_format
+    from slimlm.cli import build_parser
 
     required = {"model": ["m"], "recipe": ["r.yaml"], "runs": ["run"], "--out": ["--out", "o"],
                 "--prompt": ["--prompt", "p"], "--kv-heads": ["--kv-heads", "2"], "--kv-dtype": ["--kv-dtype", "fp8"],
@@ -403,8 +403,8 @@ def _numeric_options() -> list[tuple[str, list[str], str]]:
             if action.required or not action.option_strings and action.nargs is None:
                 base += required[key] if key in required else []
         for action in parser._actions:  # noqa: SLF001
-            if action.option_strings and action.type not in (None, str, Path, task_list, weight_format) \
-                    and not action.choices:  # fmt: skip
+            words = getattr(action.type, "__name__", None) in ("task_list", "weight_format")
+            if action.option_strings and action.type not in (None, str, Path) and not words and not action.choices:
                 found.append((command, base, action.option_strings[0]))
     return found
 

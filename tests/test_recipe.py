@@ -68,9 +68,11 @@ def test_a_recipe_runs_resumes_and_redoes_only_what_changed(tiny_llama, calib_tx
     ("model: m\nruns: r\nstages:\n  a:\n    - quantize: {bits: 4}\n",
      "x.yaml:5: stages.a.0: unknown step 'quantize' (steps: rtn, gptq, awq, kv, gqa, prune)"),
     ("model: m\nruns: r\nstages:\n  a:\n    - rtn: {bitz: 4}\n",
-     "x.yaml:5: stages.a.0.rtn: unrecognized arguments: --bitz 4"),
+     "x.yaml:5: stages.a.0.rtn.bitz: unknown option (`compress rtn` takes model, calib, num_samples, seq_len, seed, "
+     "batch_size, out, overwrite, ppl, ppl_tokens, device, compute_dtype, kv_dtype, kv_strategy, bits, group_size, "
+     "sym, ignore, quantize_lm_head, format, report_error)"),
     ("model: m\nruns: r\nstages:\n  a:\n    - rtn: {out: elsewhere}\n",
-     "x.yaml:5: stages.a.0.rtn: out is set by the recipe; leave it out"),
+     "x.yaml:5: stages.a.0.rtn.out: set by the recipe; leave it out"),
     ("model: m\nruns: r\nstages:\n  a: [{rtn: {bits: [4}]\n",
      "x.yaml:4: not valid YAML (expected ',' or ']', but got '}')"),
     ("model: m\nruns: r\n", "x.yaml: 'stages' is required: a mapping of stage names to steps"),
@@ -85,7 +87,8 @@ def test_a_recipe_runs_resumes_and_redoes_only_what_changed(tiny_llama, calib_tx
     ("model: m\nruns: r\neval: [ppl]\nstages: {a: []}\n", "x.yaml:3: eval: a mapping of `compress eval` options"),
     ("model: m\nruns: r\nbench: 1\nstages: {a: []}\n", "x.yaml:3: bench: a mapping of `compress bench` options"),
     ("model: m\nruns: r\neval: {tasks: slimlm_piqa, limitt: 2}\nstages: {a: []}\n",
-     "x.yaml:3: eval: unrecognized arguments: --limitt 2"),
+     "x.yaml:3: eval.limitt: unknown option (`compress eval` takes dtype, kv_cache_memory, kv_cache_dtype, device, "
+     "model, tasks, limit, num_fewshot, batch_size, ppl, seq_len, max_tokens, output, overwrite)"),
     ("model: m\nruns: r\nstages:\n  a: rtn\n",
      "x.yaml:4: stages.a: a list of steps, e.g. [{gptq: {bits: 4}}] ([] for the source itself)"),
     ("model: m\nruns: r\nstages:\n  a: [rtn]\n",
@@ -122,19 +125,24 @@ def test_a_missing_recipe_is_named(tmp_path):
         recipes.load(tmp_path / "no.yaml")
 
 
-def test_options_become_the_commands_own_arguments():
-    """Each option as `compress COMMAND` parses it: true flags given bare, false and null ones left out, a list
-    spread over an option that takes many values, joined by commas for one that takes one."""
-    args = recipes._parse("rtn", {"bits": 8, "asym": True, "sym": False, "ignore": ["*.down_proj", "*.up_proj"],
-                                  "quantize_lm_head": None}, "m", Path("o"), "here")  # fmt: skip
-    assert (args.model, args.out, args.overwrite, args.bits) == ("m", Path("o"), True, 8)
-    assert args.sym is False and args.ignore == ["*.down_proj", "*.up_proj"] and args.quantize_lm_head is None
-    args = recipes._parse("bench", {"batch": [1, 2], "prompt_len": [8, 12]}, "m", None, "here")
-    assert args.batch == [1, 2] and args.prompt_len == (8, 12) and not args.overwrite
-    with pytest.raises(SlimlmError, match="^here: argument --bits: invalid choice: 5 \\(choose from"):
-        recipes._parse("rtn", {"bits": 5}, "m", Path("o"), "here")
-    with pytest.raises(SlimlmError, match="^here: model is set by the recipe; leave it out$"):
-        recipes._parse("eval", {"model": "x"}, "m", None, "here")
+def test_options_become_the_commands_own_jobs():
+    """Each option as the command's job takes it: a switch named true sets its field, false and null leave
+    the default, a list stays a list where the field is one and reads as comma-separated text where the flag
+    takes text; what the recipe sets is refused."""
+    job = recipes.job("rtn", {"bits": 8, "asym": True, "sym": False, "ignore": ["*.down_proj", "*.up_proj"],
+                              "quantize_lm_head": None}, model="m", out=Path("o"), overwrite=True)  # fmt: skip
+    assert (job.model, job.out, job.overwrite, job.bits) == ("m", Path("o"), True, 8)
+    assert job.sym is False and job.ignore == ["*.down_proj", "*.up_proj"] and job.quantize_lm_head is None
+    assert recipes.job("rtn", {"float_lm_head": True}, model="m", out=Path("o")).quantize_lm_head == 0
+    job = recipes.job("bench", {"batch": [1, 2], "prompt_len": [8, 12], "kv_cache_memory": "1G"}, model="m")
+    assert job.batch == [1, 2] and job.prompt_len == (8, 12) and job.kv_cache_memory == 1 << 30
+    assert not job.overwrite
+    with pytest.raises(SlimlmError, match="^bits: invalid choice: 5 \\(choose from 2, 3, 4, 8\\)$"):
+        recipes.job("rtn", {"bits": 5}, model="m", out=Path("o"))
+    with pytest.raises(SlimlmError, match="^model: set by the recipe; leave it out$"):
+        recipes.job("eval", {"model": "x"}, model="m")
+    with pytest.raises(SlimlmError, match="^asym: true or false, got 3$"):
+        recipes.job("rtn", {"asym": 3}, model="m", out=Path("o"))
 
 
 @pytest.mark.parametrize("assignment,message", [
@@ -161,7 +169,8 @@ def test_a_loaded_recipe_holds_its_fields_and_names_the_overrides_behind_an_erro
     assert recipes.load(path, ["report=", "notes=short"]).report is None
     with pytest.raises(SlimlmError) as error:
         recipes.load(path, ["stages.a.0.rtn.bits=5", "stages.a.0.rtn.group_size=32", "notes=x"])
-    assert str(error.value).startswith(f"{path}:5 (with --set stages.a.0.rtn.bits=5, stages.a.0.rtn.group_size=32): ")
+    assert str(error.value) == (f"{path}:5 (with --set stages.a.0.rtn.bits=5): stages.a.0.rtn.bits: invalid choice: 5 "
+                                "(choose from 2, 3, 4, 8)")  # the override behind it, not every one
     with pytest.raises(SlimlmError) as error:
         recipes.load(path, ["model=", "notes=x"])  # about one field, not the recipe's overrides as a whole
     assert str(error.value) == f"{path}:1 (with --set model=): model: required: a string"
@@ -179,8 +188,8 @@ def test_overrides_are_checked_too(tmp_path, capsys):
     assert main(["recipe", str(path), "--check", "--set", "stages.b.0.rtn.bits=8"]) == 2
     assert "--set stages.b.0.rtn.bits: the recipe has no field 'b' there" in capsys.readouterr().err
     assert main(["recipe", str(path), "--check", "--set", "stages.a.0.rtn.bits=five"]) == 2
-    assert ("x.yaml:4 (with --set stages.a.0.rtn.bits=five): stages.a.0.rtn: argument --bits: invalid int value: "
-            "'five'") in capsys.readouterr().err
+    assert ("x.yaml:4 (with --set stages.a.0.rtn.bits=five): stages.a.0.rtn.bits: 'five' is not an integer"
+            ) in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("assignment,fragment", [
@@ -188,13 +197,12 @@ def test_overrides_are_checked_too(tmp_path, capsys):
     ("stages.a.-1.rtn.bits=3", "'-1' is not an item there"),
     ("stages.float.x=1", "--set stages.float.x: 'x' is not an item there (a list of 0, from 0)"),
     ("stages=!!python/object/apply:os.system [true]", "--set stages: the value is not valid YAML"),
-    ("stages.a.0.rtn.bits=5", "x.yaml:6 (with --set stages.a.0.rtn.bits=5): stages.a.0.rtn: argument --bits: "
-     "invalid choice: 5"),
-    ("stages.a.0.rtn.group_size=0", "argument --group-size: invalid choice: 0"),
-    ("bench.prompt_len=[8]", "x.yaml:3 (with --set bench.prompt_len=[8]): bench: argument --prompt-len: '8': give "
-     "LO,HI"),
-    ("bench.batch=[0]", "bench: argument --batch: '0': give positive integers"),
-    ("eval.tasks=nosuch_task", "eval: argument --tasks: unknown task nosuch_task"),
+    ("stages.a.0.rtn.bits=5", "x.yaml:6 (with --set stages.a.0.rtn.bits=5): stages.a.0.rtn.bits: invalid choice: 5"),
+    ("stages.a.0.rtn.group_size=0", "x.yaml:6 (with --set stages.a.0.rtn.group_size=0): stages.a.0.rtn.group_size: "
+     "invalid choice: 0"),
+    ("bench.prompt_len=[8]", "x.yaml:3 (with --set bench.prompt_len=[8]): bench.prompt_len: '8': give LO,HI"),
+    ("bench.batch=[0]", "bench.batch: '0': give positive integers"),
+    ("eval.tasks=nosuch_task", "eval.tasks: unknown task nosuch_task"),
     ("stages.~=[]", "a stage name is a plain name"),
 ])  # fmt: skip
 def test_check_refuses_what_the_run_would(tmp_path, capsys, assignment, fragment):
@@ -322,7 +330,7 @@ def fake_commands(monkeypatch) -> list[tuple]:
     """Every command a recipe calls, replaced by one that records its call and writes what the real one would
     leave behind (a step's slimlm.json, eval.json, bench.json): the run's bookkeeping in milliseconds. Each
     checks that its stage directory was claimed (run.json naming the stage) before any work."""
-    from slimlm import cli
+    from slimlm.jobs import JOBS
 
     calls: list[tuple] = []
 
@@ -330,31 +338,29 @@ def fake_commands(monkeypatch) -> list[tuple]:
         assert json.loads((run_dir / "run.json").read_text())["name"] == run_dir.name
 
     def step(command: str):
-        def run(args) -> int:
+        def run(args) -> None:
             assert args.overwrite
             claimed(args.out.parent)
             calls.append((command, args.model, str(args.out)))
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "slimlm.json").write_text("{}")
-            return 0
 
         return run
 
     def measure(part: str):
-        def run(args) -> int:
+        def run(args) -> None:
             assert args.overwrite
-            target = Path(args.output if part == "eval" else args.json)
+            target = Path(args.output if part == "eval" else args.json_path)
             claimed(target.parent)
             calls.append((part, args.model, str(target), *([args.baseline] if part == "bench" else [])))
             target.write_text("{}")
-            return 0
 
         return run
 
     for command in ("rtn", "gptq", "kv"):
-        monkeypatch.setitem(cli.COMMANDS, command, step(command))
+        monkeypatch.setattr(JOBS[command], "run", step(command))
     for part in ("eval", "bench"):
-        monkeypatch.setitem(cli.COMMANDS, part, measure(part))
+        monkeypatch.setattr(JOBS[part], "run", measure(part))
     return calls
 
 
@@ -452,3 +458,14 @@ def test_a_stage_directory_is_refused_unless_its_run_json_names_the_stage(tmp_pa
     stage.write_text("a file")
     with pytest.raises(SlimlmError, match=f"{stage} exists and is not a directory; point runs: elsewhere"):
         recipes.load(path)
+
+
+def test_an_override_with_a_newline_is_quoted_so_the_error_stays_one_line(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("model: m\nruns: r\nstages: {a: []}\n")
+    with pytest.raises(SlimlmError) as error:
+        recipes.load(path, ["model=\n"])
+    assert str(error.value) == f"{path}:1 (with --set 'model=\\n'): model: required: a string"
+    with pytest.raises(SlimlmError) as error:
+        recipes.load(path, ["no\nsuch.x=1"])
+    assert str(error.value) == "--set 'no\\nsuch.x': the recipe has no field 'no\\nsuch' there"

@@ -1,0 +1,22 @@
+"""Every command as a typed job: `compress COMMAND`, a recipe step and a Python call are the same object.
+
+    from slimlm.jobs import GPTQ
+    GPTQ(model="smollm2-135m", out="out/gptq", bits=4, num_samples=32).run()
+
+A job's fields (options.py) declare its flags, checks and help once; the CLI is generated from `JOBS`, a
+recipe step is `JOBS[command].from_options(mapping)`, and `run()` does the work. A new method is one job
+class (its fields and `run`) and one entry here.
+"""
+
+from slimlm.jobs.measure import Bench, Eval, Plan, Report
+from slimlm.jobs.options import Job
+from slimlm.jobs.quantize import AWQ, GPTQ, KV, RTN
+from slimlm.jobs.serve import Assets, Generate, Serve
+from slimlm.jobs.train import GQA, Prune
+
+JOBS: dict[str, type[Job]] = {job.command: job for job in (
+    Assets, RTN, GPTQ, AWQ, KV, GQA, Prune, Bench, Report, Plan, Eval, Generate, Serve)}  # fmt: skip
+STEPS = ("rtn", "gptq", "awq", "kv", "gqa", "prune")  # the jobs that write a checkpoint a recipe can chain
+
+__all__ = ["AWQ", "GPTQ", "GQA", "JOBS", "KV", "RTN", "STEPS", "Assets", "Bench", "Eval", "Generate", "Job", "Plan",
+           "Prune", "Report", "Serve"]  # fmt: skip

@@ -1,0 +1,252 @@
+"""The jobs that measure: eval (tasks and perplexity), bench (speed and memory), plan (the bandwidth model) and
+report (one HTML page over run directories)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field
+
+from slimlm.errors import SlimlmError
+from slimlm.formats import atomic
+from slimlm.jobs.engine import DTYPES, EngineMemory
+from slimlm.jobs.options import (
+    Job,
+    Opt,
+    int_list,
+    limit_arg,
+    nonnegative_int,
+    parse_size,
+    positive_float,
+    positive_int,  # fmt: skip
+    seed_int,
+    span,
+    window_int,
+)
+
+
+def weight_format(text: str):
+    from slimlm.eval import plan
+
+    try:
+        return plan.WeightFormat.parse(text)
+    except SlimlmError as e:
+        raise ValueError(str(e)) from None
+
+
+def task_list(text: str) -> list[str]:
+    """lm-eval task names, checked against the bundled pack (and lm-eval's index when one is not in it)."""
+    from slimlm.eval import harness
+
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
+    if not tasks:
+        raise ValueError("is empty; name tasks, e.g. --tasks slimlm_hellaswag,slimlm_piqa")
+    try:
+        harness.check_tasks(tasks)
+    except SlimlmError as e:
+        raise ValueError(str(e)) from None
+    return tasks
+
+
+def measure_perplexity(spec: str, source: str, seq_len: int, max_tokens: int, device: str | None,
+                       kv_cache_dtype: str = "auto") -> dict:  # fmt: skip
+    from slimlm.eval.perplexity import engine_for, perplexity
+    from slimlm.formats import shards
+
+    engine = engine_for(spec, seq_len, device=device, kv_cache_dtype=kv_cache_dtype)
+    result = perplexity(engine, source, seq_len=seq_len, max_tokens=max_tokens)
+    result["model"] = str(engine.model_dir)
+    result["size_bytes"] = shards.total_size(engine.model_dir)
+    return result
+
+
+OVERWRITE = Opt("replace the output file if it exists")
+
+
+class Eval(EngineMemory):
+    command = "eval"
+    help = "lm-eval tasks and perplexity of a model or checkpoint, through the runtime"
+    model: Annotated[str, Opt("asset name, local directory or hub id", positional=True)]
+    tasks: Annotated[list[str] | None, Opt(
+        "comma-separated lm-eval tasks; bundled: slimlm_tasks (all), slimlm_hellaswag, slimlm_piqa, ... (default: "
+        "none; --ppl wiki alone)", parse=task_list)] = None  # fmt: skip
+    limit: Annotated[int | float | None, Opt("documents per task: a count, or a fraction in (0, 1)",
+                                             parse=limit_arg)] = None  # fmt: skip
+    num_fewshot: Annotated[int | None, Opt("few-shot examples (default: each task's own)",
+                                           parse=nonnegative_int)] = None  # fmt: skip
+    batch_size: Annotated[int | None, Opt("sequences per engine step (default 128)", parse=positive_int)] = None
+    ppl: Annotated[str | None, Opt("perplexity text (default: wiki when no --tasks)", metavar="SOURCE")] = None
+    seq_len: Annotated[int, Opt("--ppl window length", parse=window_int)] = 512
+    max_tokens: Annotated[int, Opt("--ppl tokens taken from the source", parse=positive_int)] = 16384
+    output: Annotated[Path | None, Opt("write the results as JSON here")] = None
+    overwrite: Annotated[bool, OVERWRITE] = False
+
+    def run(self) -> dict:
+        from slimlm import data
+
+        if self.output:
+            atomic.check_file(self.output, self.overwrite, "--output")
+        tasks = self.tasks or []
+        ppl_source = self.ppl or (None if tasks else "wiki")
+        if ppl_source:
+            data.check_source(ppl_source)
+        results = None
+        if tasks:
+            from slimlm.eval import harness  # lm-eval and datasets load only when tasks are asked for
+
+            results = harness.evaluate(self.model, tasks, limit=self.limit, num_fewshot=self.num_fewshot,
+                                       batch_size=self.batch_size, dtype=self.dtype,
+                                       kv_cache_memory=self.kv_cache_memory, device=self.device,
+                                       kv_cache_dtype=self.kv_cache_dtype)  # fmt: skip
+            print(harness.table(results))
+            s = results["slimlm"]
+            print(f"[{s['tokens_computed']} tokens through the runtime in {s['seconds']:.0f}s: "
+                  f"{s['tokens_per_second']:.0f} tokens/s]")  # fmt: skip
+        ppl = None
+        if ppl_source:
+            ppl = measure_perplexity(self.model, ppl_source, self.seq_len, self.max_tokens, self.device,
+                                     self.kv_cache_dtype)  # fmt: skip
+            print(f"perplexity on {ppl_source}: {ppl['perplexity']:.3f} ({ppl['tokens_scored']} tokens, "
+                  f"windows of {self.seq_len}, {ppl['seconds']:.0f}s)")  # fmt: skip
+        if results is not None:
+            results["slimlm"]["perplexity"] = ppl
+            text = harness.to_json(results)
+        else:
+            results = ppl
+            text = json.dumps(ppl, indent=2) + "\n"
+            print(json.dumps(ppl))
+        if self.output:
+            atomic.write_file(self.output, text, self.overwrite, "--output")
+        return results
+
+
+class Bench(Job):
+    command = "bench"
+    help = ("speed and memory against the baseline in the same run: prefill, decode vs the bandwidth floor, a "
+            "Poisson workload's throughput, TTFT, ITL, goodput")  # fmt: skip
+    model: Annotated[str, Opt("checkpoint directory, asset name or hub id", positional=True)]
+    baseline: Annotated[str | None, Opt(
+        "model measured beside it (default: the source in its slimlm.json; 'none': no baseline)")] = None
+    batch: Annotated[list[int], Opt("decode batch sizes", parse=int_list)] = [1, 8, 32, 64]
+    context: Annotated[int, Opt("KV tokens per sequence in the decode steps", parse=positive_int)] = 512
+    prefill_len: Annotated[int, Opt(parse=positive_int)] = 512
+    rounds: Annotated[int, Opt("measurements of each model, in turn (offline: each figure's median; online: the "
+                               "run of median throughput)", parse=positive_int)] = 3  # fmt: skip
+    requests: Annotated[int, Opt("Poisson workload: requests", parse=positive_int)] = 24
+    rate: Annotated[float, Opt("Poisson workload: arrivals per second (inf: all at once)", parse=positive_float)] = 2.0
+    prompt_len: Annotated[tuple[int, int], Opt("Poisson workload: prompt lengths, uniform in LO,HI", parse=span)] = (
+        64, 256)  # fmt: skip
+    output_len: Annotated[tuple[int, int], Opt("Poisson workload: output lengths, uniform in LO,HI", parse=span)] = (
+        16, 64)  # fmt: skip
+    slo_ttft: Annotated[float, Opt("goodput: time to first token at most, seconds", parse=positive_float)] = 2.0
+    slo_itl: Annotated[float, Opt("goodput: mean inter-token latency at most, seconds", parse=positive_float)] = 0.2
+    dtype: Annotated[str, Opt(choices=DTYPES)] = "float32"
+    kv_cache_memory: Annotated[int | None, Opt(
+        "KV block pool size (default: what the largest batch needs at --context, at least 512M)",
+        parse=parse_size)] = None  # fmt: skip
+    http: Annotated[bool, Opt("also send the workload to compress serve over HTTP")] = False
+    seed: Annotated[int, Opt(parse=seed_int)] = 0
+    json_path: Annotated[Path | None, Opt("write the results as JSON", flag="--json")] = None
+    overwrite: Annotated[bool, OVERWRITE] = False
+
+    def run(self) -> dict:
+        from slimlm import models
+        from slimlm.eval import bench
+
+        if self.json_path:
+            atomic.check_file(self.json_path, self.overwrite, "--json")
+        config = bench.BenchConfig(batches=self.batch, context=self.context, prefill_len=self.prefill_len,
+                                   rounds=self.rounds, kv_cache_memory=self.kv_cache_memory, dtype=self.dtype,
+                                   requests=self.requests, rate=self.rate, prompt_len=self.prompt_len,
+                                   output_len=self.output_len, slo_ttft_s=self.slo_ttft, slo_itl_s=self.slo_itl,
+                                   seed=self.seed, http=self.http)  # fmt: skip
+        model_dir = models.resolve(self.model)
+        baseline = None if self.baseline == "none" else self.baseline
+        if self.baseline is None and (model_dir / "slimlm.json").exists():
+            baseline = bench.baseline_of(model_dir)
+        result = bench.bench(self.model, baseline, config)
+        print(bench.table(result))
+        if self.json_path:
+            atomic.write_file(self.json_path, json.dumps(result, indent=1), self.overwrite, "--json")
+        return result
+
+
+class Plan(Job):
+    command = "plan"
+    help = ("capacity and bandwidth model: weight and KV bytes, what fits, the bandwidth-bound decode step and "
+            "throughput, arithmetic intensity vs the roofline")  # fmt: skip
+    model: Annotated[str, Opt("asset name, local directory, hub id, or a preset: llama-3.1-8b, llama-3.1-70b, "
+                              "mistral-7b, qwen2.5-7b", positional=True)]  # fmt: skip
+    weights: Annotated[Any, Opt("bf16 | fp16 | fp32 | wBITS[gGROUP][-asym], e.g. w4g128", parse=weight_format),
+                       Field(default_factory=lambda: weight_format("bf16"))]
+    kv_dtype: Annotated[str, Opt(choices=("fp32", "bf16", "fp16", "fp8", "int8", "int4"))] = "bf16"
+    context: Annotated[int, Opt("tokens per sequence", parse=positive_int)] = 2048
+    batch: Annotated[list[int], Opt("comma-separated batch sizes", parse=int_list)] = [1, 8, 32, 64]
+    kv_heads: Annotated[list[int] | None, Opt("comma-separated KV-head counts to compare (default: the model's)",
+                                              parse=int_list)] = None  # fmt: skip
+    device: Annotated[str, Opt("h100 | h200 | a100 | cpu (this machine, probed now)")] = "h100"
+    memory: Annotated[int | None, Opt("memory budget (default: the device's)", parse=parse_size)] = None
+    bench: Annotated[Path | None, Opt("a compress bench JSON of MODEL: the model's decode steps, predicted at its "
+                                      "measured bandwidth, against the measured ones")] = None  # fmt: skip
+    json_path: Annotated[Path | None, Opt("also write the plan as JSON", flag="--json")] = None
+    overwrite: Annotated[bool, OVERWRITE] = False
+
+    def run(self) -> dict | list:
+        from slimlm import models
+        from slimlm.eval import plan
+
+        if self.json_path:
+            atomic.check_file(self.json_path, self.overwrite, "--json")
+        if self.model in plan.MODEL_PRESETS:
+            dims = plan.MODEL_PRESETS[self.model]
+        else:
+            config = models.read_config(models.resolve(self.model))
+            models.check_architecture(config, self.model)
+            dims = plan.Dims.from_config(config)
+        if self.device != "cpu" and self.device not in plan.PRESETS:
+            raise SlimlmError(f"--device {self.device}: use one of {', '.join(plan.PRESETS)}, or cpu")
+        device = plan.probe_cpu() if self.device == "cpu" else plan.PRESETS[self.device]
+        kv_heads = self.kv_heads or [dims.kv_heads]
+        if bad := [k for k in kv_heads if dims.heads % k]:
+            raise SlimlmError(f"--kv-heads {bad[0]} does not divide the {dims.heads} query heads")
+        if self.bench:
+            if self.model in plan.MODEL_PRESETS:
+                raise SlimlmError(f"--bench compares a checkpoint's measured steps with its plan; give that checkpoint "
+                                  f"(its directory or asset name) in place of the preset {self.model}")  # fmt: skip
+            try:
+                rows = plan.against_bench(json.loads(self.bench.read_text()), config)
+            except (OSError, json.JSONDecodeError, KeyError, TypeError, IndexError, AttributeError) as e:
+                problem = f"{type(e).__name__}: {e}"
+                raise SlimlmError(f"--bench {self.bench}: not a compress bench JSON ({problem})") from None
+            print(f"{'batch':>6} {'context':>8} {'predicted ms':>13} {'measured ms':>12} {'measured/predicted':>19}")
+            for r in rows:
+                print(f"{r['batch']:>6} {r['context']:>8} {r['predicted_ms']:>13.2f} {r['measured_ms']:>12.2f} "
+                      f"{r['ratio']:>19.2f}")  # fmt: skip
+            return rows
+        result = plan.plan(dims, self.weights, self.kv_dtype, self.context, self.batch, kv_heads, device, self.memory)
+        print(plan.format_plan(result))
+        if self.json_path:
+            atomic.write_file(self.json_path, json.dumps(result, indent=1), self.overwrite, "--json")
+        return result
+
+
+class Report(Job):
+    command = "report"
+    help = ("one HTML page from run directories: quality vs speed vs memory, Pareto plots, per-method table, "
+            "bandwidth model vs measured")  # fmt: skip
+    runs: Annotated[list[Path], Opt("run directories (eval.json, bench.json, run.json)", positional=True, nargs="+")]
+    out: Annotated[Path, Opt()] = Path("report.html")
+    overwrite: Annotated[bool, OVERWRITE] = False
+    baseline: Annotated[str | None, Opt("the run quality is compared with (default: the first)")] = None
+    title: Annotated[str, Opt()] = "slimlm tradeoff report"
+
+    def run(self) -> dict:
+        from slimlm.eval import report
+
+        atomic.check_file(self.out, self.overwrite, "--out")
+        result = report.render(self.runs, self.out, self.baseline, self.title, overwrite=self.overwrite)
+        print(report.main_table(result["runs"]))
+        print(f"report: {self.out.resolve()}")
+        return result

@@ -1,0 +1,123 @@
+"""The jobs are the one definition of every command's options: the CLI, recipes and Python reach every field,
+with the same defaults and the same checks."""
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from slimlm import recipe as recipes
+from slimlm.cli import build_parser
+from slimlm.errors import SlimlmError
+from slimlm.jobs import JOBS, STEPS, Serve
+from slimlm.jobs.engine import EngineMemory, EngineOptions
+from slimlm.jobs.options import OptionError, from_args, parse_size
+from slimlm.runtime.engine import EngineConfig
+
+REQUIRED = {"model": "m", "out": "o", "kv_heads": 2, "kv_dtype": "fp8", "prompt": ["p"], "action": "list",
+            "runs": ["r"]}  # fmt: skip
+
+
+def argv(command: str, values: dict) -> list[str]:
+    """The command line that gives `values` (required fields only)."""
+    job, words = JOBS[command], [command]
+    for name, opt in job.opts().items():
+        if name not in values or not job.model_fields[name].is_required():
+            continue
+        items = values[name] if isinstance(values[name], list) else [values[name]]
+        flag = [] if opt.positional else [opt.flag or "--" + name.replace("_", "-")]
+        words += [w for item in items for w in (*flag, str(item))] if opt.repeat else [*flag, *map(str, items)]
+    return words
+
+
+def required(command: str) -> dict:
+    return {k: v for k, v in REQUIRED.items() if k in JOBS[command].model_fields and
+            JOBS[command].model_fields[k].is_required()}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", list(JOBS))
+def test_the_command_line_and_python_build_the_same_job_with_the_same_defaults(command):
+    """A default the parser set differently from the job's (say, read from the environment at parse time)
+    would make `compress X` and `X(...).run()` two different commands."""
+    values = required(command)
+    parsed = from_args(JOBS[command], build_parser().parse_args(argv(command, values)))
+    assert parsed == JOBS[command](**values)
+
+
+@pytest.mark.parametrize("command", list(JOBS))
+def test_every_field_has_a_flag_and_every_flag_a_field(command):
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices[command]  # noqa: SLF001 what --help shows
+    dests = {a.dest for a in sub._actions if a.dest != "help"}  # noqa: SLF001
+    assert dests == set(JOBS[command].model_fields)
+
+
+@pytest.mark.parametrize("command", [*STEPS, "eval", "bench"])
+def test_a_recipe_reaches_every_field_it_does_not_set_itself(command):
+    """Each field, given its default (or a sample) by name in a recipe step, arrives in the job as given."""
+    job = JOBS[command]
+    sets = {"model": "m", **({"out": Path("o")} if command in STEPS else {})}
+    own = {k: v for k, v in required(command).items() if k not in sets}
+    for name, field in job.model_fields.items():
+        if name in recipes.SET_BY_RECIPE:
+            continue
+        value = REQUIRED.get(name) if field.is_required() else field.get_default(call_default_factory=True)
+        built = recipes.job(command, {**own, name: value}, **sets)
+        assert getattr(built, name) == value, name
+
+
+def test_a_bad_value_reads_the_same_from_every_front_end(capsys):
+    """The same check and message; each front end says where: the flag, the recipe's field, the field."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["rtn", "--out", "o", "--bits", "5"])
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "argument --bits: invalid choice: 5 (choose from 2, 3, 4, 8)")  # fmt: skip
+    with pytest.raises(OptionError) as error:
+        JOBS["rtn"].from_options({"out": "o", "bits": 5}, "stages.a.0.rtn")
+    assert (str(error.value), error.value.field) == (
+        "stages.a.0.rtn.bits: invalid choice: 5 (choose from 2, 3, 4, 8)", "bits")  # fmt: skip
+    with pytest.raises(ValidationError, match="bits: invalid choice: 5 \\(choose from 2, 3, 4, 8\\)"):
+        JOBS["rtn"](out="o", bits=5)
+    with pytest.raises(SlimlmError, match="^kv_cache_memory: '0' must be a positive size$"):
+        JOBS["eval"].from_options({"model": "m", "kv_cache_memory": 0})
+    with pytest.raises(SlimlmError, match="^out: required$"):
+        JOBS["gptq"].from_options({})
+
+
+@pytest.mark.parametrize("flag,options,field,value", [
+    ("--asym", {"asym": True}, "sym", False),
+    ("--float-lm-head", {"float_lm_head": True}, "quantize_lm_head", 0),
+    ("--no-clip", {"no_clip": True}, "clip", False),
+    ("--no-act-order", {"no_act_order": True}, "act_order", None),
+])  # fmt: skip
+def test_a_switch_is_the_same_in_a_recipe_as_on_the_command_line(flag, options, field, value):
+    from_cli = from_args(JOBS["awq"], build_parser().parse_args(["awq", "--out", "o", flag]))
+    from_recipe = JOBS["awq"].from_options({"out": "o", **options})
+    assert getattr(from_cli, field) == getattr(from_recipe, field) == value
+    assert JOBS["awq"].from_options({"out": "o", **{k: False for k in options}}) == JOBS["awq"](out="o")
+    with pytest.raises(OptionError, match=f"^{next(iter(options))}: true or false, got 'yes'$"):
+        JOBS["awq"].from_options({"out": "o", **{k: "yes" for k in options}})
+
+
+def test_engine_options_are_engine_config_fields_and_reach_it():
+    """Defined once: every engine option a command takes is an EngineConfig field with the same default, and
+    a command's own EngineConfig fields (serve's batch limits) reach the engine too."""
+    defaults = EngineConfig()
+    for job in (EngineMemory, EngineOptions):
+        for name, field in job.model_fields.items():
+            assert getattr(defaults, name) == field.default, name
+    config = Serve(model="m", max_num_seqs=3, max_num_batched_tokens=64, kv_cache_memory="1G").engine_config()
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.kv_cache_memory) == (3, 64, 1 << 30)
+
+
+@pytest.mark.parametrize("text,size", [("512M", 512 << 20), ("2G", 2 << 30), ("1.5GB", 3 << 29), ("4096", 4096),
+                                       ("1KiB", 1024)])  # fmt: skip
+def test_sizes(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text,message", [("0", "'0' must be a positive size"), ("lots", "'lots' is not a size; write "
+                                          "e.g. 512M or 2G"), ("1e400G", "'1e400G' is not a size")])  # fmt: skip
+def test_bad_sizes(text, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        parse_size(text)
