@@ -234,7 +234,7 @@ def calibration(device: str) -> dict:
     model run on both the device and the CPU, the share of identical codes (ties may round either way)."""
     from slimlm.compress.awq import AWQ
     from slimlm.compress.gptq import GPTQ
-    from slimlm.compress.job import quantize_weights
+    from slimlm.compress.job import CalibData, Quantization, quantize_weights
     from slimlm.compress.rtn import RTN
     from slimlm.formats import reader
     from slimlm.formats.quantized import QuantArgs
@@ -252,8 +252,9 @@ def calibration(device: str) -> dict:
         samples, seq_len = (16, 512) if not DRY else (4, 32)
         if not DRY:  # a dry run's "big" model would be the tiny one again: only the agreement check runs
             start = time.perf_counter()
-            quantize_weights(name, steps(), args, str(big), Path(f"out/device_check_{name}"), calib=str(text),
-                             num_samples=samples, seq_len=seq_len, overwrite=True, progress=False, device=device)
+            calib = CalibData(str(text), samples, seq_len, device=device)
+            quantize_weights(Quantization(name, steps(), args, str(big), Path(f"out/device_check_{name}"), calib,
+                                          overwrite=True), progress=False)  # fmt: skip
             seconds = time.perf_counter() - start
             result["timed"].append({"method": name, "layers": 2, "samples": samples, "seq_len": seq_len,
                                     "seconds": seconds, "per_layer_s": seconds / 2})  # fmt: skip
@@ -261,8 +262,8 @@ def calibration(device: str) -> dict:
         codes = {}
         for where in (device, "cpu"):
             out = Path(f"out/device_check_{name}_tiny_{where}")
-            quantize_weights(name, steps(), args, str(tiny), out, calib=str(text), num_samples=4, seq_len=32,
-                             overwrite=True, progress=False, device=where)  # fmt: skip
+            calib = CalibData(str(text), 4, 32, device=where)
+            quantize_weights(Quantization(name, steps(), args, str(tiny), out, calib, overwrite=True), progress=False)
             codes[where] = reader.read_checkpoint(out)[0]
         same = sum((codes[device][n].codes == q.codes).sum().item() for n, q in codes["cpu"].items())
         total = sum(q.codes.numel() for q in codes["cpu"].values())

@@ -41,13 +41,14 @@ CHECKPOINTS = {"fp8 tensor": ("fp8", "tensor"), "fp8 attn_head": ("fp8", "attn_h
 
 def checkpoint(label: str, cache: Path) -> str:
     """`compress kv` with its defaults, made once per cache directory."""
-    from slimlm.compress.job import quantize_weights
+    from slimlm.compress.job import Quantization, quantize_weights
     from slimlm.compress.kv import KVCache
 
     kv_dtype, strategy = CHECKPOINTS[label]
     out = cache / f"kv-{kv_dtype}-{strategy}"
     if not (out / "slimlm.json").exists():
-        quantize_weights("kv", [KVCache(kv_dtype, strategy)], None, MODEL, out, report_error=False, overwrite=True)
+        quantize_weights(Quantization("kv", [KVCache(kv_dtype, strategy)], None, MODEL, out, report_error=False,
+                                      overwrite=True))  # fmt: skip
     return str(out)
 
 

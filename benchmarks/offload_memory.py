@@ -42,13 +42,14 @@ if kind == "whole":
         print(sum(float(p.double().sum()) for p in m.parameters()))
 else:
     from slimlm.compress.gptq import GPTQ
-    from slimlm.compress.job import quantize_weights
+    from slimlm.compress.job import CalibData, Quantization, quantize_weights
     from slimlm.formats.quantized import QuantArgs
     from slimlm.compress.rtn import RTN
     args = QuantArgs(4, 128, True)
     def job(tag):
         method = RTN(args) if kind == "rtn" else GPTQ(args)
-        quantize_weights(kind, method, args, model, f"{out}-{tag}", calib, 8, 128, progress=False)
+        quantize_weights(Quantization(kind, [method], args, model, f"{out}-{tag}", CalibData(calib, 8, 128)),
+                         progress=False)
 measure(job)
 """
 

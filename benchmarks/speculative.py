@@ -72,14 +72,14 @@ def prompts(tokenizer, n: int, code: bool = False) -> list[list[int]]:
 
 
 def draft_model(cache: Path, model: str) -> str:
-    from slimlm.compress.job import quantize_weights
+    from slimlm.compress.job import Quantization, quantize_weights
     from slimlm.compress.rtn import RTN
     from slimlm.formats.quantized import QuantArgs
 
     out = cache / f"draft-rtn-w4g64-{Path(model).name}"
     if not (out / "slimlm.json").exists():
         args = QuantArgs(4, 64, True)
-        quantize_weights("rtn", RTN(args), args, model, out, report_error=False, overwrite=True)
+        quantize_weights(Quantization("rtn", [RTN(args)], args, model, out, report_error=False, overwrite=True))
     return str(out)
 
 

@@ -101,11 +101,12 @@ def smollm2() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_w4(smollm2, tmp_path_factory) -> Path:
     """The default model quantized RTN W4 g64 symmetric (a layout transformers can load too)."""
-    from slimlm.compress.job import quantize_weights
+    from slimlm.compress.job import Quantization, quantize_weights
     from slimlm.compress.rtn import RTN
     from slimlm.formats.quantized import QuantArgs
 
     args = QuantArgs(4, 64, True)
     out = tmp_path_factory.mktemp("smol") / "rtn-w4g64"
     # RTN needs no data: as `compress rtn` does by default, no calibration pass
-    return quantize_weights("rtn", RTN(args), args, "smollm2-135m", out, progress=False, report_error=False)
+    return quantize_weights(Quantization("rtn", [RTN(args)], args, "smollm2-135m", out, report_error=False),
+                            progress=False)  # fmt: skip

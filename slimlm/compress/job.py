@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, replace
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -37,149 +38,199 @@ def _check_lm_head(model: torch.nn.Module, args: QuantArgs) -> None:
         )
 
 
-def quantize_weights(
-    method_name: str,
-    steps: pipeline.Step | list[pipeline.Step],
-    args: QuantArgs | None,
-    model_spec: str,
-    out: Path,
-    calib: str = "owt",
-    num_samples: int = 128,
-    seq_len: int = 512,
-    seed: int = 0,
-    ignore: list[str] = (),
-    batch_size: int = 8,
-    overwrite: bool = False,
-    progress: bool = True,
-    fmt: str = "compressed-tensors",
-    lm_head_bits: int | None = None,
-    device: str | None = None,
-    report_error: bool = True,
-    checks: list = (),
-    compute_dtype: str = "auto",
-) -> Path:
-    """`args` None: the weights are left as they are (a KV-cache step alone; a quantized source keeps its
-    packed weights bit for bit). `checks`: callables run after the inputs are validated and before any work
-    (e.g. the --ppl source). `compute_dtype`: what the calibration passes run in (devices.compute_dtype)."""
+@dataclass(frozen=True)
+class CalibData:
+    """The calibration data, and where and in what dtype its passes run."""
+
+    source: str = "owt"  # owt | wiki | c4 | PATH.txt | PATH.jsonl (data.check_source)
+    num_samples: int = 128
+    seq_len: int = 512
+    seed: int = 0
+    batch_size: int = 8  # windows per forward
+    device: str | None = None  # devices.resolve_device
+    compute_dtype: str = "auto"  # what the passes run in (devices.compute_dtype)
+
+
+@dataclass
+class Quantization:
+    """One compression run: its steps, the scheme they round the weights to, and the checkpoint it writes."""
+
+    method: str  # recorded in slimlm.json, e.g. "awq+gptq+kv"
+    steps: list[pipeline.Step]
+    args: QuantArgs | None  # None: the weights stay as they are (a KV-cache step alone; packed ones bit for bit)
+    model: str
+    out: Path
+    calibration: CalibData = field(default_factory=CalibData)
+    ignore: Sequence[str] = ()  # linears kept float (fnmatch patterns)
+    fmt: str = "compressed-tensors"  # or "gptq" (v1)
+    lm_head_bits: int | None = None  # rounded to nearest at these bits; None: float
+    overwrite: bool = False
+    report_error: bool = True  # run the data through each layer to report its output error
+
+
+@dataclass
+class _Source:
+    """The checked source model and what the run makes of it."""
+
+    dir: Path
+    config: dict
+    device: torch.device
+    method_args: dict
+    head_args: QuantArgs | None
+    keep_weights: bool  # a KV-cache step on a quantized checkpoint: its tensors are copied as they are
+
+
+def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[Callable[[], None]] = ()) -> Path:
+    """Check everything, then calibrate layer by layer and write the checkpoint to job.out atomically.
+    `checks`: callables run after the inputs are validated and before any work (e.g. the --ppl source)."""
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
-    steps = steps if isinstance(steps, list) else [steps]
-    for name, value in (("--num-samples", num_samples), ("--seq-len", seq_len), ("--batch-size", batch_size)):
-        if not (type(value) is int and value > 0):
-            raise SlimlmError(f"{name} {value!r} must be a positive integer")
-    if fmt == "gptq" and args is not None:
-        gptq_v1.check_exportable(args)
-    if lm_head_bits is not None and args is None:
-        raise SlimlmError("--quantize-lm-head needs a weight quantization method (rtn, gptq, awq)")
-    method_args: dict = {}
-    for step in steps:
-        method_args.update(step.arguments())
-    head_args = None if lm_head_bits is None else replace(args, bits=lm_head_bits)
-    own = {"lm_head": head_args} if head_args else {}
-    writer.quantization_config(fmt, args, [], method_args, own)  # a bad --format fails here, not after calibration
-    dev = devices.resolve_device(device)
-    devices.compute_dtype(compute_dtype, torch.float32, dev)  # a bad --compute-dtype fails before any work
-    model_dir = models.resolve(model_spec)
-    source_config = models.check(model_dir)
-    source_qcfg = source_config.get("quantization_config")
-    keep_weights = args is None and source_qcfg is not None
-    if keep_weights and source_qcfg.get("quant_method") != "compressed-tensors":
-        raise SlimlmError(f"{model_dir} is a {source_qcfg.get('quant_method')} checkpoint, which has no place for "
-                          "KV-cache scales; give compress kv a float or compressed-tensors checkpoint, or pass "
-                          "--kv-dtype to the weight method")  # fmt: skip
-    with_data = report_error or any(s.needs_data for s in steps)
-    data.check_source(calib)  # even when no step reads it: a mistyped --calib is worth saying
+    source = _check(job)
     for check in checks:
         check()
-    torch.manual_seed(seed)
-    out = Path(out).expanduser().resolve()
-    with atomic.atomic_dir(out, overwrite, sources=[model_dir]) as tmp:  # checks --out before any work
-        if "quantization_config" not in source_config:
-            # Decoder layers stay on disk until their turn: memory is bounded by one layer, not the model.
-            model, tokenizer = models.empty_model(model_dir), models.load_tokenizer(model_dir)
-            weights = offload.LazyWeights(model_dir)
-            weights.materialize(model.get_submodule(arch.EMBED), arch.EMBED, torch.float32, dev)
-        else:  # an already-quantized checkpoint is loaded whole, dequantized
-            model, tokenizer, _ = models.load(str(model_dir))
-            model.to(dev)
-            weights = None
-        if args is not None:
-            pipeline.check_group_size(model, args, ignore)
-        if lm_head_bits is not None:
-            _check_lm_head(model, args)
+    calibration = job.calibration
+    torch.manual_seed(calibration.seed)
+    out = Path(job.out).expanduser().resolve()
+    with atomic.atomic_dir(out, job.overwrite, sources=[source.dir]) as tmp:  # checks --out before any work
+        model, tokenizer, weights = _load(source)
+        if job.args is not None:
+            pipeline.check_group_size(model, job.args, job.ignore)
+        if job.lm_head_bits is not None:
+            _check_lm_head(model, job.args)
         start = time.time()
+        passes = devices.compute_dtype(calibration.compute_dtype, next(model.parameters()).dtype, source.device)
+        with_data = job.report_error or any(s.needs_data for s in job.steps)
         samples = None
-        passes = devices.compute_dtype(compute_dtype, next(model.parameters()).dtype, dev)
         if with_data:
-            samples = data.calibration_windows(calib, tokenizer, num_samples, seq_len, seed)
-            log(f"[{method_name}] {model_dir.name}: {len(samples)}×{seq_len} calibration tokens from '{calib}', {dev}, "
-                f"passes in {_name(passes)}")
+            samples = data.calibration_windows(calibration.source, tokenizer, calibration.num_samples,
+                                               calibration.seq_len, calibration.seed)  # fmt: skip
+            log(f"[{job.method}] {source.dir.name}: {len(samples)}×{calibration.seq_len} calibration tokens from "
+                f"'{calibration.source}', {source.device}, passes in {_name(passes)}")  # fmt: skip
         else:
-            log(f"[{method_name}] {model_dir.name}: no calibration data needed, on {dev}")
+            log(f"[{job.method}] {source.dir.name}: no calibration data needed, on {source.device}")
         # Each finished layer goes to disk in the checkpoint's own format at once (shards.ShardWriter), so
         # the job never holds the whole model's codes: memory stays bounded by a layer and one shard.
-        shard_writer = shards.ShardWriter(tmp)
-        quantized_names: list[str] = []
-        kv_scales: dict[str, torch.Tensor] = {}
-
-        # A KV-cache step alone leaves a float source's weights as they are: stored as the source stores them
-        # (a bf16 model's layers, materialized in fp32 for the passes, are not written at twice their size).
-        as_stored = weights.dtypes if args is None and weights is not None else {}
-
-        def write_layer(quantized: dict[str, QuantizedWeight], tensors: dict[str, torch.Tensor]) -> None:
-            if keep_weights:  # only the new KV scales: the source's own tensors are copied at the end
-                kv_scales.update({k: v for k, v in tensors.items() if k.endswith(kv_cache.SUFFIXES)})
-                return
-            tensors = {k: v.to(as_stored[k]) if k in as_stored else v for k, v in tensors.items()}
-            quantized_names.extend(quantized)
-            shard_writer.add(writer.quantized_tensors(quantized, tensors, fmt))
-
-        result = pipeline.run(model, steps, samples, ignore, batch_size, progress, weights, dev, report_error,
-                              on_layer=write_layer, compute_dtype=passes)  # fmt: skip
+        layers = _LayerWriter(shards.ShardWriter(tmp), job.fmt, source.keep_weights,
+                              weights.dtypes if job.args is None and weights is not None else {})  # fmt: skip
+        result = pipeline.run(model, job.steps, samples, job.ignore, calibration.batch_size, progress, weights,
+                              source.device, job.report_error, on_layer=layers.write, compute_dtype=passes)  # fmt: skip
         seconds = time.time() - start
-        if weights is None:
-            in_layers = arch.LAYERS + "."
-            outside = {k: v.cpu() for k, v in writer.state_tensors(model).items() if not k.startswith(in_layers)}
-        else:
-            outside = weights.read(weights.names_outside(arch.LAYERS + "."))
-        quantized, untie = {}, {}
-        if head_args is not None:
-            # The lm_head sees the final hidden states only; it is rounded to nearest whatever the method.
-            # A tied one is untied: the embeddings stay float (a lookup reads a few rows of them), and only
-            # the copy every decode step reads in full is quantized.
-            head = outside.get("lm_head.weight", outside[arch.EMBED + ".weight"])
-            quantized["lm_head"] = quantize_rtn(head.float(), head_args)
-            untie = {"tie_word_embeddings": False} if model.config.tie_word_embeddings else {}
         meta = {
-            "method": method_name,
-            "arguments": {**(asdict(args) if args else {}), "ignore": list(ignore),
-                          "lm_head_bits": lm_head_bits, **method_args},
-            "calibration": {"source": calib, "num_samples": num_samples, "seq_len": seq_len, "seed": seed,
+            "method": job.method,
+            "arguments": {**(asdict(job.args) if job.args else {}), "ignore": list(job.ignore),
+                          "lm_head_bits": job.lm_head_bits, **source.method_args},
+            "calibration": {"source": calibration.source, "num_samples": calibration.num_samples,
+                            "seq_len": calibration.seq_len, "seed": calibration.seed,
                             "compute_dtype": _name(passes)} if with_data else None,
-            "source_model": {"spec": model_spec, "path": str(model_dir),
-                             "sha256": shards.sha256(*shards.weight_files(model_dir))},
-            "source_size_bytes": shards.total_size(model_dir),
+            "source_model": {"spec": job.model, "path": str(source.dir),
+                             "sha256": shards.sha256(*shards.weight_files(source.dir))},
+            "source_size_bytes": shards.total_size(source.dir),
             "compress_seconds": round(seconds, 2),
-            "device": str(dev),
+            "device": str(source.device),
             "layers": result.report,
         }  # fmt: skip
-        if keep_weights:  # the source's own tensors and config, the new KV scales in place of any old ones
-            tensors = {k: v for k, v in shards.read(model_dir).items() if not k.endswith(kv_cache.SUFFIXES)}
-            shard_writer.add({**tensors, **kv_scales})
-            qconfig = {**source_qcfg, "kv_cache_scheme": method_args.get("kv_cache_scheme")}
-        else:
-            shard_writer.add(writer.quantized_tensors(quantized, outside, fmt))
-            linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-            ignored = sorted(linear_names - set(quantized_names) - set(quantized))
-            named = {name: q.args for name, q in quantized.items() if q.args != args}
-            qconfig = writer.quantization_config(fmt, args, ignored, method_args, named)
-        config_patch = {**result.config_patch, **untie, "quantization_config": qconfig}
-        if as_stored:  # the float weights' dtype is the source's, and config.json says so
-            config_patch["dtype"] = source_config.get("dtype") or source_config.get("torch_dtype") or "float32"
-        del quantized, outside, result
+        config_patch = {**result.config_patch, **_finish(job, source, model, weights, layers)}
+        del result
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         generation_config = getattr(model, "generation_config", None)
-        writer.write_metadata(tmp, shard_writer.finish(), config, tokenizer, meta, config_patch, generation_config)
-    log(f"[{method_name}] compressed {model_dir.name} in {seconds:.0f}s; wrote {out}")
+        files = layers.sink.finish()
+        writer.write_metadata(tmp, files, config, tokenizer, meta, config_patch, generation_config)
+    log(f"[{job.method}] compressed {source.dir.name} in {seconds:.0f}s; wrote {out}")
     return out
+
+
+def _check(job: Quantization) -> _Source:
+    """Every input checked before any work: the settings, the format, the device, the model, the data."""
+    c = job.calibration
+    for name, value in (("--num-samples", c.num_samples), ("--seq-len", c.seq_len), ("--batch-size", c.batch_size)):
+        if not (type(value) is int and value > 0):
+            raise SlimlmError(f"{name} {value!r} must be a positive integer")
+    if job.fmt == "gptq" and job.args is not None:
+        gptq_v1.check_exportable(job.args)
+    if job.lm_head_bits is not None and job.args is None:
+        raise SlimlmError("--quantize-lm-head needs a weight quantization method (rtn, gptq, awq)")
+    method_args: dict = {}
+    for step in job.steps:
+        method_args.update(step.arguments())
+    head_args = None if job.lm_head_bits is None else replace(job.args, bits=job.lm_head_bits)
+    own = {"lm_head": head_args} if head_args else {}
+    writer.quantization_config(job.fmt, job.args, [], method_args, own)  # a bad --format fails here, not after
+    dev = devices.resolve_device(c.device)
+    devices.compute_dtype(c.compute_dtype, torch.float32, dev)  # a bad --compute-dtype fails before any work
+    model_dir = models.resolve(job.model)
+    source_config = models.check(model_dir)
+    source_qcfg = source_config.get("quantization_config")
+    keep_weights = job.args is None and source_qcfg is not None
+    if keep_weights and source_qcfg.get("quant_method") != "compressed-tensors":
+        raise SlimlmError(f"{model_dir} is a {source_qcfg.get('quant_method')} checkpoint, which has no place for "
+                          "KV-cache scales; give compress kv a float or compressed-tensors checkpoint, or pass "
+                          "--kv-dtype to the weight method")  # fmt: skip
+    data.check_source(c.source)  # even when no step reads it: a mistyped --calib is worth saying
+    return _Source(model_dir, source_config, dev, method_args, head_args, keep_weights)
+
+
+def _load(source: _Source) -> tuple[torch.nn.Module, object, offload.LazyWeights | None]:
+    """A float source's decoder layers stay on disk until their turn: memory is bounded by one layer, not the
+    model. An already-quantized checkpoint is loaded whole, dequantized."""
+    if "quantization_config" not in source.config:
+        model, tokenizer = models.empty_model(source.dir), models.load_tokenizer(source.dir)
+        weights = offload.LazyWeights(source.dir)
+        weights.materialize(model.get_submodule(arch.EMBED), arch.EMBED, torch.float32, source.device)
+        return model, tokenizer, weights
+    model, tokenizer, _ = models.load(str(source.dir))
+    return model.to(source.device), tokenizer, None
+
+
+@dataclass
+class _LayerWriter:
+    """Writes each finished decoder layer in the checkpoint's format (pipeline.run's on_layer)."""
+
+    sink: shards.ShardWriter
+    fmt: str
+    keep_weights: bool  # only the new KV scales are kept: the source's own tensors are copied at the end
+    # A KV-cache step alone leaves a float source's weights as they are: stored as the source stores them
+    # (a bf16 model's layers, materialized in fp32 for the passes, are not written at twice their size).
+    as_stored: dict[str, torch.dtype]
+    quantized_names: list[str] = field(default_factory=list)
+    kv_scales: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def write(self, quantized: dict[str, QuantizedWeight], tensors: dict[str, torch.Tensor]) -> None:
+        if self.keep_weights:
+            self.kv_scales.update({k: v for k, v in tensors.items() if k.endswith(kv_cache.SUFFIXES)})
+            return
+        tensors = {k: v.to(self.as_stored[k]) if k in self.as_stored else v for k, v in tensors.items()}
+        self.quantized_names.extend(quantized)
+        self.sink.add(writer.quantized_tensors(quantized, tensors, self.fmt))
+
+
+def _finish(job: Quantization, source: _Source, model: torch.nn.Module, weights: offload.LazyWeights | None,
+            layers: _LayerWriter) -> dict:  # fmt: skip
+    """Write what lies outside the decoder layers (embeddings, final norm, lm_head, or a quantized source's own
+    tensors with the new KV scales); returns the config.json fields the checkpoint changes."""
+    if source.keep_weights:  # the source's own tensors and config, the new KV scales in place of any old ones
+        tensors = {k: v for k, v in shards.read(source.dir).items() if not k.endswith(kv_cache.SUFFIXES)}
+        layers.sink.add({**tensors, **layers.kv_scales})
+        qcfg = source.config["quantization_config"]
+        return {"quantization_config": {**qcfg, "kv_cache_scheme": source.method_args.get("kv_cache_scheme")}}
+    if weights is None:
+        in_layers = arch.LAYERS + "."
+        outside = {k: v.cpu() for k, v in writer.state_tensors(model).items() if not k.startswith(in_layers)}
+    else:
+        outside = weights.read(weights.names_outside(arch.LAYERS + "."))
+    quantized, patch = {}, {}
+    if source.head_args is not None:
+        # The lm_head sees the final hidden states only; it is rounded to nearest whatever the method. A tied
+        # one is untied: the embeddings stay float (a lookup reads a few rows of them), and only the copy
+        # every decode step reads in full is quantized.
+        head = outside.get("lm_head.weight", outside[arch.EMBED + ".weight"])
+        quantized["lm_head"] = quantize_rtn(head.float(), source.head_args)
+        patch = {"tie_word_embeddings": False} if model.config.tie_word_embeddings else {}
+    layers.sink.add(writer.quantized_tensors(quantized, outside, job.fmt))
+    linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    ignored = sorted(linear_names - set(layers.quantized_names) - set(quantized))
+    named = {name: q.args for name, q in quantized.items() if q.args != job.args}
+    patch["quantization_config"] = writer.quantization_config(job.fmt, job.args, ignored, source.method_args, named)
+    if layers.as_stored:  # the float weights' dtype is the source's, and config.json says so
+        patch["dtype"] = source.config.get("dtype") or source.config.get("torch_dtype") or "float32"
+    return patch

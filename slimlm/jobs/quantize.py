@@ -182,16 +182,15 @@ class KV(KVScales):
 def quantize(job: Calibration, name: str, steps: list, args, report_error: bool = True) -> Path:
     """Run the steps into job.out; with job.ppl, measure the source and the result and print the change."""
     from slimlm import data
-    from slimlm.compress.job import quantize_weights
+    from slimlm.compress.job import CalibData, Quantization, quantize_weights
 
     weights = isinstance(job, Weights)
-    out = quantize_weights(
-        name, steps, args, job.model, job.out, calib=job.calib, num_samples=job.num_samples, seq_len=job.seq_len,
-        seed=job.seed, ignore=job.ignore if weights else [], batch_size=job.batch_size, overwrite=job.overwrite,
-        fmt=job.format if weights else "compressed-tensors", lm_head_bits=job.lm_head_bits(args) if weights else None,
-        device=job.device, report_error=report_error, checks=[lambda: data.check_source(job.ppl)] if job.ppl else [],
-        compute_dtype=job.compute_dtype,
-    )  # fmt: skip
+    calib = CalibData(job.calib, job.num_samples, job.seq_len, job.seed, job.batch_size, job.device, job.compute_dtype)
+    run = Quantization(name, steps, args, job.model, job.out, calib, ignore=job.ignore if weights else (),
+                       fmt=job.format if weights else "compressed-tensors",
+                       lm_head_bits=job.lm_head_bits(args) if weights else None, overwrite=job.overwrite,
+                       report_error=report_error)  # fmt: skip
+    out = quantize_weights(run, checks=[lambda: data.check_source(job.ppl)] if job.ppl else [])
     if not job.ppl:
         print(f"checkpoint: {out}")
         return out

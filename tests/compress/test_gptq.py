@@ -152,13 +152,11 @@ def test_nan_activations_name_the_layer():
 def test_act_order_checkpoint_loads_in_transformers(tiny_llama, calib_txt, tmp_path):
 
     from slimlm.compress.gptq import GPTQ
-    from slimlm.compress.job import quantize_weights
+    from slimlm.compress.job import CalibData, Quantization, quantize_weights
 
     args = QuantArgs(4, 32, True)
-    out = quantize_weights(
-        "gptq", GPTQ(args, act_order="weight"), args, str(tiny_llama), tmp_path / "q", str(calib_txt), 8, 32,
-        progress=False,
-    )  # fmt: skip
+    out = quantize_weights(Quantization("gptq", [GPTQ(args, act_order="weight")], args, str(tiny_llama), tmp_path / "q",
+                                        CalibData(str(calib_txt), 8, 32)), progress=False)  # fmt: skip
     assert (
         json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"][
             "actorder"
@@ -171,15 +169,13 @@ def test_act_order_checkpoint_loads_in_transformers(tiny_llama, calib_txt, tmp_p
 def test_group_act_order_checkpoint_round_trips_g_idx(tiny_llama, calib_txt, tmp_path):
     from slimlm import models
     from slimlm.compress.gptq import GPTQ
-    from slimlm.compress.job import quantize_weights
+    from slimlm.compress.job import CalibData, Quantization, quantize_weights
     from slimlm.formats import reader
 
     args = QuantArgs(4, 32, False)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    out = quantize_weights(
-        "gptq", GPTQ(args, act_order="group"), args, str(tiny_llama), tmp_path / "q", str(calib_txt), 8, 32,
-        progress=False,
-    )  # fmt: skip
+    out = quantize_weights(Quantization("gptq", [GPTQ(args, act_order="group")], args, str(tiny_llama), tmp_path / "q",
+                                        CalibData(str(calib_txt), 8, 32)), progress=False)  # fmt: skip
     quantized, _ = reader.read_checkpoint(out)
     assert all(q.g_idx is not None for q in quantized.values())
     loaded = models.load(str(out))[0]

@@ -9,7 +9,7 @@ import pytest
 
 PROBE = """
 import sys
-from slimlm.compress.job import quantize_weights
+from slimlm.compress.job import CalibData, Quantization, quantize_weights
 from slimlm.compress.memory import return_freed_memory
 from slimlm.compress.rtn import RTN
 from slimlm.formats import shards
@@ -24,11 +24,12 @@ args = QuantArgs(4, 128, True)
 # A first run pays the lazy imports (transformers, accelerate, tokenizers), whose transient peak is not
 # the job's. What it freed is handed back to the OS before the baseline is read, so that the second run's
 # growth is its whole peak rather than what the first run's leftover heap could not absorb.
-quantize_weights("rtn", RTN(args), args, model, out + "-warmup", calib, 4, 64, progress=False)
+warmup = Quantization("rtn", [RTN(args)], args, model, out + "-warmup", CalibData(calib, 4, 64))
+quantize_weights(warmup, progress=False)
 return_freed_memory()
 open("/proc/self/clear_refs", "w").write("5")
 before = status("VmRSS")
-quantize_weights("rtn", RTN(args), args, model, out, calib, 4, 64, progress=False)
+quantize_weights(Quantization("rtn", [RTN(args)], args, model, out, CalibData(calib, 4, 64)), progress=False)
 print(status("VmHWM") - before)
 """
 

@@ -163,9 +163,10 @@ def test_passes_run_in_the_compute_dtype_while_the_weights_stay_as_stored(model,
 
 
 def test_a_job_with_an_unknown_compute_dtype_stops_before_any_work(tiny_llama, tmp_path):
-    from slimlm.compress.job import quantize_weights
+    from slimlm.compress.job import CalibData, Quantization, quantize_weights
 
     args = QuantArgs(4, 32)
     with pytest.raises(SlimlmError, match=r"^--compute-dtype 'fp16' is not one of auto, float32, bfloat16$"):
-        quantize_weights("rtn", RTN(args), args, str(tiny_llama), tmp_path / "q", compute_dtype="fp16", progress=False)
+        quantize_weights(Quantization("rtn", [RTN(args)], args, str(tiny_llama), tmp_path / "q",
+                                      CalibData(compute_dtype="fp16")), progress=False)  # fmt: skip
     assert list(tmp_path.iterdir()) == []

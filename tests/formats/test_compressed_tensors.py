@@ -25,12 +25,11 @@ def test_packing_is_bit_exact_with_compressed_tensors(bits, shape, dim):
 
 
 def quantize_tiny(tiny_llama, out, args, overwrite=False):
-    from slimlm.compress.job import quantize_weights
+    from slimlm.compress.job import CalibData, Quantization, quantize_weights
 
-    return quantize_weights(
-        "rtn", RTN(args), args, str(tiny_llama), out, calib=str(tiny_llama.parent.parent / "calib.txt"),
-        num_samples=4, seq_len=32, overwrite=overwrite, progress=False,
-    )  # fmt: skip
+    calib = CalibData(str(tiny_llama.parent.parent / "calib.txt"), 4, 32)
+    return quantize_weights(Quantization("rtn", [RTN(args)], args, str(tiny_llama), out, calib, overwrite=overwrite),
+                            progress=False)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

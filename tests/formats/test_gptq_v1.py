@@ -5,7 +5,7 @@ import torch
 
 from slimlm import SlimlmError, models
 from slimlm.compress.gptq import GPTQ, gptq_quantize
-from slimlm.compress.job import quantize_weights
+from slimlm.compress.job import CalibData, Quantization, quantize_weights
 from slimlm.compress.quantize import quantize_rtn
 from slimlm.formats import gptq_v1, reader
 from slimlm.formats.quantized import QuantArgs, QuantizedWeight
@@ -62,9 +62,11 @@ def test_unexportable_settings(args):
 
 def test_gptq_v1_checkpoint_round_trip(tiny_llama, calib_txt, tmp_path):
     args = QuantArgs(4, 32, True)
-    common = dict(calib=str(calib_txt), num_samples=8, seq_len=32, progress=False)
-    ct = quantize_weights("gptq", GPTQ(args), args, str(tiny_llama), tmp_path / "ct", **common)
-    v1 = quantize_weights("gptq", GPTQ(args), args, str(tiny_llama), tmp_path / "v1", fmt="gptq", **common)
+    calib = CalibData(str(calib_txt), 8, 32)
+    ct = quantize_weights(Quantization("gptq", [GPTQ(args)], args, str(tiny_llama), tmp_path / "ct", calib),
+                          progress=False)  # fmt: skip
+    v1 = quantize_weights(Quantization("gptq", [GPTQ(args)], args, str(tiny_llama), tmp_path / "v1", calib,
+                                       fmt="gptq"), progress=False)  # fmt: skip
     qcfg = json.loads((v1 / "config.json").read_text())["quantization_config"]
     assert qcfg["quant_method"] == "gptq" and qcfg["bits"] == 4 and qcfg["group_size"] == 32
     a, _ = reader.read_checkpoint(ct)

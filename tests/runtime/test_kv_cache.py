@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slimlm import SlimlmError
-from slimlm.compress.job import quantize_weights
+from slimlm.compress.job import CalibData, Quantization, quantize_weights
 from slimlm.compress.kv import KVCache
 from slimlm.formats import kv_cache, kv_int4
 from slimlm.runtime.engine import Engine, EngineConfig
@@ -26,8 +26,8 @@ from tests.runtime.conftest import next_token_logprobs
 def kv_checkpoint(request, tiny_llama, calib_txt, tmp_path_factory):
     kv_dtype, strategy = request.param
     out = tmp_path_factory.mktemp("kv") / f"tiny-{kv_dtype}"
-    quantize_weights("kv", [KVCache(kv_dtype, strategy)], None, str(tiny_llama), out, calib=str(calib_txt),
-                     num_samples=8, seq_len=64, progress=False, report_error=False)  # fmt: skip
+    quantize_weights(Quantization("kv", [KVCache(kv_dtype, strategy)], None, str(tiny_llama), out,
+                                  CalibData(str(calib_txt), 8, 64), report_error=False), progress=False)  # fmt: skip
     return out, kv_dtype
 
 

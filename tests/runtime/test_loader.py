@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from slimlm import SlimlmError, models
 from slimlm.compress.gptq import GPTQ
-from slimlm.compress.job import quantize_weights
+from slimlm.compress.job import CalibData, Quantization, quantize_weights
 from slimlm.compress.rtn import RTN
 from slimlm.formats import reader
 from slimlm.formats.quantized import QuantArgs
@@ -82,8 +82,8 @@ def calibrated(tiny_llama):
 
 def quantize(src: Path, out: Path, method: str, args: QuantArgs, **kw) -> Path:
     impl = {"rtn": lambda: RTN(args), "gptq": lambda: GPTQ(args, act_order=kw.pop("act_order", None))}[method]()
-    return quantize_weights(method, impl, args, str(src), out, calib=str(src.parent / "calib.txt"), num_samples=4,
-                            seq_len=32, progress=False, **kw)  # fmt: skip
+    calib = CalibData(str(src.parent / "calib.txt"), 4, 32)
+    return quantize_weights(Quantization(method, [impl], args, str(src), out, calib, **kw), progress=False)
 
 
 def test_an_untied_embedding_keeps_its_narrower_stored_dtype(tmp_path):
@@ -154,13 +154,13 @@ def test_avx2_w4_greedy_text_does_not_depend_on_the_batch(smollm2, tmp_path, mon
     continuation alone is its continuation among seven others of other lengths, prefilled in one step, to the
     last bit of every log-probability. On `compress rtn`'s default checkpoint (W4 g64, 8-bit head); with
     prompts run exact, the fused loop alone and fp32 slices among the others gave SmolLM2 another text."""
-    from slimlm.compress.job import quantize_weights
+    from slimlm.compress.job import Quantization, quantize_weights
     from slimlm.compress.rtn import RTN
     from tests.kernels.problems import haswell_library
 
     args = QuantArgs(4, 64, True)
-    out = quantize_weights("rtn", RTN(args), args, str(smollm2), tmp_path / "w4", progress=False, lm_head_bits=8,
-                           report_error=False)
+    out = quantize_weights(Quantization("rtn", [RTN(args)], args, str(smollm2), tmp_path / "w4", lm_head_bits=8,
+                                        report_error=False), progress=False)  # fmt: skip
     haswell_library(monkeypatch)
     g = torch.Generator().manual_seed(1)
     others = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (7, 19, 33, 50, 3, 28, 61)]
