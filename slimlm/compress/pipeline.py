@@ -177,6 +177,48 @@ def _on_cpu(q: QuantizedWeight) -> QuantizedWeight:
     return QuantizedWeight(q.codes.cpu(), q.scale.cpu(), cpu(q.zero), q.args, cpu(q.g_idx))
 
 
+def _apply_steps(
+    layer: nn.Module,
+    i: int,
+    linears: dict[str, nn.Linear],
+    steps: list[Step],
+    inputs: list[LayerInputs],
+    compute_dtype: torch.dtype,
+    report_error: bool,
+    config_patch: dict[str, Any],
+) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor], list | None]:
+    """Each step on decoder layer i in turn, each pass seeing the layer as the steps before left it. Returns
+    the quantized linears, the steps' extra tensors, and the layer's float outputs (when a step or the error
+    report ran the data through it); the steps' config changes go into config_patch."""
+    prefix = f"{arch.LAYERS}.{i}."
+    done: dict[str, QuantizedWeight] = {}
+    layer_tensors: dict[str, torch.Tensor] = {}
+    ref = None
+    for step in steps:
+        if step.needs_data or (report_error and ref is None):
+            runner = in_dtype(layer, compute_dtype)
+            same = {n: runner.get_submodule(n[len(prefix) :]) for n in linears}
+            handles = step.observe(runner, same) if step.needs_data else []
+            try:
+                outs = _run_layer(runner, inputs)
+            finally:
+                for h in handles:
+                    h.remove()
+            del runner, same  # the copy goes: the next pass copies the layer as this step leaves it
+            if ref is None:
+                _check_finite(outs, f"the float outputs of decoder layer {i}")
+                ref = outs
+        result = step.apply(layer, {n: m for n, m in linears.items() if n not in done})
+        for name, q in result.quantized.items():
+            linears[name].weight.data = q.dequantize(linears[name].weight.dtype)
+        for local, module in result.modules.items():
+            layer.set_submodule(local, module)
+        done.update(result.quantized)
+        layer_tensors.update({f"{arch.LAYERS}.{i}.{k}": v.detach().cpu() for k, v in result.tensors.items()})
+        config_patch.update(result.config_patch)
+    return done, layer_tensors, ref
+
+
 @torch.no_grad()
 @objects_alive_now_frozen
 def run(
@@ -224,31 +266,8 @@ def run(
             weights.materialize(layers[i], f"{arch.LAYERS}.{i}", dtype, device)
         layer, prefix = layers[i], f"{arch.LAYERS}.{i}."
         linears = {n: m for n, m in all_linears.items() if n.startswith(prefix)}
-        done: dict[str, QuantizedWeight] = {}
-        layer_tensors: dict[str, torch.Tensor] = {}
-        ref = None
-        for step in steps:
-            if step.needs_data or (report_error and ref is None):
-                runner = in_dtype(layer, compute_dtype)
-                same = {n: runner.get_submodule(n[len(prefix) :]) for n in linears}
-                handles = step.observe(runner, same) if step.needs_data else []
-                try:
-                    outs = _run_layer(runner, inputs)
-                finally:
-                    for h in handles:
-                        h.remove()
-                del runner, same  # the copy goes: the next pass copies the layer as this step leaves it
-                if ref is None:
-                    _check_finite(outs, f"the float outputs of decoder layer {i}")
-                    ref = outs
-            result = step.apply(layer, {n: m for n, m in linears.items() if n not in done})
-            for name, q in result.quantized.items():
-                linears[name].weight.data = q.dequantize(linears[name].weight.dtype)
-            for local, module in result.modules.items():
-                layer.set_submodule(local, module)
-            done.update(result.quantized)
-            layer_tensors.update({f"{arch.LAYERS}.{i}.{k}": v.detach().cpu() for k, v in result.tensors.items()})
-            config_patch.update(result.config_patch)
+        done, layer_tensors, ref = _apply_steps(layer, i, linears, steps, inputs, compute_dtype, report_error,
+                                                config_patch)  # fmt: skip
         entry = {"layer": i}
         if with_data:
             out = _run_layer(in_dtype(layer, compute_dtype), inputs)
