@@ -52,12 +52,12 @@ def sizes(model: str) -> dict:
 def convert(out: Path, source: str, kv_heads: int, tokens: int = 0, **kwargs) -> tuple[str, float]:
     """`compress gqa` (made once per cache directory); its wall time."""
     from slimlm.train.distill import TrainConfig
-    from slimlm.train.job import convert_gqa
+    from slimlm.train.job import Run, convert_gqa
 
     if not (out / "slimlm.json").exists():
         start = time.perf_counter()
         config = TrainConfig(train_tokens=tokens, checkpoint_every=10**9, eval_every=8) if tokens else None
-        convert_gqa(source, kv_heads, out, train_config=config, overwrite=True, **kwargs)
+        convert_gqa(Run(source, out, train_config=config, overwrite=True), kv_heads, **kwargs)
         (out / "wall.txt").write_text(f"{time.perf_counter() - start:.1f}")
     return str(out), float((out / "wall.txt").read_text())
 

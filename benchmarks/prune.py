@@ -95,7 +95,7 @@ def search(args) -> list[dict]:
 
 def distill(args) -> list[dict]:
     from slimlm.train.distill import TrainConfig
-    from slimlm.train.job import prune_model
+    from slimlm.train.job import Run, prune_model
 
     *_, base = _setup(args)
     found = MEMO.get("search") or _earlier(args)["search"]
@@ -106,7 +106,7 @@ def distill(args) -> list[dict]:
         out = args.cache / f"pruned-{round(target * 100)}"
         config = TrainConfig(train_tokens=tokens, eval_every=4, checkpoint_every=8)
         start = time.perf_counter()
-        prune_model(MODEL, out, target, candidate=best["candidate"], train_config=config, overwrite=True)
+        prune_model(Run(MODEL, out, train_config=config, overwrite=True), target, candidate=best["candidate"])
         minutes = (time.perf_counter() - start) / 60
         meta = json.loads((out / "slimlm.json").read_text())
         curve = [e for e in meta["training"]["log"] if "eval_ppl" in e]
@@ -174,14 +174,14 @@ def tasks(args) -> list[dict]:
     """The task pack (acc_norm where a task has it, else acc; --tasks-limit documents each) on the unpruned
     model, each pruned one before distillation and after it."""
     from slimlm.eval.harness import evaluate
-    from slimlm.train.job import prune_model
+    from slimlm.train.job import Run, prune_model
 
     found = MEMO.get("distill") or _earlier(args)["distill"]
     systems = {"unpruned": MODEL}
     for r in found:
         raw = args.cache / f"pruned-{round(r['target'] * 100)}-undistilled"
         if not (raw / "slimlm.json").exists():
-            prune_model(MODEL, raw, r["target"], candidate=r["candidate"], overwrite=True, progress=False)
+            prune_model(Run(MODEL, raw, overwrite=True, progress=False), r["target"], candidate=r["candidate"])
         systems[f"{r['target']:.0%} pruned"] = str(raw)
         systems[f"{r['target']:.0%} distilled"] = r["dir"]
     rows = []

@@ -47,6 +47,13 @@ class Training(Job):
         )  # fmt: skip
 
 
+    def run_config(self, tokens: int):
+        """The source, output and distillation of `tokens` (0: none) as the training job takes them."""
+        from slimlm.train.job import Run
+
+        return Run(self.model, self.out, self.train_config(tokens), self.train_data, self.eval_data, self.overwrite)
+
+
 def _say_checkpoint(out: Path) -> Path:
     if os.environ.get("RANK", "0") == "0":  # under torchrun / accelerate launch, one process says it
         print(f"checkpoint: {out}")
@@ -71,9 +78,9 @@ class GQA(Training):
     def run(self) -> Path:
         from slimlm.train.job import convert_gqa
 
-        return _say_checkpoint(convert_gqa(
-            self.model, self.kv_heads, self.out, self.expand, self.grouping, self.train_config(self.uptrain_tokens),
-            self.calib, self.num_samples, self.train_data, self.eval_data, self.overwrite))  # fmt: skip
+        out = convert_gqa(self.run_config(self.uptrain_tokens), self.kv_heads, self.expand, self.grouping, self.calib,
+                          self.num_samples)  # fmt: skip
+        return _say_checkpoint(out)
 
 
 class Prune(Training):
@@ -105,6 +112,5 @@ class Prune(Training):
         search = self.train_config(self.search_tokens)  # the candidates' short runs: the same settings, no checkpoints
         if search is not None:
             search = dataclasses.replace(search, checkpoint_every=10**9, eval_every=10**9)
-        return _say_checkpoint(prune_model(
-            self.model, self.out, self.target_params, sizes, self.candidate, self.train_config(self.distill_tokens),
-            self.calib, self.num_samples, search, self.train_data, self.eval_data, self.overwrite))  # fmt: skip
+        return _say_checkpoint(prune_model(self.run_config(self.distill_tokens), self.target_params, sizes,
+                                           self.candidate, self.calib, self.num_samples, search))  # fmt: skip

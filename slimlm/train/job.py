@@ -37,6 +37,19 @@ def _logger(progress: bool):
     return (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
 
 
+@dataclass(frozen=True)
+class Run:
+    """What gqa and prune share: the source, where the result goes, and its distillation (None: none)."""
+
+    model: str  # asset name, local float directory or hub id
+    out: Path
+    train_config: TrainConfig | None = None
+    train_data: str = "owt"
+    eval_data: str = "wiki"
+    overwrite: bool = False
+    progress: bool = True
+
+
 @dataclass
 class _Job:
     """What both commands have once the source is checked and loaded."""
@@ -50,34 +63,34 @@ class _Job:
     windows: torch.Tensor | None  # the training windows, when there is training
 
 
-def _start(command: str, model_spec: str, out: Path, train_config: TrainConfig | None, train_data: str,
-           eval_data: str, overwrite: bool) -> _Job:  # fmt: skip
+def _start(command: str, run: Run) -> _Job:
     """Every check that can fail before work starts, then the source model and the training text."""
     from accelerate import PartialState
 
-    model_dir = models.resolve(model_spec)
+    train_config = run.train_config
+    model_dir = models.resolve(run.model)
     if "quantization_config" in models.read_config(model_dir):
         raise SlimlmError(f"{model_dir} is quantized; {command} needs a float checkpoint ({command} first, "
                           "then quantize)")  # fmt: skip
     state = PartialState(cpu=not torch.cuda.is_available())  # on CPU, several processes mean gloo
-    out = Path(out).expanduser().resolve()
+    out = Path(run.out).expanduser().resolve()
     if state.is_main_process:  # before any work: an --out that would lose data is refused now
-        atomic.check_output(out, overwrite, [model_dir])
+        atomic.check_output(out, run.overwrite, [model_dir])
     if train_config is not None:
-        data.check_source(train_data)
-        data.check_source(eval_data)
+        data.check_source(run.train_data)
+        data.check_source(run.eval_data)
     teacher, tokenizer, _ = models.load(str(model_dir))  # checks the architecture and the weight files
     windows = None
     if train_config is not None:
-        windows = text_windows(train_data, tokenizer, train_config.seq_len)
+        windows = text_windows(run.train_data, tokenizer, train_config.seq_len)
         check(train_config, len(windows), state.num_processes)
-    return _Job(model_spec, model_dir, out, teacher, tokenizer, state, windows)
+    return _Job(run.model, model_dir, out, teacher, tokenizer, state, windows)
 
 
-def _finish(job: _Job, student: torch.nn.Module, meta: dict, train_config: TrainConfig | None, train_data: str,
-            eval_data: str, overwrite: bool, progress: bool, tag: str) -> Path:  # fmt: skip
+def _finish(job: _Job, student: torch.nn.Module, meta: dict, run: Run, tag: str) -> Path:
     """Distill `student` from the source (with a train_config), then write it with its manifest and curve."""
-    log, state, out = _logger(progress), job.state, job.out
+    log, state, out, progress = _logger(run.progress), job.state, job.out, run.progress
+    train_config, train_data, eval_data = run.train_config, run.train_data, run.eval_data
     meta["source_model"] = {"spec": job.model_spec, "path": str(job.model_dir),
                             "sha256": shards.sha256(*shards.weight_files(job.model_dir))}  # fmt: skip
     run_dir = out.with_name(f".{out.name}.train")
@@ -101,7 +114,7 @@ def _finish(job: _Job, student: torch.nn.Module, meta: dict, train_config: Train
         meta["training"] = {**asdict(train_config), "data": train_data, "log": history,
                             "eval": f"{eval_data}, first {EVAL_TOKENS} tokens"}  # fmt: skip
     if state.is_main_process:
-        with atomic.atomic_dir(out, overwrite, sources=[job.model_dir]) as tmp:
+        with atomic.atomic_dir(out, run.overwrite, sources=[job.model_dir]) as tmp:
             files = shards.write(tmp, writer.state_tensors(student))
             writer.write_metadata(tmp, files, student.config, job.tokenizer, meta,
                                   generation_config=getattr(student, "generation_config", None))  # fmt: skip
@@ -115,26 +128,14 @@ def _finish(job: _Job, student: torch.nn.Module, meta: dict, train_config: Train
     return out
 
 
-def convert_gqa(
-    model_spec: str,
-    kv_heads: int,
-    out: Path,
-    expand: bool = False,
-    grouping: str = "similarity",
-    train_config: TrainConfig | None = None,
-    calib: str = "owt",
-    num_samples: int = 16,
-    train_data: str = "owt",
-    eval_data: str = "wiki",
-    overwrite: bool = False,
-    progress: bool = True,
-) -> Path:
-    """Convert (and, with train_config, uptrain) `model_spec` to `kv_heads` KV heads; returns the output dir."""
+def convert_gqa(run: Run, kv_heads: int, expand: bool = False, grouping: str = "similarity", calib: str = "owt",
+                num_samples: int = 16) -> Path:  # fmt: skip
+    """Convert (and, with run.train_config, uptrain) run.model to `kv_heads` KV heads; returns the output dir."""
     if grouping not in GROUPINGS:
         raise SlimlmError(f"--grouping {grouping} is not one of {', '.join(GROUPINGS)}")
-    if expand and train_config is not None:
+    if expand and run.train_config is not None:
         raise SlimlmError("--expand is exact (the same function): it needs no --uptrain-tokens")
-    job = _start("GQA conversion", model_spec, out, train_config, train_data, eval_data, overwrite)
+    job = _start("GQA conversion", run)
     gqa.check_kv_heads(job.teacher.config, kv_heads, expand)
     student = copy.deepcopy(job.teacher)
     before = job.teacher.config.num_key_value_heads
@@ -149,12 +150,12 @@ def convert_gqa(
             samples = data.calibration_windows(calib, job.tokenizer, num_samples, 512)
             groups = gqa.similarity_groups(student, samples, kv_heads)
         gqa.merge(student, groups)
-    _logger(progress)(f"[gqa] {job.model_dir.name}: {before} -> {kv_heads} KV heads "
+    _logger(run.progress)(f"[gqa] {job.model_dir.name}: {before} -> {kv_heads} KV heads "
                       f"({'expand' if expand else grouping})")  # fmt: skip
     meta = {"method": "gqa", "arguments": {"kv_heads": kv_heads, "from_kv_heads": before, "expand": expand,
             "grouping": None if expand else grouping, "groups": groups},
             "convert_seconds": round(time.time() - start, 2)}  # fmt: skip
-    return _finish(job, student, meta, train_config, train_data, eval_data, overwrite, progress, "gqa")
+    return _finish(job, student, meta, run, "gqa")
 
 
 def prune_shape(config, target: float | None, sizes: dict[str, int | None]) -> prune.Shape | None:
@@ -215,31 +216,9 @@ def _removed(keep: prune.Keep, config, scores: prune.Importance) -> dict:
     }
 
 
-def prune_model(
-    model_spec: str,
-    out: Path,
-    target: float | None = None,
-    sizes: dict[str, int | None] | None = None,
-    candidate: str | None = None,
-    train_config: TrainConfig | None = None,
-    calib: str = "owt",
-    num_samples: int = 32,
-    search: TrainConfig | None = None,
-    train_data: str = "owt",
-    eval_data: str = "wiki",
-    overwrite: bool = False,
-    progress: bool = True,
-) -> Path:
-    """Prune `model_spec` to `target` of its parameters (searching the candidate shapes: the best by
-    perplexity right after pruning, or with `search`, after that short distillation of each) or to the
-    explicit `sizes` (hidden, heads, ffn, layers), distill it with train_config, write it; returns the
-    output dir."""
-    log = _logger(progress)
-    sizes = sizes or {}
-    if candidate is not None and (target is None or candidate not in prune.FAMILIES):
-        raise SlimlmError(f"--candidate needs --target-params and one of {', '.join(prune.FAMILIES)}")
-    job = _start("pruning", model_spec, out, train_config, train_data, eval_data, overwrite)
-    teacher = job.teacher
+def _shapes(teacher: torch.nn.Module, target: float | None, sizes: dict, candidate: str | None, log):
+    """The explicit shape (or None) and the candidates for `target` (name -> shape), checked; with the source's
+    shape and parameter count."""
     shape = prune_shape(teacher.config, target, sizes)
     current = prune.Shape.of(teacher.config)
     fits = prune.fitting_group_sizes(teacher.config, current)
@@ -256,9 +235,24 @@ def prune_model(
                           f"{embeddings:.0%}); raise --target-params")  # fmt: skip
     if candidate is not None and candidate not in found:
         raise SlimlmError(f"--candidate {candidate} cannot reach {target:.0%}; candidates: {', '.join(found)}")
+    return shape, found, current, total
+
+
+def prune_model(run: Run, target: float | None = None, sizes: dict[str, int | None] | None = None,
+                candidate: str | None = None, calib: str = "owt", num_samples: int = 32,
+                search: TrainConfig | None = None) -> Path:  # fmt: skip
+    """Prune run.model to `target` of its parameters (searching the candidate shapes: the best by perplexity
+    right after pruning, or with `search`, after that short distillation of each) or to the explicit `sizes`
+    (hidden, heads, ffn, layers), distill it with run.train_config, write it; returns the output dir."""
+    log, progress = _logger(run.progress), run.progress
+    if candidate is not None and (target is None or candidate not in prune.FAMILIES):
+        raise SlimlmError(f"--candidate needs --target-params and one of {', '.join(prune.FAMILIES)}")
+    job = _start("pruning", run)
+    teacher = job.teacher
+    shape, found, current, total = _shapes(teacher, target, sizes or {}, candidate, log)
     searching = search is not None and len(found) > 1 and candidate is None
     if searching:
-        windows = text_windows(train_data, job.tokenizer, search.seq_len)
+        windows = text_windows(run.train_data, job.tokenizer, search.seq_len)
         check(search, len(windows), job.state.num_processes)
     start = time.time()
     samples = data.calibration_windows(calib, job.tokenizer, num_samples + SCORE_SAMPLES, 512)
@@ -288,7 +282,7 @@ def prune_model(
     params = prune.count_parameters(teacher, shape)
     log(f"[prune] {job.model_dir.name}: {current} -> {shape}" + (f" ('{candidate}')" if candidate else "")
         + f", {params:,} of {total:,} parameters ({params / total:.1%})")  # fmt: skip
-    if train_config is None:
+    if run.train_config is None:
         held_out = samples[num_samples:]
         before, after = math.exp(mean_nll(teacher, held_out)), math.exp(mean_nll(student, held_out))
         log(f"warning: no --distill-tokens, so the pruned model is not distilled: perplexity {after:.1f} against "
@@ -301,4 +295,4 @@ def prune_model(
             "parameters": {"before": total, "after": params}, "candidates": searched,
             "removed": _removed(keep, teacher.config, scores),
             "prune_seconds": round(time.time() - start, 2)}  # fmt: skip
-    return _finish(job, student, meta, train_config, train_data, eval_data, overwrite, progress, "prune")
+    return _finish(job, student, meta, run, "prune")
