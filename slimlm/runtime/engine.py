@@ -84,6 +84,7 @@ class EngineStats:
     total_blocks: int
     kv_bytes_per_token: int
     weight_bytes: int  # bytes a decode step reads for the weights (embeddings excluded)
+    preemptions: int  # since start
 
 
 @dataclass
@@ -129,6 +130,7 @@ class Engine:
                 f"{need / 2**20:.1f} MiB (--kv-cache-memory) or lower max_model_len"
             )
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching)
+        self._weight_bytes = self.runner.weight_bytes()  # walks every module: once, not per stats() call
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         eos = hf.get("eos_token_id", self.tokenizer.eos_token_id)
         self.eos_ids = {e for e in (eos if isinstance(eos, list) else [eos]) if type(e) is int}
@@ -231,7 +233,8 @@ class Engine:
             prefilling=sum(q.num_computed < q.num_tokens - 1 for q in seqs),
             mean_context=sum(q.num_tokens for q in s.running) / max(1, len(s.running)),
             free_blocks=self.blocks.num_free, total_blocks=self.runner.num_blocks,
-            kv_bytes_per_token=self.runner.kv_bytes_per_token, weight_bytes=self.runner.weight_bytes(),
+            kv_bytes_per_token=self.runner.kv_bytes_per_token, weight_bytes=self._weight_bytes,
+            preemptions=s.num_preemptions,
         )  # fmt: skip
 
     @property

@@ -51,7 +51,8 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = Metrics()
-        self.snapshot = EngineSnapshot(total_blocks=engine.runner.num_blocks, free_blocks=engine.blocks.num_free)
+        stats = engine.stats()
+        self.snapshot = EngineSnapshot(total_blocks=stats.total_blocks, free_blocks=stats.free_blocks)
         self.draining = False
         self._streams: dict[str, _Stream] = {}  # event-loop thread only
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -233,7 +234,6 @@ class AsyncEngine:
         self._loop.call_soon_threadsafe(self._added, future, error)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        s, blocks = self.engine.scheduler, self.engine.blocks
-        snapshot = EngineSnapshot(len(s.waiting), len(s.running), blocks.num_free, len(blocks.blocks),
-                                  s.num_preemptions, self._aborted)  # fmt: skip
+        s = self.engine.stats()
+        snapshot = EngineSnapshot(s.waiting, s.running, s.free_blocks, s.total_blocks, s.preemptions, self._aborted)
         self._loop.call_soon_threadsafe(self._deliver, outputs, snapshot)
