@@ -103,8 +103,8 @@ def main() -> None:
     search_tokens = min(tokens, steps[0].search_batches * a.batch_size * a.seq_len) if a.method == "awq" else 0
 
     rate_before = matmul_rate(a.batch_size * a.seq_len, cfg["hidden_size"], cfg["intermediate_size"], passes)
-    result = pipeline.run(model, steps, calib, batch_size=a.batch_size, weights=weights, compute_dtype=passes,
-                          report_error=False, on_layer=lambda *_: None)  # fmt: skip
+    run = pipeline.Passes(a.batch_size, compute_dtype=passes, report_error=False)
+    result = pipeline.run(model, steps, calib, run, weights=weights, on_layer=lambda *_: None)
     rate_after = matmul_rate(a.batch_size * a.seq_len, cfg["hidden_size"], cfg["intermediate_size"], passes)
     rate = max(rate_before, rate_after)
     flops = layer_flops(cfg, a.method, tokens, a.seq_len, search_tokens, a.group_size)

@@ -111,8 +111,8 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
         # the job never holds the whole model's codes: memory stays bounded by a layer and one shard.
         layers = _LayerWriter(shards.ShardWriter(tmp), job.fmt, source.keep_weights,
                               weights.dtypes if job.args is None and weights is not None else {})  # fmt: skip
-        result = pipeline.run(model, job.steps, samples, job.ignore, calibration.batch_size, progress, weights,
-                              source.device, job.report_error, on_layer=layers.write, compute_dtype=passes)  # fmt: skip
+        run = pipeline.Passes(calibration.batch_size, source.device, passes, job.report_error, progress)
+        result = pipeline.run(model, job.steps, samples, run, job.ignore, weights, on_layer=layers.write)
         seconds = time.time() - start
         meta = {
             "method": job.method,

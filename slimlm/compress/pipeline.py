@@ -219,32 +219,40 @@ def _apply_steps(
     return done, layer_tensors, ref
 
 
+@dataclass(frozen=True)
+class Passes:
+    """How the calibration data goes through the layers."""
+
+    batch_size: int = 8  # windows per forward
+    device: torch.device | str = "cpu"
+    compute_dtype: torch.dtype | None = None  # None: the stored weights' dtype
+    report_error: bool = True  # also run each compressed layer to report its output error against the float one
+    progress: bool = True  # a progress bar over the layers
+
+
 @torch.no_grad()
 @objects_alive_now_frozen
 def run(
     model: nn.Module,
     steps: list[Step],
     calib: torch.Tensor | None,
+    passes: Passes = Passes(),
     ignore: list[str] = (),
-    batch_size: int = 8,
-    progress: bool = True,
     weights: LazyWeights | None = None,
-    device: torch.device | str = "cpu",
-    report_error: bool = True,
     on_layer: Callable[[dict[str, QuantizedWeight], dict[str, torch.Tensor]], None] | None = None,
-    compute_dtype: torch.dtype | None = None,
 ) -> Result:
     """Compress every decoder layer of `model` in place, running `steps` on each layer in order.
 
-    With `weights`, the decoder layers start empty (meta) and each is read from disk onto `device` just
+    With `weights`, the decoder layers start empty (meta) and each is read from disk onto passes.device just
     before it is compressed and dropped right after. `calib` may be None when no step needs data and no
-    error report is wanted. `compute_dtype` (default: the stored one) is the dtype the batches go through
-    the layers in.
+    error report is wanted.
 
     Each finished layer's quantized weights and tensors to store (the layer's unquantized ones: norms,
     biases, ignored linears; and the steps' extra ones) go to `on_layer` when given, which is how a job
     writes them out at once and holds nothing across layers; otherwise they are gathered in the Result.
     """
+    batch_size, device, compute_dtype = passes.batch_size, passes.device, passes.compute_dtype
+    report_error = passes.report_error
     with_data = report_error or any(s.needs_data for s in steps)
     inputs = capture_first_layer_inputs(model, calib, batch_size) if with_data else []
     if weights is not None:  # the embedding's work is done (the job reads it from disk again to write it)
@@ -259,7 +267,7 @@ def run(
     float_tensors: dict[str, torch.Tensor] = {}
     config_patch: dict[str, Any] = {}
     report = []
-    bar = tqdm(range(len(layers)), desc="layers", unit="layer", disable=not progress)
+    bar = tqdm(range(len(layers)), desc="layers", unit="layer", disable=not passes.progress)
     for i in bar:
         start = time.time()
         if weights is not None:

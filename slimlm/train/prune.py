@@ -144,7 +144,7 @@ class _Observer:
 def importance(model: nn.Module, windows: torch.Tensor, batch_size: int = 8, progress: bool = True) -> Importance:
     """Score every layer, head, neuron and hidden channel of `model` on the calibration `windows`."""
     observer = _Observer(model.config)
-    pipeline.run(model, [observer], windows, batch_size=batch_size, progress=progress, report_error=False)
+    pipeline.run(model, [observer], windows, pipeline.Passes(batch_size, report_error=False, progress=progress))
     return observer.importance()
 
 

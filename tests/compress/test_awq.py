@@ -49,7 +49,7 @@ def test_awq_beats_rtn_with_activation_outliers():
     errors = {}
     for name, method in [("rtn", RTN(args)), ("awq", AWQ(args, search_batches=2))]:
         model = tiny(4)
-        report = pipeline.run(model, [method], calib, batch_size=4, progress=False).report
+        report = pipeline.run(model, [method], calib, pipeline.Passes(4, progress=False)).report
         errors[name] = sum(r["relative_error"] for r in report)
     assert errors["awq"] < 0.8 * errors["rtn"], errors
 
@@ -64,7 +64,7 @@ def test_a_grid_of_one_tries_only_unit_scales():
     for name, steps in [("rtn", [RTN(args)]), ("grid1", [AWQ(args, clip=False, grid=1), RTN(args)]),
                         ("grid4", [AWQ(args, clip=False, grid=4), RTN(args)]),
                         ("grid8", [AWQ(args, clip=False, grid=8), RTN(args)])]:  # fmt: skip
-        result = pipeline.run(tiny(4), steps, calib, batch_size=4, progress=False)
+        result = pipeline.run(tiny(4), steps, calib, pipeline.Passes(4, progress=False))
         quantized[name] = result
     for name, q in quantized["rtn"].quantized.items():
         assert torch.equal(q.codes, quantized["grid1"].quantized[name].codes)
@@ -93,7 +93,7 @@ def test_awq_then_gptq_composes_and_beats_either_alone():
     errors = {}
     for name, steps in [("awq+rtn", lambda: [AWQ(args), RTN(args)]), ("gptq", lambda: [GPTQ(args)]),
                         ("awq+gptq", lambda: [AWQ(args), GPTQ(args)])]:  # fmt: skip
-        result = pipeline.run(tiny(4), steps(), calib, batch_size=4, progress=False)
+        result = pipeline.run(tiny(4), steps(), calib, pipeline.Passes(4, progress=False))
         assert len(result.quantized) == 14
         errors[name] = sum(r["relative_error"] for r in result.report)
     assert errors["awq+gptq"] < errors["awq+rtn"] and errors["awq+gptq"] < errors["gptq"], errors

@@ -7,6 +7,8 @@ from slimlm.compress import pipeline
 from slimlm.compress.rtn import RTN
 from slimlm.formats.quantized import QuantArgs
 
+QUIET = pipeline.Passes(progress=False)
+
 
 class Identity:
     """Quantizes nothing; also counts how many calibration rows each linear saw during the float pass."""
@@ -50,7 +52,7 @@ def test_layer_by_layer_equals_full_forward(model):
     last = pipeline.decoder_layers(model)[-1]
     last.register_forward_hook(lambda _m, _a, out: captured.append(out[0] if isinstance(out, tuple) else out))
     method = Identity()
-    result = pipeline.run(model, [method], calib, batch_size=4, progress=False)
+    result = pipeline.run(model, [method], calib, pipeline.Passes(4, progress=False))
     quantized, report = result.quantized, result.report
     layerwise = torch.cat(captured[-2:])  # the second pass over the last layer, both batches
     assert quantized == {} and len(report) == 2
@@ -61,7 +63,7 @@ def test_layer_by_layer_equals_full_forward(model):
 
 def test_rtn_quantizes_every_decoder_linear_and_reports_error(model):
     calib = torch.randint(0, model.config.vocab_size, (4, 16))
-    result = pipeline.run(model, [RTN(QuantArgs(4, 32))], calib, progress=False)
+    result = pipeline.run(model, [RTN(QuantArgs(4, 32))], calib, QUIET)
     quantized, report = result.quantized, result.report
     assert len(quantized) == 14 and not any("lm_head" in n or "embed" in n for n in quantized)
     assert all(r["relative_error"] > 0 for r in report)
@@ -87,7 +89,7 @@ def test_group_size_that_does_not_divide_names_layers(model):
 def test_nan_weights_fail_loudly(model):
     model.get_submodule("model.layers.1.mlp.up_proj").weight.data[0, 0] = float("nan")
     with pytest.raises(SlimlmError, match="decoder layer 1"):
-        pipeline.run(model, [RTN(QuantArgs(4, 32))], torch.randint(0, 100, (2, 8)), progress=False)
+        pipeline.run(model, [RTN(QuantArgs(4, 32))], torch.randint(0, 100, (2, 8)), QUIET)
 
 
 def test_offloaded_layers_give_the_same_checkpoint(tiny_llama):
@@ -97,13 +99,13 @@ def test_offloaded_layers_give_the_same_checkpoint(tiny_llama):
 
     calib = torch.randint(0, 100, (4, 16))
     in_memory = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    expected = pipeline.run(in_memory, [RTN(QuantArgs(4, 32))], calib, progress=False)
+    expected = pipeline.run(in_memory, [RTN(QuantArgs(4, 32))], calib, QUIET)
 
     empty = models.empty_model(tiny_llama)
     assert all(p.is_meta for p in empty.model.layers.parameters())
     weights = LazyWeights(tiny_llama)
     weights.materialize(empty.model.embed_tokens, "model.embed_tokens", torch.float32, "cpu")
-    got = pipeline.run(empty, [RTN(QuantArgs(4, 32))], calib, progress=False, weights=weights)
+    got = pipeline.run(empty, [RTN(QuantArgs(4, 32))], calib, QUIET, weights=weights)
     assert got.quantized.keys() == expected.quantized.keys()
     for n, q in expected.quantized.items():
         assert torch.equal(got.quantized[n].codes, q.codes)
@@ -116,9 +118,9 @@ def test_offloaded_layers_give_the_same_checkpoint(tiny_llama):
 
 def test_rtn_without_data_gives_the_same_codes(model, tiny_llama):
     calib = torch.randint(0, model.config.vocab_size, (4, 16))
-    with_data = pipeline.run(model, [RTN(QuantArgs(4, 32))], calib, progress=False)
+    with_data = pipeline.run(model, [RTN(QuantArgs(4, 32))], calib, QUIET)
     fresh = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    without = pipeline.run(fresh, [RTN(QuantArgs(4, 32))], None, progress=False, report_error=False)
+    without = pipeline.run(fresh, [RTN(QuantArgs(4, 32))], None, pipeline.Passes(report_error=False, progress=False))
     assert all("relative_error" not in r for r in without.report)
     for name, q in with_data.quantized.items():
         assert torch.equal(without.quantized[name].codes, q.codes)
@@ -145,14 +147,15 @@ class Probe(Identity):
 def test_passes_run_in_the_compute_dtype_while_the_weights_stay_as_stored(model, tiny_llama):
     calib = torch.randint(0, model.config.vocab_size, (4, 16))
     probe = Probe()
-    result = pipeline.run(model, [probe, RTN(QuantArgs(4, 32))], calib, progress=False, compute_dtype=torch.bfloat16)
+    result = pipeline.run(model, [probe, RTN(QuantArgs(4, 32))], calib, pipeline.Passes(compute_dtype=torch.bfloat16,
+                                                                                   progress=False))  # fmt: skip
     # The hooks sit on the bf16 copy the batches run through; apply() gets the layer's own fp32 weights.
     assert probe.seen == {torch.bfloat16} and probe.weights == {torch.bfloat16, torch.float32}
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert all(t.dtype == torch.float32 for t in result.float_tensors.values())
     # RTN reads no data: the codes come from the stored fp32 weights, as with fp32 passes.
     fresh = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    fp32 = pipeline.run(fresh, [RTN(QuantArgs(4, 32))], calib, progress=False)
+    fp32 = pipeline.run(fresh, [RTN(QuantArgs(4, 32))], calib, QUIET)
     for name, q in fp32.quantized.items():
         assert torch.equal(result.quantized[name].codes, q.codes) and torch.equal(result.quantized[name].scale, q.scale)
     # The error report compares bf16 outputs with bf16 outputs: close to the fp32 one, not the same.
