@@ -93,11 +93,27 @@ def gptq_quantize(
     zero = None if args.sym else torch.zeros(out_features, n_groups, dtype=torch.int8, device=W.device)
     if static is not None:
         scale, zero = static[0].clone(), None if static[1] is None else static[1].clone()
+    codes = _quantize_columns(W, U, group_of.tolist(), args, scale, zero, dynamic=static is None)
+
+    inv = torch.argsort(perm)
+    g_idx = group_of[inv].to(torch.int32) if act_order == "group" and static is None else None
+    result = QuantizedWeight(codes[inv].T.contiguous(), scale, zero, args, g_idx)
+    if not torch.isfinite(result.dequantize()).all():
+        raise SlimlmError(f"GPTQ produced non-finite weights for {name}; try a larger --damp")
+    return result
+
+
+def _quantize_columns(W: torch.Tensor, U: torch.Tensor, group_list: list[int], args: QuantArgs, scale: torch.Tensor,
+                      zero: torch.Tensor | None, dynamic: bool) -> torch.Tensor:  # fmt: skip
+    """GPTQ's column loop over W [out, in] (columns in processing order), U the upper Cholesky factor of the
+    inverse Hessian: each column rounded, its error spread over the columns after it, 128 columns per block.
+    `dynamic`: each group's qparams are set (in scale, zero) from its columns when the group is reached.
+    Returns the codes [in, out]; W is updated in place."""
     # The block's columns are worked on as rows ([columns, out]): each column GPTQ reads, rounds and updates
     # is contiguous, and so is each column of codes written.
+    in_features, out_features = W.shape[1], W.shape[0]
+    gs = in_features if args.group_size == -1 else args.group_size
     codes = torch.zeros(in_features, out_features, dtype=torch.int8, device=W.device)
-
-    group_list = group_of.tolist()  # one host copy, not one per column
     for i1 in range(0, in_features, BLOCK):
         i2 = min(i1 + BLOCK, in_features)
         W1 = W[:, i1:i2].T.contiguous()
@@ -107,7 +123,7 @@ def gptq_quantize(
         for i in range(i2 - i1):
             j = i1 + i
             g = group_list[j]
-            if static is None and j % gs == 0:
+            if dynamic and j % gs == 0:
                 # A group never straddles blocks (128 is a multiple of every group size); W1 holds its
                 # columns with all the error compensation applied so far.
                 s, z = compute_qparams(W1[i : i + gs].T, QuantArgs(args.bits, -1, args.sym))
@@ -128,13 +144,7 @@ def gptq_quantize(
             W1[i:] -= U1[i, i:, None] * err[None, :]
             E1[i] = err
         W[:, i2:] -= E1.T @ U[i1:i2, i2:]
-
-    inv = torch.argsort(perm)
-    g_idx = group_of[inv].to(torch.int32) if act_order == "group" and static is None else None
-    result = QuantizedWeight(codes[inv].T.contiguous(), scale, zero, args, g_idx)
-    if not torch.isfinite(result.dequantize()).all():
-        raise SlimlmError(f"GPTQ produced non-finite weights for {name}; try a larger --damp")
-    return result
+    return codes
 
 
 def _inverse_hessian_factor(H: torch.Tensor, damp: float, name: str) -> torch.Tensor:

@@ -117,6 +117,31 @@ def check(config: TrainConfig, num_windows: int, num_processes: int = 1) -> None
                           f"text gives {num_windows}: lower the budget or add text")  # fmt: skip
 
 
+def _backward(accelerator, student: nn.Module, teacher: nn.Module, mine: torch.Tensor, config: TrainConfig
+              ) -> torch.Tensor:  # fmt: skip
+    """One optimizer step's passes over this process's windows `mine`, micro-batch by micro-batch: the
+    gradients accumulated in the student; returns the step's loss."""
+    micro_steps = len(mine) // config.micro_batch
+    total = torch.zeros((), device=accelerator.device)
+    for m in range(micro_steps):
+        x = mine[m * config.micro_batch : (m + 1) * config.micro_batch].to(accelerator.device)
+        with torch.no_grad(), accelerator.autocast():
+            target = teacher(x).logits
+        last = m == micro_steps - 1  # gradients are averaged over processes once, on the last micro-batch
+        with nullcontext() if last else accelerator.no_sync(student), accelerator.autocast():
+            loss = distill_loss(student(x).logits, target, x, config.temperature, config.lm_weight) / micro_steps
+        accelerator.backward(loss)
+        total += loss.detach()
+    return total
+
+
+def _diverged(step: int, start: int, config: TrainConfig, loss: float, grad_norm: float) -> SlimlmError:
+    saved = max(start, step // config.checkpoint_every * config.checkpoint_every)
+    resume = f"a rerun resumes from step {saved}" if saved else "no checkpoint was reached"
+    return SlimlmError(f"training diverged at step {step + 1} (loss {loss}, gradient norm {grad_norm}): stopped "
+                       f"before that update, nothing written; lower --lr ({resume})")
+
+
 def train(
     student: nn.Module,
     teacher: nn.Module,
@@ -156,7 +181,6 @@ def train(
 
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(config.seed))
     per_process = config.global_batch // accelerator.num_processes
-    micro_steps = per_process // config.micro_batch
     rank = accelerator.process_index
     bar = tqdm(total=config.steps, initial=start, desc="training", unit="step",
                disable=not (progress and accelerator.is_main_process))  # fmt: skip
@@ -164,25 +188,12 @@ def train(
     for step in range(start, config.steps):
         batch = order[step * config.global_batch : (step + 1) * config.global_batch]
         mine = batch[rank * per_process : (rank + 1) * per_process]
-        total = torch.zeros((), device=accelerator.device)
-        for m in range(micro_steps):
-            x = windows[mine[m * config.micro_batch : (m + 1) * config.micro_batch]].to(accelerator.device)
-            with torch.no_grad(), accelerator.autocast():
-                target = teacher(x).logits
-            last = m == micro_steps - 1  # gradients are averaged over processes once, on the last micro-batch
-            with nullcontext() if last else accelerator.no_sync(student), accelerator.autocast():
-                loss = distill_loss(student(x).logits, target, x, config.temperature, config.lm_weight) / micro_steps
-            accelerator.backward(loss)
-            total += loss.detach()
+        total = _backward(accelerator, student, teacher, windows[mine], config)
         grad_norm = accelerator.clip_grad_norm_(params, config.max_grad_norm)
         loss_value = accelerator.reduce(total, "mean").item()
         if not (math.isfinite(loss_value) and math.isfinite(float(grad_norm))):  # before the step: weights intact
-            saved = max(start, step // config.checkpoint_every * config.checkpoint_every)
-            resume = f"a rerun resumes from step {saved}" if saved else "no checkpoint was reached"
             bar.close()  # the error on a line of its own
-            raise SlimlmError(f"training diverged at step {step + 1} (loss {loss_value}, gradient norm "
-                              f"{float(grad_norm)}): stopped before that update, nothing written; lower --lr "
-                              f"({resume})")  # fmt: skip
+            raise _diverged(step, start, config, loss_value, float(grad_norm))
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
