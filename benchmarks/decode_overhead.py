@@ -23,8 +23,9 @@ import torch
 
 from slimlm import kernels
 from slimlm.eval import plan
-from slimlm.eval.bench import BenchConfig, _engine, _step_inputs
 from slimlm.kernels import reference
+from slimlm.perf.config import BenchConfig, engine_for
+from slimlm.perf.offline import decode_inputs
 
 CONTEXT = 256
 RUN = 10  # steps back to back per variant and turn, as a server runs them (one step between the others'
@@ -34,8 +35,7 @@ RUN = 10  # steps back to back per variant and turn, as a server runs them (one 
 def step_timer(engine):
     runner = engine.runner
     runner.kv_cache.normal_()
-    step = _step_inputs(1, CONTEXT, engine.config.block_size, 1)
-    ids = torch.tensor([7])
+    ids, step = decode_inputs(1, CONTEXT, engine.config.block_size)
 
     def step_s() -> float:
         start = time.perf_counter()
@@ -77,7 +77,7 @@ def split(engine, step_s, steps: int) -> dict[str, float]:
 
 @torch.inference_mode()
 def measure(model: str, dtype: str, bandwidth: float, budget_s: float) -> dict:
-    engine = _engine(model, BenchConfig(dtype=dtype, batches=[1]), CONTEXT + 8)
+    engine = engine_for(model, BenchConfig(dtype=dtype, batches=[1]), CONTEXT + 8)
     runner = engine.runner
     cpu = kernels.select("cpu")
     per_op = dataclasses.replace(cpu, decode_stack=None)

@@ -28,9 +28,9 @@ import torch
 
 from slimlm import kernels
 from slimlm.eval import perplexity
-from slimlm.eval.bench import _step_inputs
 from slimlm.kernels import cpu_gemm, cpu_library
 from slimlm.kernels.packed import PackedWeight
+from slimlm.perf.offline import decode_inputs
 from slimlm.runtime.sampling import SamplingParams
 
 CONTEXT = 256
@@ -107,7 +107,7 @@ def main() -> None:
                                    prefix_caching=False)  # fmt: skip
     runner, loops = engine.runner, ("fused", "int8")
     runner.kv_cache.normal_()
-    step, ids = _step_inputs(1, CONTEXT, engine.config.block_size), torch.tensor([7])
+    ids, step = decode_inputs(1, CONTEXT, engine.config.block_size)
     times = {loop: [] for loop in loops}
     with torch.inference_mode():
         for _ in range(args.turns):

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from slimlm.eval.bench import BenchConfig, _engine, _step_inputs
 from slimlm.kernels import cpu_library
+from slimlm.perf.config import BenchConfig, engine_for
+from slimlm.perf.offline import decode_inputs
 
 
 def build(rev: str, out: Path) -> ctypes.CDLL:
@@ -51,10 +52,9 @@ def build(rev: str, out: Path) -> ctypes.CDLL:
 
 def step_ms(model: str, dtype: str, batch: int, context: int, libs: dict, seconds: float) -> dict[str, float]:
     config = BenchConfig(dtype=dtype, batches=[batch], context=context)
-    runner = _engine(model, config, context + 1).runner
+    runner = engine_for(model, config, context + 1).runner
     runner.kv_cache.normal_()
-    step = _step_inputs(batch, context, runner.block_size)
-    ids = torch.randint(0, 1000, (batch,))
+    ids, step = decode_inputs(batch, context, runner.block_size)
     times = {rev: [] for rev in libs}
     original = cpu_library.load
     try:

@@ -21,16 +21,16 @@ PROBE = """
 import json, sys
 from pathlib import Path
 import torch
-from slimlm.eval.bench import _peak_reset, _status
+from slimlm.perf.load import peak_reset, status
 from slimlm.formats import shards
 from slimlm.runtime import loader
 d = Path(sys.argv[1])
 loader.load_model(d, torch.float32, "cpu", 64)
 loader.release_freed()
-base = _peak_reset()
+base = peak_reset()
 model = loader.load_model(d, torch.float32, "cpu", 64)
-print(json.dumps({"weight_bytes": shards.total_size(d), "peak_bytes": _status("VmHWM") - base,
-                  "resident_bytes": _status("VmRSS") - base}))
+print(json.dumps({"weight_bytes": shards.total_size(d), "peak_bytes": status("VmHWM") - base,
+                  "resident_bytes": status("VmRSS") - base}))
 """
 
 

@@ -27,13 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 STEP = r"""
 import json, statistics, sys, time, torch
-from slimlm.eval.bench import BenchConfig, _engine, _step_inputs
+from slimlm.perf.config import BenchConfig, engine_for
+from slimlm.perf.offline import decode_inputs
 model, dtype, batch, context, new, seconds, threads = sys.argv[1:8]
 batch, context, new, seconds = int(batch), int(context), int(new), float(seconds)
 torch.set_num_threads(int(threads))
-runner = _engine(model, BenchConfig(dtype=dtype, batches=[batch], context=context + new), context + new).runner
+runner = engine_for(model, BenchConfig(dtype=dtype, batches=[batch], context=context + new), context + new).runner
 runner.kv_cache.normal_()
-step, ids, times = _step_inputs(batch, context, runner.block_size, new), torch.randint(0, 1000, (batch * new,)), []
+(ids, step), times = decode_inputs(batch, context, runner.block_size, new), []
 last = torch.arange(new - 1, batch * new, new)  # each sequence's last token
 with torch.inference_mode():
     for _ in range(3):  # warm-up

@@ -120,7 +120,7 @@ def decode_steps(engine, requests: list[dict], context: int = 256, steps: int = 
 
 def run_slimlm_http(requests: list[dict], dtype: str) -> dict:
     """`compress serve` as its own process (engine settings as above), this process as the client."""
-    from slimlm.eval.bench import served
+    from slimlm.perf.http import served
 
     with served(MODEL, "--dtype", dtype, "--max-num-seqs", "64", "--max-num-batched-tokens", "512") as url:
         return http_client(url, requests)
@@ -128,7 +128,7 @@ def run_slimlm_http(requests: list[dict], dtype: str) -> dict:
 
 def http_client(url: str, requests: list[dict]) -> dict:
     """`compress bench`'s open-loop streaming client."""
-    from slimlm.eval.bench import http_client as client
+    from slimlm.perf.http import http_client as client
 
     return {"token_times": client(url, requests)[0]}
 

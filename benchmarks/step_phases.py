@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from slimlm.eval.bench import BenchConfig, _engine, _step_inputs
 from slimlm.kernels import cpu_library
+from slimlm.perf.config import BenchConfig, engine_for
+from slimlm.perf.offline import decode_inputs
 
 PHASES = ["add + norm", "q/k/v", "rotary + KV write", "attention", "o", "add + norm 2", "gate/up", "SiLU·up", "down"]
 ROUNDS, STEPS = 10, 10
@@ -41,11 +42,12 @@ def measure(models: list[str], dtype: str, batch: int, context: int, lib: ctypes
     seconds = (ctypes.c_double * len(PHASES)).in_dll(lib, "slimlm_phase_seconds")
     runs = {}
     for model in models:
-        runner = _engine(model, BenchConfig(dtype=dtype, batches=[batch], context=context), context + 1).runner
+        runner = engine_for(model, BenchConfig(dtype=dtype, batches=[batch], context=context), context + 1).runner
         runner.kv_cache.normal_()
         if runner.model.decode_stack is None:
             raise SystemExit(f"step_phases.py: {model} does not decode in one call here")
-        runs[model] = (runner, _step_inputs(batch, context, runner.block_size), torch.randint(0, 1000, (batch,)))
+        ids, step = decode_inputs(batch, context, runner.block_size)
+        runs[model] = (runner, step, ids)
     totals = {m: {"step": 0.0, "lm_head": 0.0, **dict.fromkeys(PHASES, 0.0)} for m in models}
     for r in range(ROUNDS + 1):  # round 0 warms up
         for model, (runner, step, ids) in runs.items():

@@ -35,8 +35,9 @@ from pathlib import Path
 import torch
 
 from slimlm import assets, models
-from slimlm.eval.bench import BenchConfig, offline
 from slimlm.eval.plan import copy_bandwidth
+from slimlm.perf.config import BenchConfig
+from slimlm.perf.offline import offline
 
 LLAMA = r"""
 import json, statistics, sys, time

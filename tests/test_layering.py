@@ -17,6 +17,7 @@ LAYERS = [  # bottom-up
     {"slimlm.devices", "slimlm.models", "slimlm.data"},
     {"slimlm.runtime", "slimlm.compress"},
     {"slimlm.train", "slimlm.eval", "slimlm.serve"},  # train uses compress's calibration pipeline
+    {"slimlm.perf"},  # compress bench: times the runtime, reads eval's bandwidth model
     {"slimlm.jobs"},  # every command as a typed job: what the CLI, recipes and the Python API share
     {"slimlm.recipe"},
     {"slimlm.cli"},

@@ -153,11 +153,12 @@ class Bench(Job):
 
     def run(self) -> dict:
         from slimlm import models
-        from slimlm.eval import bench
+        from slimlm.perf import bench
+        from slimlm.perf.config import BenchConfig, baseline_of
 
         if self.json_path:
             atomic.check_file(self.json_path, self.overwrite, "--json")
-        config = bench.BenchConfig(batches=self.batch, context=self.context, prefill_len=self.prefill_len,
+        config = BenchConfig(batches=self.batch, context=self.context, prefill_len=self.prefill_len,
                                    rounds=self.rounds, kv_cache_memory=self.kv_cache_memory, dtype=self.dtype,
                                    requests=self.requests, rate=self.rate, prompt_len=self.prompt_len,
                                    output_len=self.output_len, slo_ttft_s=self.slo_ttft, slo_itl_s=self.slo_itl,
@@ -165,7 +166,7 @@ class Bench(Job):
         model_dir = models.resolve(self.model)
         baseline = None if self.baseline == "none" else self.baseline
         if self.baseline is None and (model_dir / "slimlm.json").exists():
-            baseline = bench.baseline_of(model_dir)
+            baseline = baseline_of(model_dir)
         result = bench.bench(self.model, baseline, config)
         print(bench.table(result))
         if self.json_path:

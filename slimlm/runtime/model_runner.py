@@ -39,6 +39,32 @@ def _available_memory(device: str) -> int:
     return int(fields["MemAvailable"].split()[0]) * 1024
 
 
+def step_inputs(batch: Batch, block_size: int, device: torch.device | str) -> tuple[torch.Tensor, StepInputs]:
+    """The token ids and the packed varlen inputs of a scheduled batch: each item's tokens from its first
+    uncomputed one, their positions and KV slots, and every sequence's block table (padded)."""
+    ids, positions, slots, seq_lens, query_start = [], [], [], [], [0]
+    for item in batch.items:
+        seq, start = item.seq, item.seq.num_computed
+        end = start + item.num_tokens
+        ids += seq.token_ids[start:end]
+        positions += range(start, end)
+        slots += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        seq_lens.append(end)
+        query_start.append(query_start[-1] + item.num_tokens)
+    width = max(len(item.seq.block_table) for item in batch.items)
+    tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch.items]
+
+    def tensor(values, dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    step = StepInputs(
+        positions=tensor(positions, torch.int64), slots=tensor(slots, torch.int64),
+        block_tables=tensor(tables, torch.int32), seq_lens=tensor(seq_lens, torch.int32),
+        query_start=tensor(query_start, torch.int32), query_lens=[item.num_tokens for item in batch.items],
+    )  # fmt: skip
+    return tensor(ids, torch.int64), step
+
+
 class ModelRunner:
     def __init__(
         self, model_dir: Path, dtype: torch.dtype, device: str, kv_cache_bytes: int, block_size: int, max_len: int,
@@ -100,28 +126,7 @@ class ModelRunner:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     def inputs(self, batch: Batch) -> tuple[torch.Tensor, StepInputs]:
-        ids, positions, slots, seq_lens, query_start = [], [], [], [], [0]
-        for item in batch.items:
-            seq, start = item.seq, item.seq.num_computed
-            end = start + item.num_tokens
-            ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            bs = self.block_size
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
-            seq_lens.append(end)
-            query_start.append(query_start[-1] + item.num_tokens)
-        width = max(len(item.seq.block_table) for item in batch.items)
-        tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch.items]
-
-        def tensor(values, dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
-        step = StepInputs(
-            positions=tensor(positions, torch.int64), slots=tensor(slots, torch.int64),
-            block_tables=tensor(tables, torch.int32), seq_lens=tensor(seq_lens, torch.int32),
-            query_start=tensor(query_start, torch.int32), query_lens=[item.num_tokens for item in batch.items],
-        )  # fmt: skip
-        return tensor(ids, torch.int64), step
+        return step_inputs(batch, self.block_size, self.device)
 
     @torch.inference_mode()
     def run(self, batch: Batch, logit_rows: list[int]) -> torch.Tensor:

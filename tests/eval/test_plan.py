@@ -138,9 +138,10 @@ def test_the_cpu_probe_measures_something_plausible():
 
 def test_predicted_against_a_bench_run(tiny_llama, tmp_path, capsys):
     from slimlm import models
-    from slimlm.eval import bench
+    from slimlm.perf import bench
+    from slimlm.perf.config import BenchConfig
 
-    config = bench.BenchConfig(batches=[1, 2], context=32, prefill_len=16, steps=2, kv_cache_memory=4 << 20,
+    config = BenchConfig(batches=[1, 2], context=32, prefill_len=16, steps=2, kv_cache_memory=4 << 20,
                                requests=2, rate=50.0, prompt_len=(8, 12), output_len=(2, 3))  # fmt: skip
     result = bench.bench(str(tiny_llama), None, config, progress=False)
     path = tmp_path / "bench.json"

@@ -310,14 +310,14 @@ def test_loading_a_w4_checkpoint_peaks_near_its_size(tmp_path):
 import sys
 from pathlib import Path
 import torch
-from slimlm.eval.bench import _peak_reset, _status
+from slimlm.perf.load import peak_reset, status
 from slimlm.runtime import loader
 d = Path(sys.argv[1])
 loader.load_model(d, torch.float32, "cpu", 64)
 loader.release_freed()
-base = _peak_reset()
+base = peak_reset()
 model = loader.load_model(d, torch.float32, "cpu", 64)
-print((_status("VmHWM") - base) / (d / "model.safetensors").stat().st_size)
+print((status("VmHWM") - base) / (d / "model.safetensors").stat().st_size)
 """
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "w4")], capture_output=True, text=True,
                          check=True).stdout  # fmt: skip

@@ -97,12 +97,13 @@ def joinable_w4(joinable):
 
 
 def decode_step(model, rows: int, kv_dtype: torch.dtype, seed: int = 0):
-    from slimlm.eval.bench import _step_inputs
+    from slimlm.perf.offline import decode_inputs
 
     g = torch.Generator().manual_seed(seed)
     attn = model.model.layers[0].self_attn
     cache = torch.randn(len(model.model.layers), 2, rows * 8, 16, attn.kv_heads, attn.head_dim, generator=g)
-    return torch.randint(0, 100, (rows,), generator=g), _step_inputs(rows, 40, 16), cache.to(kv_dtype)
+    ids, step = decode_inputs(rows, 40, 16, seed=seed)
+    return ids, step, cache.to(kv_dtype)
 
 
 def forward(model, ids, step, cache):

@@ -4,6 +4,7 @@ gets a ratio column, goodput follows the SLO, bad input is named."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,32 +13,41 @@ import torch
 
 from slimlm import SlimlmError
 from slimlm.cli import main
-from slimlm.eval import bench, plan
+from slimlm.eval import plan
+from slimlm.perf import bench
+from slimlm.perf.config import BenchConfig, baseline_of, pool_bytes
+from slimlm.perf.http import online_http
+from slimlm.perf.load import busy_warnings, others_load
+from slimlm.perf.offline import offline, resident_batch
+from slimlm.perf.workload import online, percentiles, workload
 
-SMALL = bench.BenchConfig(batches=[1, 3], context=40, prefill_len=32, steps=2, kv_cache_memory=4 << 20,
+SMALL = BenchConfig(batches=[1, 3], context=40, prefill_len=32, steps=2, kv_cache_memory=4 << 20,
                           requests=5, rate=50.0, prompt_len=(8, 16), output_len=(3, 6))  # fmt: skip
 
 
 @torch.inference_mode()
-def test_the_synthetic_step_layout_computes_what_transformers_does(tiny_llama):
-    """Prefill 40 tokens into each of 3 sequences' blocks, then one decode step at context 40: each
-    sequence's logits equal transformers' on its 41 tokens, so the timed steps do real attention work."""
+def test_the_resident_batch_computes_what_transformers_does(tiny_llama):
+    """Prefill 40 tokens into each of 3 sequences' blocks, then one decode step at context 40, both through the
+    runner's own input builder: each sequence's logits equal transformers' on its 41 tokens, so the timed
+    steps do real attention work."""
     from transformers import AutoModelForCausalLM
 
     from slimlm.runtime.engine import Engine, EngineConfig
+    from slimlm.runtime.scheduler import Batch, ScheduledSeq
 
     runner = Engine(str(tiny_llama), EngineConfig(kv_cache_memory=4 << 20, max_model_len=64)).runner
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    ids = torch.randint(0, hf.config.vocab_size, (3, 41), generator=torch.Generator().manual_seed(0))
-    bs = runner.block_size
-    runner.model(ids[:, :40].flatten(), bench._step_inputs(3, 0, bs, 40), runner.kv_cache)
-    hidden = runner.model(ids[:, 40], bench._step_inputs(3, 40, bs, 1), runner.kv_cache)
+    decode = resident_batch(3, 40, runner.block_size, 1, vocab=hf.config.vocab_size)
+    prefill = Batch([ScheduledSeq(dataclasses.replace(item.seq, num_computed=0), 40) for item in decode.items])
+    runner.model(*runner.inputs(prefill), runner.kv_cache)
+    hidden = runner.model(*runner.inputs(decode), runner.kv_cache)
+    ids = torch.tensor([item.seq.token_ids for item in decode.items])
     expected = hf(ids).logits[:, -1]
     assert torch.allclose(runner.model.logits(hidden), expected, atol=1e-4)
 
 
 def test_offline_figures_are_consistent(tiny_llama):
-    result = bench.offline(str(tiny_llama), SMALL, bandwidth=10e9)
+    result = offline(str(tiny_llama), SMALL, bandwidth=10e9)
     assert [d["batch"] for d in result["decode"]] == [1, 3] and result["prefill_tok_s"] > 0
     for d in result["decode"]:
         assert d["tok_s"] == pytest.approx(d["batch"] * 1e3 / d["step_ms"])
@@ -52,23 +62,23 @@ def test_the_workload_is_seeded_and_the_online_run_serves_it_all(tiny_llama):
     from slimlm import models
 
     tokenizer = models.load_tokenizer(tiny_llama)
-    requests = bench.workload(SMALL, tokenizer)
-    assert requests == bench.workload(SMALL, tokenizer) and len(requests) == 5
+    requests = workload(SMALL, tokenizer)
+    assert requests == workload(SMALL, tokenizer) and len(requests) == 5
     assert all(8 <= len(r["prompt"]) <= 16 and 3 <= r["output_len"] <= 6 for r in requests)
     assert all(a["arrival"] < b["arrival"] for a, b in zip(requests, requests[1:], strict=False))
-    result = bench.online(str(tiny_llama), SMALL, requests)
+    result = online(str(tiny_llama), SMALL, requests)
     total = sum(r["output_len"] for r in requests)
     assert result["output_tok_s"] == pytest.approx(total / result["wall_s"])
     assert result["ttft_s"]["p50"] <= result["ttft_s"]["p99"] and result["slo_met"] == 1.0
-    strict = bench.online(str(tiny_llama), bench.BenchConfig(**{**SMALL.__dict__, "slo_ttft_s": 1e-9}), requests)
+    strict = online(str(tiny_llama), BenchConfig(**{**SMALL.__dict__, "slo_ttft_s": 1e-9}), requests)
     assert strict["goodput_req_s"] == 0 and strict["slo_met"] == 0
 
 
 def test_percentiles():
     values = [float(v) for v in range(1, 101)]
-    assert bench._percentiles(values) == {"p50": pytest.approx(50.5), "p90": pytest.approx(90.1),
+    assert percentiles(values) == {"p50": pytest.approx(50.5), "p90": pytest.approx(90.1),
                                           "p99": pytest.approx(99.01)}  # fmt: skip
-    assert bench._percentiles([2.0]) == {"p50": 2.0, "p90": 2.0, "p99": 2.0}
+    assert percentiles([2.0]) == {"p50": 2.0, "p90": 2.0, "p99": 2.0}
 
 
 def test_rounds_keep_the_median_of_each_figure():
@@ -104,17 +114,17 @@ def test_other_processes_load_is_measured_and_warned_about():
     import subprocess
     import sys
 
-    with bench.others_load() as idle:
+    with others_load() as idle:
         pass
     assert idle["other_cores"] is not None and idle["other_cores"] >= 0
     spin = "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"
-    with bench.others_load() as load:
+    with others_load() as load:
         subprocess.run([sys.executable, "-c", spin], check=True)  # another process, busy while we wait
     assert load["other_cores"] >= 0.5  # one spinning core (less what a startup in sleep costs), at least half
     quiet = {"offline": {"other_cores": 0.2}, "online": {"other_cores": None}}
     result = {"systems": {"baseline": {"offline": {"other_cores": 1.6}, "online": {"other_cores": 0.1}},
                           "model": quiet}}  # fmt: skip
-    (line,) = bench.busy_warnings(result)
+    (line,) = busy_warnings(result)
     assert line.startswith("warning: other processes kept 1.6 of") and "the baseline's offline measurement" in line
 
 
@@ -123,7 +133,7 @@ def test_the_command_measures_the_source_beside_a_checkpoint(tiny_llama, tmp_pat
     out = tmp_path / "w4"
     assert main(["rtn", "--model", str(tiny_llama), "--group-size", "32", "--out", str(out)]) == 0
     capsys.readouterr()
-    assert bench.baseline_of(out) == str(tiny_llama)
+    assert baseline_of(out) == str(tiny_llama)
     args = ["bench", str(out), "--batch", "1,2", "--context", "32", "--prefill-len", "16", "--requests", "3",
             "--rate", "inf", "--prompt-len", "8,12", "--output-len", "2,4", "--kv-cache-memory", "4M",
             "--rounds", "2", "--json", str(tmp_path / "bench.json")]  # fmt: skip
@@ -138,7 +148,7 @@ def test_the_command_measures_the_source_beside_a_checkpoint(tiny_llama, tmp_pat
         assert len(on["rounds_output_tok_s"]) == 2 and on["output_tok_s"] == max(on["rounds_output_tok_s"])
     parts = [result["systems"][n][p] for n in ("model", "baseline") for p in ("offline", "online")]
     assert all(part["other_cores"] >= 0 for part in parts)
-    assert result["warnings"] == bench.busy_warnings(result)
+    assert result["warnings"] == busy_warnings(result)
     w4, base = (result["systems"][n]["offline"]["weight_bytes"] for n in ("model", "baseline"))
     assert w4 < base  # the packed linears read fewer bytes
     assert "online / roofline" in table and result["matmul_flops"] > 0
@@ -185,21 +195,21 @@ def test_rounds_must_be_a_positive_integer(capsys):
 def test_a_checkpoint_without_a_source_needs_a_baseline(tmp_path):
     (tmp_path / "slimlm.json").write_text("{}")
     with pytest.raises(SlimlmError, match="pass --baseline"):
-        bench.baseline_of(tmp_path)
+        baseline_of(tmp_path)
 
 
 def test_the_workload_over_http_gets_every_token(tiny_llama):
     from slimlm import models
 
-    requests = bench.workload(SMALL, models.load_tokenizer(tiny_llama))[:3]
-    result = bench.online_http(str(tiny_llama), SMALL, requests)
+    requests = workload(SMALL, models.load_tokenizer(tiny_llama))[:3]
+    result = online_http(str(tiny_llama), SMALL, requests)
     assert result["output_tok_s"] == pytest.approx(sum(r["output_len"] for r in requests) / result["wall_s"])
     assert 0 < result["ttft_s"]["p50"] <= result["ttft_s"]["p99"] and result["slo_met"] == 1.0
 
 
 def test_the_default_pool_holds_the_largest_batch(tiny_llama):
     per_token = 2 * 2 * 2 * 16 * 4  # the tiny model's fp32 KV per token
-    assert bench.pool_bytes(str(tiny_llama), bench.BenchConfig(batches=[1, 8], context=40)) == 512 << 20
-    big = bench.BenchConfig(batches=[100_000], context=40)
-    assert bench.pool_bytes(str(tiny_llama), big) == (100_000 * 3 + 1) * 16 * per_token
-    assert bench.pool_bytes(str(tiny_llama), bench.BenchConfig(kv_cache_memory=1 << 20)) == 1 << 20
+    assert pool_bytes(str(tiny_llama), BenchConfig(batches=[1, 8], context=40)) == 512 << 20
+    big = BenchConfig(batches=[100_000], context=40)
+    assert pool_bytes(str(tiny_llama), big) == (100_000 * 3 + 1) * 16 * per_token
+    assert pool_bytes(str(tiny_llama), BenchConfig(kv_cache_memory=1 << 20)) == 1 << 20
