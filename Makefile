@@ -22,7 +22,7 @@ demo: setup
 
 # One torch thread per xdist worker; no hub; a throwaway HF_HOME so nothing cached by hand leaks in.
 test: setup
-	$(BIN)/ruff check .
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HOME=$$(mktemp -d) OMP_NUM_THREADS=1 \
 		$(BIN)/pytest -n 2 -q -p no:cacheprovider --durations=10
 

@@ -81,13 +81,17 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - start)
     rate = {name: nbytes[name] / statistics.median(ts) for name, ts in times.items()}
-    print(f"{args.shape}: {layers} layers, {heads}/{kv_heads} heads of {dim}, {args.batch} × {args.context} tokens, "
-          f"{args.kv} KV, {args.query} queries, {args.threads} threads")  # fmt: skip
+    print(
+        f"{args.shape}: {layers} layers, {heads}/{kv_heads} heads of {dim}, {args.batch} × {args.context} tokens, "
+        f"{args.kv} KV, {args.query} queries, {args.threads} threads"
+    )
     first = statistics.median(times[next(iter(libs))])
     for name, ts in times.items():
         speed = "" if name.startswith("read") else f"{first / statistics.median(ts):6.2f}×"
-        print(f"{name:12s} {nbytes[name] / 1e6:8.0f} MB {1e3 * statistics.median(ts):8.2f} ms "
-              f"{rate[name] / 1e9:6.1f} GB/s {rate[name] / rate['read 1 GiB']:6.2f} of read {speed}")  # fmt: skip
+        print(
+            f"{name:12s} {nbytes[name] / 1e6:8.0f} MB {1e3 * statistics.median(ts):8.2f} ms "
+            f"{rate[name] / 1e9:6.1f} GB/s {rate[name] / rate['read 1 GiB']:6.2f} of read {speed}"
+        )
 
 
 if __name__ == "__main__":

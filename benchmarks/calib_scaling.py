@@ -50,8 +50,9 @@ def matmul_rate(tokens: int, hidden: int, ffn: int, dtype: torch.dtype) -> float
     return flops / best
 
 
-def layer_flops(cfg: dict, method: str, tokens: int, seq_len: int, search_tokens: int, group_size: int
-                ) -> dict[str, float]:
+def layer_flops(
+    cfg: dict, method: str, tokens: int, seq_len: int, search_tokens: int, group_size: int
+) -> dict[str, float]:
     hidden, ffn, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
     hd = arch.head_dim(cfg)
     kv = cfg.get("num_key_value_heads") or heads
@@ -112,23 +113,44 @@ def main() -> None:
     every = bound + flops["solve"] / rate
     seconds = [e["seconds"] for e in result.report]
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, " + (
-        "AVX-512" if "avx512f" in cpu_flags() else "AVX2")
-    print(f"{a.model} {a.method} W4 g{a.group_size}, {a.num_samples}x{a.seq_len} tokens, passes in {passes}, "
-          f"{machine}; matmul {rate_before / 1e9:.0f} / {rate_after / 1e9:.0f} GFLOP/s before / after")
-    print(f"per layer: passes {flops['passes'] / 1e12:.2f} TFLOP, hessians {flops['hessians'] / 1e12:.2f}, "
-          f"solve {flops['solve'] / 1e12:.2f}; bound {bound:.1f} s (with the solve {every:.1f} s)")
+        "AVX-512" if "avx512f" in cpu_flags() else "AVX2"
+    )
+    print(
+        f"{a.model} {a.method} W4 g{a.group_size}, {a.num_samples}x{a.seq_len} tokens, passes in {passes}, "
+        f"{machine}; matmul {rate_before / 1e9:.0f} / {rate_after / 1e9:.0f} GFLOP/s before / after"
+    )
+    print(
+        f"per layer: passes {flops['passes'] / 1e12:.2f} TFLOP, hessians {flops['hessians'] / 1e12:.2f}, "
+        f"solve {flops['solve'] / 1e12:.2f}; bound {bound:.1f} s (with the solve {every:.1f} s)"
+    )
     for i, s in enumerate(seconds):
         print(f"  layer {i}: {s:6.1f} s = {s / bound:.2f}x the bound, {s / every:.2f}x all arithmetic")
     steady = seconds[1:] or seconds
     median = sorted(steady)[len(steady) // 2]
-    print(f"median layer (after the first): {median:.1f} s = {median / bound:.2f}x the bound, "
-          f"{median / every:.2f}x all arithmetic")
+    print(
+        f"median layer (after the first): {median:.1f} s = {median / bound:.2f}x the bound, "
+        f"{median / every:.2f}x all arithmetic"
+    )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"model": a.model, "method": a.method, "group_size": a.group_size, "tokens": tokens,
-                       "seq_len": a.seq_len, "compute_dtype": str(passes), "machine": machine,
-                       "matmul_flops": [rate_before, rate_after], "layer_flops": flops, "bound_s": bound,
-                       "all_arithmetic_s": every, "layer_seconds": seconds}, f, indent=2)  # fmt: skip
+            json.dump(
+                {
+                    "model": a.model,
+                    "method": a.method,
+                    "group_size": a.group_size,
+                    "tokens": tokens,
+                    "seq_len": a.seq_len,
+                    "compute_dtype": str(passes),
+                    "machine": machine,
+                    "matmul_flops": [rate_before, rate_after],
+                    "layer_flops": flops,
+                    "bound_s": bound,
+                    "all_arithmetic_s": every,
+                    "layer_seconds": seconds,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

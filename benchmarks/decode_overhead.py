@@ -62,8 +62,12 @@ def split(engine, step_s, steps: int) -> dict[str, float]:
     model = engine.runner.model
     saved = []
     for module in model.modules():
-        for attr, name in (("quant_matmul", "quantized linears"), ("attention", "paged attention"),
-                           ("add_rms_norm", "add + RMSNorm"), ("rotary_kv_write", "rotary + KV write")):  # fmt: skip
+        for attr, name in (
+            ("quant_matmul", "quantized linears"),
+            ("attention", "paged attention"),
+            ("add_rms_norm", "add + RMSNorm"),
+            ("rotary_kv_write", "rotary + KV write"),
+        ):
             if hasattr(module, attr) and not (attr == "quant_matmul" and module.packed is None):
                 saved.append((module, attr, getattr(module, attr)))
                 setattr(module, attr, timed(name, getattr(module, attr)))
@@ -81,9 +85,13 @@ def measure(model: str, dtype: str, bandwidth: float, budget_s: float) -> dict:
     runner = engine.runner
     cpu = kernels.select("cpu")
     per_op = dataclasses.replace(cpu, decode_stack=None)
-    variants = {"pytorch layer ops": dataclasses.replace(per_op, add_rms_norm=reference.add_rms_norm,
-                                                         rotary_kv_write=reference.rotary_kv_write),
-                "C layer ops": per_op, "one call per step": cpu}  # fmt: skip
+    variants = {
+        "pytorch layer ops": dataclasses.replace(
+            per_op, add_rms_norm=reference.add_rms_norm, rotary_kv_write=reference.rotary_kv_write
+        ),
+        "C layer ops": per_op,
+        "one call per step": cpu,
+    }
     step_s = step_timer(engine)
     times = {name: [] for name in variants}
     for backend in variants.values():  # warm-up
@@ -128,8 +136,11 @@ def main() -> None:
             print(f"\n{model} {dtype}: floor {r['floor_ms']:.2f} ms")
             for name, v in r["variants"].items():
                 print(f"  {name:18s} step {v['step_ms']:6.2f} ms  {v['floor_ratio']:4.2f}× floor  ({v['steps']} steps)")
-            print("  speedup over pytorch layer ops: " + ", ".join(f"{k} {v:.2f}×" for k, v in r["speedup"].items())
-                  + ("" if r["one_call_step"] else " (one call per step does not apply: float linears)"))
+            print(
+                "  speedup over pytorch layer ops: "
+                + ", ".join(f"{k} {v:.2f}×" for k, v in r["speedup"].items())
+                + ("" if r["one_call_step"] else " (one call per step does not apply: float linears)")
+            )
             print("  split (C variant, ms/step): " + ", ".join(f"{k} {v:.2f}" for k, v in r["split_ms"].items()))
     if args.json:
         with open(args.json, "w") as f:

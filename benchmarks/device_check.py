@@ -44,10 +44,25 @@ GEMM_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 ATTN_BATCH = [1, 4, 16, 64]
 ATTN_CONTEXT = [512, 2048, 8192]
 LLAMA8B_ATTN = dict(heads=32, kv_heads=8, head_dim=128)
-LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)  # fmt: skip
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=256, max_position_embeddings=2048)  # fmt: skip
+LLAMA8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=8,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=2048,
+)
 E2E_BATCH = [1, 8, 32, 64]
 E2E_CONTEXT = 512
 
@@ -95,8 +110,13 @@ def correctness(device: str) -> list[dict]:
                 with poisoned_allocations():
                     out = triton_attention.paged_attention(*problem.args())
                 ref = reference.paged_attention(*problem.args(), dtype=torch.float64)
-                results.append({"kernel": f"paged {name} kv={kv_dtype}".replace("torch.", ""), "dtype": str(q_dtype),
-                                "rel_err": relative_error(out, ref)})  # fmt: skip
+                results.append(
+                    {
+                        "kernel": f"paged {name} kv={kv_dtype}".replace("torch.", ""),
+                        "dtype": str(q_dtype),
+                        "rel_err": relative_error(out, ref),
+                    }
+                )
     return results
 
 
@@ -108,8 +128,10 @@ def random_w4(k: int, n: int, device: str, group: int = 128) -> PackedWeight:
         codes=torch.randint(0, 256, (blocks, k, BLOCK_N // 2), dtype=torch.uint8, device=device),
         scales=(torch.rand(blocks, k // group, BLOCK_N, device=device) * 0.01 + 0.001).half(),
         zeros=torch.randint(0, 16, (blocks, k // group, BLOCK_N), dtype=torch.uint8, device=device),
-        bits=4, group_size=group, out_features=n,
-    )  # fmt: skip
+        bits=4,
+        group_size=group,
+        out_features=n,
+    )
 
 
 def gemm(device: str) -> list[dict]:
@@ -124,8 +146,18 @@ def gemm(device: str) -> list[dict]:
             t_q = bench_ms(functools.partial(triton_gemm.quant_matmul, x, w))
             t_bf16 = bench_ms(functools.partial(torch.matmul, x, dense.T))
             launch = triton_gemm.config(m, k, n // BLOCK_N)
-            results.append({"K": k, "N": n, "M": m, "w4a16_ms": t_q, "bf16_ms": t_bf16, "speedup": t_bf16 / t_q,
-                            "w4a16_GBps": w.nbytes() / t_q / 1e6, "launch": launch})  # fmt: skip
+            results.append(
+                {
+                    "K": k,
+                    "N": n,
+                    "M": m,
+                    "w4a16_ms": t_q,
+                    "bf16_ms": t_bf16,
+                    "speedup": t_bf16 / t_q,
+                    "w4a16_GBps": w.nbytes() / t_q / 1e6,
+                    "launch": launch,
+                }
+            )
             print(f"gemm K={k} N={n} M={m}: w4a16 {t_q:.4f} ms  bf16 {t_bf16:.4f} ms  {t_bf16 / t_q:.2f}×", flush=True)
     return results
 
@@ -138,12 +170,27 @@ def decode_attention(device: str, copy_gbps: float) -> list[dict]:
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         for batch in batches:
             for context in contexts:
-                p = paged_problem([context] * batch, [1] * batch, **shape, block_size=16, kv_dtype=kv_dtype,
-                                  q_dtype=torch.bfloat16 if not DRY else torch.float32, device=device)  # fmt: skip
+                p = paged_problem(
+                    [context] * batch,
+                    [1] * batch,
+                    **shape,
+                    block_size=16,
+                    kv_dtype=kv_dtype,
+                    q_dtype=torch.bfloat16 if not DRY else torch.float32,
+                    device=device,
+                )
                 t = bench_ms(functools.partial(triton_attention.paged_attention, *p.args()))
                 gbps = p.kv_bytes() / t / 1e6
-                results.append({"kv_dtype": str(kv_dtype), "batch": batch, "context": context, "ms": t,
-                                "GBps": gbps, "of_copy_bw": gbps / copy_gbps})  # fmt: skip
+                results.append(
+                    {
+                        "kv_dtype": str(kv_dtype),
+                        "batch": batch,
+                        "context": context,
+                        "ms": t,
+                        "GBps": gbps,
+                        "of_copy_bw": gbps / copy_gbps,
+                    }
+                )
                 print(f"decode attn {kv_dtype} batch={batch} ctx={context}: {t:.4f} ms {gbps:.0f} GB/s", flush=True)
     return results
 
@@ -159,17 +206,30 @@ def random_llama(path: Path, shape: dict) -> Path:
     config = LlamaConfig(**shape, tie_word_embeddings=False, torch_dtype="bfloat16")
     config.save_pretrained(path)
     h, i, kv = config.hidden_size, config.intermediate_size, config.num_key_value_heads * config.head_dim
-    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "lm_head.weight": (config.vocab_size, h),
-              "model.norm.weight": (h,)}  # fmt: skip
+    shapes = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "lm_head.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
     for n in range(config.num_hidden_layers):
         p = f"model.layers.{n}."
-        shapes.update({p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                       p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
-                       p + "post_attention_layernorm.weight": (h,)})  # fmt: skip
-    tensors = {name: torch.ones(s, dtype=torch.bfloat16) if len(s) == 1 else torch.randn(s, dtype=torch.bfloat16) * 0.02
-               for name, s in shapes.items()}  # fmt: skip
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (h, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, h),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
+    tensors = {
+        name: torch.ones(s, dtype=torch.bfloat16) if len(s) == 1 else torch.randn(s, dtype=torch.bfloat16) * 0.02
+        for name, s in shapes.items()
+    }
     save_file(tensors, path / "model.safetensors")
     vocab = {f"t{n}": n for n in range(config.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
@@ -201,8 +261,12 @@ def end_to_end(device: str, copy_gbps: float) -> list[dict]:
     batches, context = (E2E_BATCH, E2E_CONTEXT) if not DRY else ([1, 3], 40)
     results = []
     for variant in ("bf16", "w4a16"):
-        config = EngineConfig(dtype="bfloat16" if not DRY else "float32", device=device, max_num_batched_tokens=8192,
-                              kv_cache_memory=(16 << 30) if not DRY else (64 << 20))  # fmt: skip
+        config = EngineConfig(
+            dtype="bfloat16" if not DRY else "float32",
+            device=device,
+            max_num_batched_tokens=8192,
+            kv_cache_memory=(16 << 30) if not DRY else (64 << 20),
+        )
         engine = Engine(str(model_dir), config)
         if variant == "w4a16":
             to_w4(engine)
@@ -222,8 +286,17 @@ def end_to_end(device: str, copy_gbps: float) -> list[dict]:
                 engine.abort(name)
             moved = weights + batch * (context + 1) * kv_per_token
             floor_ms = moved / copy_gbps / 1e6
-            results.append({"variant": variant, "batch": batch, "context": context, "step_ms": ms,
-                            "bytes_per_step": moved, "floor_ms": floor_ms, "of_roofline": floor_ms / ms})  # fmt: skip
+            results.append(
+                {
+                    "variant": variant,
+                    "batch": batch,
+                    "context": context,
+                    "step_ms": ms,
+                    "bytes_per_step": moved,
+                    "floor_ms": floor_ms,
+                    "of_roofline": floor_ms / ms,
+                }
+            )
             print(f"e2e {variant} batch={batch}: step {ms:.3f} ms, floor {floor_ms:.3f} ms", flush=True)
         del engine
     return results
@@ -253,11 +326,21 @@ def calibration(device: str) -> dict:
         if not DRY:  # a dry run's "big" model would be the tiny one again: only the agreement check runs
             start = time.perf_counter()
             calib = CalibData(str(text), samples, seq_len, device=device)
-            quantize_weights(Quantization(name, steps(), args, str(big), Path(f"out/device_check_{name}"), calib,
-                                          overwrite=True), progress=False)  # fmt: skip
+            quantize_weights(
+                Quantization(name, steps(), args, str(big), Path(f"out/device_check_{name}"), calib, overwrite=True),
+                progress=False,
+            )
             seconds = time.perf_counter() - start
-            result["timed"].append({"method": name, "layers": 2, "samples": samples, "seq_len": seq_len,
-                                    "seconds": seconds, "per_layer_s": seconds / 2})  # fmt: skip
+            result["timed"].append(
+                {
+                    "method": name,
+                    "layers": 2,
+                    "samples": samples,
+                    "seq_len": seq_len,
+                    "seconds": seconds,
+                    "per_layer_s": seconds / 2,
+                }
+            )
             print(f"calibration {name} on {device}: 2 layers in {seconds:.1f} s", flush=True)
         codes = {}
         for where in (device, "cpu"):
@@ -284,22 +367,28 @@ def _median_step_ms(engine, steps: int = 20) -> float:
 
 def summary(report: dict) -> str:
     ceil = report["ceilings"]
-    lines = [f"copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s",
-             f"correctness: worst rel. error {max(r['rel_err'] for r in report['correctness']):.2e} over "
-             f"{len(report['correctness'])} kernel/dtype cases",
-             "W4A16 ÷ bf16 cuBLAS time (speedup), per M:",
-             "  K×N".ljust(16) + "".join(f"{m:>7}" for m in sorted({r['M'] for r in report['gemm']}))]  # fmt: skip
+    lines = [
+        f"copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s",
+        f"correctness: worst rel. error {max(r['rel_err'] for r in report['correctness']):.2e} over "
+        f"{len(report['correctness'])} kernel/dtype cases",
+        "W4A16 ÷ bf16 cuBLAS time (speedup), per M:",
+        "  K×N".ljust(16) + "".join(f"{m:>7}" for m in sorted({r["M"] for r in report["gemm"]})),
+    ]
     for k, n in sorted({(r["K"], r["N"]) for r in report["gemm"]}):
         cells = [r for r in report["gemm"] if (r["K"], r["N"]) == (k, n)]
         lines.append(f"  {k}×{n}".ljust(16) + "".join(f"{r['speedup']:>6.2f}×" for r in cells))
     lines.append("paged decode attention, share of copy bandwidth (batch × context):")
     for r in report["decode_attention"]:
-        lines.append(f"  {r['kv_dtype']:<20} b={r['batch']:<3} ctx={r['context']:<5} {r['GBps']:>7.0f} GB/s "
-                     f"{r['of_copy_bw']:>6.0%}")  # fmt: skip
+        lines.append(
+            f"  {r['kv_dtype']:<20} b={r['batch']:<3} ctx={r['context']:<5} {r['GBps']:>7.0f} GB/s "
+            f"{r['of_copy_bw']:>6.0%}"
+        )
     lines.append("runtime decode step vs roofline (Llama-3-8B layer shapes, 8 layers, random weights):")
     for r in report["end_to_end"]:
-        lines.append(f"  {r['variant']:<6} b={r['batch']:<3} ctx={r['context']:<5} {r['step_ms']:>8.3f} ms "
-                     f"floor {r['floor_ms']:>7.3f} ms  {r['of_roofline']:>6.0%} of roofline")  # fmt: skip
+        lines.append(
+            f"  {r['variant']:<6} b={r['batch']:<3} ctx={r['context']:<5} {r['step_ms']:>8.3f} ms "
+            f"floor {r['floor_ms']:>7.3f} ms  {r['of_roofline']:>6.0%} of roofline"
+        )
     lines.append("calibration on the device (Llama-3-8B layer shapes, random weights):")
     timed = {r["method"]: r for r in report["calibration"]["timed"]}
     for agree in report["calibration"]["agreement"]:
@@ -319,8 +408,12 @@ def main() -> None:
         raise SystemExit("error: no CUDA device; run with --dry-run to check the script on CPU")
     torch.manual_seed(0)
     start = time.time()
-    report = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.machine() + " (dry run)",
-              "torch": torch.__version__, "triton": triton.__version__, "dry_run": args.dry_run}  # fmt: skip
+    report = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.machine() + " (dry run)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "dry_run": args.dry_run,
+    }
     report["ceilings"] = ceilings(device)
     print("ceilings:", report["ceilings"], flush=True)
     report["correctness"] = correctness(device)

@@ -49,8 +49,10 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         libs = {rev: build(rev, Path(tmp)) for rev in args.revs}
-        print(f"{args.dtype} x, {args.threads} threads; ms (median, interleaved); ratios: first revision's time ÷ "
-              "each one's, and dense bf16's ÷ the last revision's")  # fmt: skip
+        print(
+            f"{args.dtype} x, {args.threads} threads; ms (median, interleaved); ratios: first revision's time ÷ "
+            "each one's, and dense bf16's ÷ the last revision's"
+        )
         for shape in args.shapes.split(","):
             n, k = map(int, shape.split("x"))
             dense = torch.randn(n, k).bfloat16()
@@ -64,8 +66,11 @@ def main() -> None:
                     ms = interleaved_ms(fns, args.seconds)
                     first, last = ms[args.revs[0]], ms[args.revs[-1]]
                     cells = "  ".join(f"{rev} {ms[rev]:8.3f} ({first / ms[rev]:.2f}×)" for rev in args.revs)
-                    print(f"{shape:>10s} int{bits} M={m:4d}  {cells}  dense bf16 {ms['dense bf16']:8.3f} "
-                          f"({ms['dense bf16'] / last:.2f}×)", flush=True)  # fmt: skip
+                    print(
+                        f"{shape:>10s} int{bits} M={m:4d}  {cells}  dense bf16 {ms['dense bf16']:8.3f} "
+                        f"({ms['dense bf16'] / last:.2f}×)",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,10 @@ def l3_bytes() -> int:
 def copies(w: PackedWeight, n: int) -> list[PackedWeight]:
     """n copies of w, each in its own memory (quantizing every layer anew would take minutes; the speed
     does not depend on the values)."""
-    return [PackedWeight(w.codes.clone(), w.scales.clone(), w.zeros.clone(), w.bits, w.group_size, w.out_features)
-            for _ in range(n)]  # fmt: skip
+    return [
+        PackedWeight(w.codes.clone(), w.scales.clone(), w.zeros.clone(), w.bits, w.group_size, w.out_features)
+        for _ in range(n)
+    ]
 
 
 def main() -> None:
@@ -57,14 +59,21 @@ def main() -> None:
     if cpu_gemm.dense_fits(sets["torch bf16"][0]):
         sets["C bf16"] = [pack_dense(w) for w in sets["torch bf16"]]
     for bits in (4, 8):
-        sets[f"W{bits} g128"] = [c for n, k in LAYER for c in copies(quantized_weight(n, k, bits, 128, True)[1],
-                                                                         args.layers)]  # fmt: skip
-    nbytes = {name: sum(sum(t.nbytes for t in ((w,) if isinstance(w, torch.Tensor) else (w.codes, w.scales, w.zeros)))
-                        for w in ws) for name, ws in sets.items()}  # fmt: skip
+        sets[f"W{bits} g128"] = [
+            c for n, k in LAYER for c in copies(quantized_weight(n, k, bits, 128, True)[1], args.layers)
+        ]
+    nbytes = {
+        name: sum(
+            sum(t.nbytes for t in ((w,) if isinstance(w, torch.Tensor) else (w.codes, w.scales, w.zeros))) for w in ws
+        )
+        for name, ws in sets.items()
+    }
     smallest = min(nbytes.values())
     if smallest < l3_bytes():
-        print(f"warning: {smallest / 1e6:.0f} MB per pass against an L3 of {l3_bytes() / 1e6:.0f} MB: "
-              "part of it may come from cache (raise --layers)")  # fmt: skip
+        print(
+            f"warning: {smallest / 1e6:.0f} MB per pass against an L3 of {l3_bytes() / 1e6:.0f} MB: "
+            "part of it may come from cache (raise --layers)"
+        )
     x = {k: torch.randn(args.rows, k, generator=g).bfloat16() for k in (4096, 14336)}
 
     def dense(ws):
@@ -76,8 +85,10 @@ def main() -> None:
             cpu_gemm.quant_matmul(x[w.in_features], w)
 
     big = torch.ones(1 << 28)
-    passes = {name: functools.partial(dense if isinstance(ws[0], torch.Tensor) else quantized, ws)
-              for name, ws in sets.items()}  # fmt: skip
+    passes = {
+        name: functools.partial(dense if isinstance(ws[0], torch.Tensor) else quantized, ws)
+        for name, ws in sets.items()
+    }
     passes["read 1 GiB"] = lambda: big.sum()
     nbytes["read 1 GiB"] = big.nbytes
     times = {name: [] for name in passes}
@@ -91,14 +102,18 @@ def main() -> None:
             times[name].append(time.perf_counter() - start)
     rate = {name: nbytes[name] / statistics.median(ts) for name, ts in times.items()}
     dense_s = statistics.median(times["torch bf16"])
-    print(f"{args.layers} layers of Llama-3-8B shapes, {args.rows} row(s) of bf16 x, {args.threads} threads; "
-          f"L3 {l3_bytes() / 1e6:.0f} MB")  # fmt: skip
+    print(
+        f"{args.layers} layers of Llama-3-8B shapes, {args.rows} row(s) of bf16 x, {args.threads} threads; "
+        f"L3 {l3_bytes() / 1e6:.0f} MB"
+    )
     print(f"{'':12s} {'MB/pass':>8s} {'ms/pass':>8s} {'GB/s':>6s} {'÷read':>6s} {'speedup':>8s}")
     for name, ts in times.items():
         ms = 1e3 * statistics.median(ts)
         speed = "" if name.startswith("read") else f"{dense_s / statistics.median(ts):7.2f}×"
-        print(f"{name:12s} {nbytes[name] / 1e6:8.0f} {ms:8.2f} {rate[name] / 1e9:6.1f} "
-              f"{rate[name] / rate['read 1 GiB']:6.2f} {speed:>8s}")  # fmt: skip
+        print(
+            f"{name:12s} {nbytes[name] / 1e6:8.0f} {ms:8.2f} {rate[name] / 1e9:6.1f} "
+            f"{rate[name] / rate['read 1 GiB']:6.2f} {speed:>8s}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "bytes": nbytes, "seconds": times}, f, indent=1)

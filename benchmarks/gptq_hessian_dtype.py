@@ -49,9 +49,31 @@ def run(variant: str, seed: int, out: Path) -> tuple[float, float]:
     gptq.HessianAccumulator.add = add
     try:
         start = time.time()
-        code = cli.main(["gptq", "--model", "smollm2-135m", "--calib", "owt", "--num-samples", "32", "--seq-len", "512",
-                         "--seed", str(seed), "--bits", "4", "--group-size", "64", "--sym", "--compute-dtype", dtype,
-                         "--out", str(out), "--overwrite"])  # fmt: skip
+        code = cli.main(
+            [
+                "gptq",
+                "--model",
+                "smollm2-135m",
+                "--calib",
+                "owt",
+                "--num-samples",
+                "32",
+                "--seq-len",
+                "512",
+                "--seed",
+                str(seed),
+                "--bits",
+                "4",
+                "--group-size",
+                "64",
+                "--sym",
+                "--compute-dtype",
+                dtype,
+                "--out",
+                str(out),
+                "--overwrite",
+            ]
+        )
         seconds = time.time() - start
     finally:
         gptq.HessianAccumulator.add = ADD

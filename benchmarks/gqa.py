@@ -45,8 +45,11 @@ def sizes(model: str) -> dict:
     hd = config["hidden_size"] // config["num_attention_heads"]
     kv_per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * hd * 4  # fp32 cache
     m, _, _ = models.load(model)
-    return {"kv_heads": config["num_key_value_heads"], "parameters": sum(p.numel() for p in m.parameters()),
-            "kv_bytes_per_token_fp32": kv_per_token}  # fmt: skip
+    return {
+        "kv_heads": config["num_key_value_heads"],
+        "parameters": sum(p.numel() for p in m.parameters()),
+        "kv_bytes_per_token_fp32": kv_per_token,
+    }
 
 
 def convert(out: Path, source: str, kv_heads: int, tokens: int = 0, **kwargs) -> tuple[str, float]:
@@ -84,20 +87,36 @@ def mha(args) -> list[dict]:
     base = ppl(mha_dir, args.ppl_tokens)
     rows = [{"model": "MHA (9 KV, expanded)", "wiki_ppl": base, "logit_max_diff": diffs, **sizes(mha_dir)}]
     print(f"{rows[0]['model']:40} wiki ppl {base:.4f}", flush=True)
-    cases = [("adjacent", mha_dir, "mean", 0), ("adjacent", mha_dir, "similarity", 0),
-             ("shuffled", str(shuffled), "mean", 0), ("shuffled", str(shuffled), "similarity", 0),
-             ("shuffled", str(shuffled), "mean", args.mha_uptrain_tokens)]  # fmt: skip
+    cases = [
+        ("adjacent", mha_dir, "mean", 0),
+        ("adjacent", mha_dir, "similarity", 0),
+        ("shuffled", str(shuffled), "mean", 0),
+        ("shuffled", str(shuffled), "similarity", 0),
+        ("shuffled", str(shuffled), "mean", args.mha_uptrain_tokens),
+    ]
     for heads, source, grouping, tokens in cases:
         label = f"9 -> 3 {grouping}, {heads}" + (f", uptrained {tokens // 1024}K" if tokens else "")
         out, wall = convert(args.cache / f"gqa3-{heads}-{grouping}-{tokens}", source, 3, tokens, grouping=grouping)
         value = ppl(out, args.ppl_tokens)
-        rows.append({"model": label, "heads": heads, "grouping": grouping, "uptrain_tokens": tokens,
-                     "wiki_ppl": value, "seconds": wall, **sizes(out)})  # fmt: skip
+        rows.append(
+            {
+                "model": label,
+                "heads": heads,
+                "grouping": grouping,
+                "uptrain_tokens": tokens,
+                "wiki_ppl": value,
+                "seconds": wall,
+                **sizes(out),
+            }
+        )
         print(f"{label:40} wiki ppl {value:.4f} ({value / base - 1:+.2%}) [{wall:.0f} s]", flush=True)
     by = {(r.get("heads"), r.get("grouping"), r.get("uptrain_tokens")): r["wiki_ppl"] for r in rows}
     met = all(by[(h, "similarity", 0)] <= by[(h, "mean", 0)] * 1.0001 for h in ("adjacent", "shuffled"))
-    print(f"target: similarity grouping loses no more than mean pooling right after conversion -> "
-          f"{'met' if met else 'missed'}", flush=True)  # fmt: skip
+    print(
+        f"target: similarity grouping loses no more than mean pooling right after conversion -> "
+        f"{'met' if met else 'missed'}",
+        flush=True,
+    )
     return rows
 
 
@@ -109,19 +128,32 @@ def mqa(args) -> list[dict]:
     after = ppl(trained, args.ppl_tokens)
     recovered = (lost - after) / (lost - base) if lost > base else float("nan")
     curve = [json.loads(line) for line in (Path(trained) / "log.jsonl").read_text().splitlines()]
-    rows = [{"model": "SmolLM2 (3 KV)", "wiki_ppl": base, **sizes(MODEL)},
-            {"model": "MQA (1 KV), converted", "wiki_ppl": lost, **sizes(converted)},
-            {"model": f"MQA, uptrained {args.uptrain_tokens} tokens", "wiki_ppl": after, "train_seconds": wall,
-             "recovered": recovered, "curve": [{k: e[k] for k in ("tokens", "eval_ppl") if k in e}
-                                               for e in curve if "eval_ppl" in e], **sizes(trained)}]  # fmt: skip
+    rows = [
+        {"model": "SmolLM2 (3 KV)", "wiki_ppl": base, **sizes(MODEL)},
+        {"model": "MQA (1 KV), converted", "wiki_ppl": lost, **sizes(converted)},
+        {
+            "model": f"MQA, uptrained {args.uptrain_tokens} tokens",
+            "wiki_ppl": after,
+            "train_seconds": wall,
+            "recovered": recovered,
+            "curve": [{k: e[k] for k in ("tokens", "eval_ppl") if k in e} for e in curve if "eval_ppl" in e],
+            **sizes(trained),
+        },
+    ]
     for r in rows:
-        print(f"{r['model']:34} wiki ppl {r['wiki_ppl']:.4f} ({r['wiki_ppl'] / base - 1:+.2%}), "
-              f"{r['kv_bytes_per_token_fp32'] / 1e3:.1f} kB KV/token", flush=True)  # fmt: skip
+        print(
+            f"{r['model']:34} wiki ppl {r['wiki_ppl']:.4f} ({r['wiki_ppl'] / base - 1:+.2%}), "
+            f"{r['kv_bytes_per_token_fp32'] / 1e3:.1f} kB KV/token",
+            flush=True,
+        )
     points = ", ".join(f"{c['tokens']}: {c['eval_ppl']:.2f}" for c in rows[-1]["curve"])
     print(f"curve (training tokens -> eval ppl): {points}", flush=True)
     verdict = "met" if recovered >= 0.5 and wall <= 20 * 60 else "missed"
-    print(f"target: uptraining recovers >= 50% of the lost perplexity within 20 minutes: {recovered:.0%} in "
-          f"{wall / 60:.1f} min -> {verdict}", flush=True)  # fmt: skip
+    print(
+        f"target: uptraining recovers >= 50% of the lost perplexity within 20 minutes: {recovered:.0%} in "
+        f"{wall / 60:.1f} min -> {verdict}",
+        flush=True,
+    )
     if args.curve_png:
         shutil.copy(Path(trained) / "curve.png", args.curve_png)
     return rows
@@ -129,12 +161,17 @@ def mqa(args) -> list[dict]:
 
 def capacity(args) -> list[dict]:
     mqa_dir, _ = convert(args.cache / "mqa-0", MODEL, 1)
-    rows = [serve_under_budget(label, model, "float32", args)
-            for label, model in (("3 KV heads", MODEL), ("1 KV head (MQA)", mqa_dir))]  # fmt: skip
+    rows = [
+        serve_under_budget(label, model, "float32", args)
+        for label, model in (("3 KV heads", MODEL), ("1 KV head (MQA)", mqa_dir))
+    ]
     ratio = rows[1]["sequences_fit"] / rows[0]["sequences_fit"]
     speed = rows[1]["output_tok_s"] / rows[0]["output_tok_s"]
-    print(f"target: 3x the sequences at one budget: {ratio:.2f}x -> {'met' if ratio >= 3 else 'missed'}; "
-          f"Poisson throughput {speed:.2f}x", flush=True)  # fmt: skip
+    print(
+        f"target: 3x the sequences at one budget: {ratio:.2f}x -> {'met' if ratio >= 3 else 'missed'}; "
+        f"Poisson throughput {speed:.2f}x",
+        flush=True,
+    )
     return rows
 
 

@@ -103,8 +103,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if cpu_library.vector_bits() != 256:
         raise SystemExit("this CPU runs the AVX-512 build; set SLIMLM_CPU_MARCH=haswell to measure the AVX2 one")
-    engine = perplexity.engine_for(args.model, max(args.seq_len, args.prompt_tokens), dtype="float32",
-                                   prefix_caching=False)  # fmt: skip
+    engine = perplexity.engine_for(
+        args.model, max(args.seq_len, args.prompt_tokens), dtype="float32", prefix_caching=False
+    )
     runner, loops = engine.runner, ("fused", "int8")
     runner.kv_cache.normal_()
     ids, step = decode_inputs(1, CONTEXT, engine.config.block_size)
@@ -131,26 +132,43 @@ def main() -> None:
         with forced(loop):
             ppl[loop] = perplexity.perplexity(engine, "wiki", args.seq_len, args.max_tokens, progress=False)
     step_s = {loop: statistics.median(times[loop]) for loop in loops}
-    print(f"{args.model}: {args.threads} threads, fp32, -march={os.environ.get('SLIMLM_CPU_MARCH', 'native')} "
-          f"(vector bits {cpu_library.vector_bits()}); floor {floor * 1e3:.1f} ms per step "
-          f"({nbytes / 1e6:.0f} MB of weights at {bandwidth / 1e9:.1f} GB/s)")  # fmt: skip
+    print(
+        f"{args.model}: {args.threads} threads, fp32, -march={os.environ.get('SLIMLM_CPU_MARCH', 'native')} "
+        f"(vector bits {cpu_library.vector_bits()}); floor {floor * 1e3:.1f} ms per step "
+        f"({nbytes / 1e6:.0f} MB of weights at {bandwidth / 1e9:.1f} GB/s)"
+    )
     print(f"{'loop':8s} {'ms/step':>8s} {'tok/s':>7s} {'÷floor':>7s} {'wiki ppl':>9s}")
     for loop in loops:
-        print(f"{loop:8s} {step_s[loop] * 1e3:8.1f} {1 / step_s[loop]:7.2f} {step_s[loop] / floor:7.2f} "
-              f"{ppl[loop]['perplexity']:9.4f}")  # fmt: skip
-    print(f"int8 / fused: decode {step_s['fused'] / step_s['int8']:.2f}× faster, perplexity "
-          f"{100 * (ppl['int8']['perplexity'] / ppl['fused']['perplexity'] - 1):+.3f}% "
-          f"({ppl['int8']['tokens_scored']} tokens)")  # fmt: skip
+        print(
+            f"{loop:8s} {step_s[loop] * 1e3:8.1f} {1 / step_s[loop]:7.2f} {step_s[loop] / floor:7.2f} "
+            f"{ppl[loop]['perplexity']:9.4f}"
+        )
+    print(
+        f"int8 / fused: decode {step_s['fused'] / step_s['int8']:.2f}× faster, perplexity "
+        f"{100 * (ppl['int8']['perplexity'] / ppl['fused']['perplexity'] - 1):+.3f}% "
+        f"({ppl['int8']['tokens_scored']} tokens)"
+    )
     best = {name: min(t) for name, t in ttft.items()}
-    print(f"prompt of {args.prompt_tokens} tokens, first token: exact {best['exact']:.2f} s "
-          f"({args.prompt_tokens / best['exact']:.1f} tok/s), int8 {best['int8']:.2f} s "
-          f"({args.prompt_tokens / best['int8']:.1f} tok/s): {best['exact'] / best['int8']:.2f}× faster")
+    print(
+        f"prompt of {args.prompt_tokens} tokens, first token: exact {best['exact']:.2f} s "
+        f"({args.prompt_tokens / best['exact']:.1f} tok/s), int8 {best['int8']:.2f} s "
+        f"({args.prompt_tokens / best['int8']:.1f} tok/s): {best['exact'] / best['int8']:.2f}× faster"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "step_seconds": times, "first_token_seconds": ttft, "floor_seconds": floor,
-                       "weight_bytes": nbytes,
-                       "read_bandwidth": bandwidth, "perplexity": ppl}, f,
-                      indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "args": vars(args),
+                    "step_seconds": times,
+                    "first_token_seconds": ttft,
+                    "floor_seconds": floor,
+                    "weight_bytes": nbytes,
+                    "read_bandwidth": bandwidth,
+                    "perplexity": ppl,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -39,12 +39,17 @@ def build(rev: str, out: Path) -> ctypes.CDLL:
         path.write_text(shown.stdout)
         sources.append(str(path))
     library = out / rev / "libslimlm_cpu.so"
-    subprocess.run(["gcc", *cpu_library.build_flags("native"), *sources, "-o", str(library), "-lm"], check=True,
-                   capture_output=True)  # fmt: skip
+    subprocess.run(
+        ["gcc", *cpu_library.build_flags("native"), *sources, "-o", str(library), "-lm"],
+        check=True,
+        capture_output=True,
+    )
     lib = cpu_library.bind(ctypes.CDLL(str(library)))
     if hasattr(cpu_library.load(), "slimlm_decode_layers") and not hasattr(lib, "slimlm_decode_layers"):
-        raise SystemExit(f"kernels_ab.py: {rev!r} predates the one-call decode step the working tree's Python "
-                         "makes; compare whole revisions with benchmarks/revisions_ab.py")
+        raise SystemExit(
+            f"kernels_ab.py: {rev!r} predates the one-call decode step the working tree's Python "
+            "makes; compare whole revisions with benchmarks/revisions_ab.py"
+        )
     if hasattr(lib, "slimlm_amx_ready"):
         lib.slimlm_amx_ready()
     return lib

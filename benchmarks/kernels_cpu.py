@@ -22,10 +22,22 @@ import torch
 from slimlm.kernels import cpu_gemm, reference
 from tests.kernels.problems import quantized_weight, relative_error
 
-SMOLLM2 = {"q_proj/o_proj": (576, 576), "k_proj/v_proj": (192, 576), "gate/up_proj": (1536, 576),
-           "down_proj": (576, 1536), "lm_head": (49152, 576)}  # fmt: skip
-LAYER = ["q_proj/o_proj", "k_proj/v_proj", "k_proj/v_proj", "q_proj/o_proj", "gate/up_proj", "gate/up_proj",
-         "down_proj"]  # fmt: skip
+SMOLLM2 = {
+    "q_proj/o_proj": (576, 576),
+    "k_proj/v_proj": (192, 576),
+    "gate/up_proj": (1536, 576),
+    "down_proj": (576, 1536),
+    "lm_head": (49152, 576),
+}
+LAYER = [
+    "q_proj/o_proj",
+    "k_proj/v_proj",
+    "k_proj/v_proj",
+    "q_proj/o_proj",
+    "gate/up_proj",
+    "gate/up_proj",
+    "down_proj",
+]
 LARGE = {"8192x4096": (8192, 4096)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -59,8 +71,10 @@ def run(shapes: dict[str, list[tuple[int, int]]], rows: list[int]) -> list[dict]
     for name, mats in shapes.items():
         dense = [torch.randn(n, k) for n, k in mats]
         dense_bf16 = [w.bfloat16() for w in dense]
-        packed = {bits: [quantized_weight(n, k, bits, 64, sym=False, seed=i)[1] for i, (n, k) in enumerate(mats)]
-                  for bits in (4, 8)}  # fmt: skip
+        packed = {
+            bits: [quantized_weight(n, k, bits, 64, sym=False, seed=i)[1] for i, (n, k) in enumerate(mats)]
+            for bits in (4, 8)
+        }
         for m in rows:
             xs = [torch.randn(m, k) for _, k in mats]
             xs_bf16 = [x.bfloat16() for x in xs]
@@ -83,8 +97,10 @@ def run(shapes: dict[str, list[tuple[int, int]]], rows: list[int]) -> list[dict]
     return results
 
 
-HEADER = (f"{'shape':<14}{'M':>4}{'fp32 ms':>9}{'bf16 ms':>9}{'int8 ms':>9}{'÷fp32':>7}{'÷bf16':>7}"
-          f"{'int4 ms':>9}{'÷fp32':>7}{'÷bf16':>7}  {'int4 path':<18} int8 path")  # fmt: skip
+HEADER = (
+    f"{'shape':<14}{'M':>4}{'fp32 ms':>9}{'bf16 ms':>9}{'int8 ms':>9}{'÷fp32':>7}{'÷bf16':>7}"
+    f"{'int4 ms':>9}{'÷fp32':>7}{'÷bf16':>7}  {'int4 path':<18} int8 path"
+)
 
 
 def format_row(r: dict) -> str:
@@ -117,8 +133,10 @@ def main() -> None:
         cells = {r["M"]: r for r in results if r["shape"] == shape}
         for bits in (4, 8):
             worst = min(cells.values(), key=lambda r: r["bf16_ms"] / r[f"int{bits}_ms"])
-            print(f"{shape} int{bits}: ≥ {worst['bf16_ms'] / worst[f'int{bits}_ms']:.2f}× dense bf16 at every M "
-                  f"(lowest at M={worst['M']}; want ≥ 1.0)")  # fmt: skip
+            print(
+                f"{shape} int{bits}: ≥ {worst['bf16_ms'] / worst[f'int{bits}_ms']:.2f}× dense bf16 at every M "
+                f"(lowest at M={worst['M']}; want ≥ 1.0)"
+            )
         if 1 in cells:
             print(f"{shape} int4 at M=1: {cells[1]['fp32_ms'] / cells[1]['int4_ms']:.2f}× dense fp32 (want ≥ 3)")
     if args.json:

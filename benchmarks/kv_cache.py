@@ -1,21 +1,21 @@
 """KV-cache quantization on the default model, through the runtime, every baseline measured in the same run.
 
-  quality   wiki perplexity (and optionally the task pack) for KV float32 / bfloat16, fp8 with scale 1
-            (uncalibrated, what vLLM does without scales), and checkpoints from `compress kv` (defaults:
-            128 owt windows of 512): fp8 and int8, per layer ("tensor") and per KV head ("attn_head")
-  capacity  one KV memory budget: how many sequences of a fixed context it holds, and the output
-            throughput of a Poisson workload of long prompts under it (preemptions counted)
-  int4      the 4-bit variants the int4 cache was chosen from, simulated: K and V rounded as each variant
-            would (rotation or not, symmetric or not, per-channel key smoothing, groups along the head dimension)
-            and written back into a float32 cache, so attention reads exactly what that cache would hold; wiki
-            perplexity against float32 KV, and the bytes per element (capacity against 8-bit KV), on
-            --int4-models
-  decode    one decode step at context 4096, batch 1 and 8, with the cache filled (every KV dtype, int4
-            included), the model in --dtype (float32; bfloat16 runs the bf16 paths: tile-unit scores, the bf16
-            dot product over 8-bit values), against the floor: (weight bytes + KV bytes read) / the bandwidth
-            of a large copy measured in the same run
+quality   wiki perplexity (and optionally the task pack) for KV float32 / bfloat16, fp8 with scale 1
+          (uncalibrated, what vLLM does without scales), and checkpoints from `compress kv` (defaults:
+          128 owt windows of 512): fp8 and int8, per layer ("tensor") and per KV head ("attn_head")
+capacity  one KV memory budget: how many sequences of a fixed context it holds, and the output
+          throughput of a Poisson workload of long prompts under it (preemptions counted)
+int4      the 4-bit variants the int4 cache was chosen from, simulated: K and V rounded as each variant
+          would (rotation or not, symmetric or not, per-channel key smoothing, groups along the head dimension)
+          and written back into a float32 cache, so attention reads exactly what that cache would hold; wiki
+          perplexity against float32 KV, and the bytes per element (capacity against 8-bit KV), on
+          --int4-models
+decode    one decode step at context 4096, batch 1 and 8, with the cache filled (every KV dtype, int4
+          included), the model in --dtype (float32; bfloat16 runs the bf16 paths: tile-unit scores, the bf16
+          dot product over 8-bit values), against the floor: (weight bytes + KV bytes read) / the bandwidth
+          of a large copy measured in the same run
 
-    .venv/bin/python benchmarks/kv_cache.py [--parts quality,capacity,decode] [--json out/kv.json]
+  .venv/bin/python benchmarks/kv_cache.py [--parts quality,capacity,decode] [--json out/kv.json]
 """
 
 from __future__ import annotations
@@ -35,8 +35,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from serve_vs_hf import copy_bandwidth  # noqa: E402
 
 MODEL = "smollm2-135m"
-CHECKPOINTS = {"fp8 tensor": ("fp8", "tensor"), "fp8 attn_head": ("fp8", "attn_head"),
-               "int8 tensor": ("int8", "tensor"), "int8 attn_head": ("int8", "attn_head")}  # fmt: skip
+CHECKPOINTS = {
+    "fp8 tensor": ("fp8", "tensor"),
+    "fp8 attn_head": ("fp8", "attn_head"),
+    "int8 tensor": ("int8", "tensor"),
+    "int8 attn_head": ("int8", "attn_head"),
+}
 
 
 def checkpoint(label: str, cache: Path) -> str:
@@ -47,8 +51,9 @@ def checkpoint(label: str, cache: Path) -> str:
     kv_dtype, strategy = CHECKPOINTS[label]
     out = cache / f"kv-{kv_dtype}-{strategy}"
     if not (out / "slimlm.json").exists():
-        quantize_weights(Quantization("kv", [KVCache(kv_dtype, strategy)], None, MODEL, out, report_error=False,
-                                      overwrite=True))  # fmt: skip
+        quantize_weights(
+            Quantization("kv", [KVCache(kv_dtype, strategy)], None, MODEL, out, report_error=False, overwrite=True)
+        )
     return str(out)
 
 
@@ -60,8 +65,11 @@ def quality(args) -> list[dict]:
     wanted = args.quality_kv.split(",") if args.quality_kv else None
     configs = [("float32 KV", spec, "float32"), ("bfloat16 KV", spec, "bfloat16"), ("fp8 scale 1", spec, "fp8")]
     configs += [(label, "", "auto") for label in CHECKPOINTS] + [("int4", spec, "int4")]
-    configs = [(label, model or checkpoint(label, args.cache), kv) for label, model, kv in configs
-               if wanted is None or label in wanted]  # fmt: skip
+    configs = [
+        (label, model or checkpoint(label, args.cache), kv)
+        for label, model, kv in configs
+        if wanted is None or label in wanted
+    ]
     rows = []
     for label, model, kv_dtype in configs:
         engine = engine_for(model, 512, kv_cache_dtype=kv_dtype, dtype=args.quality_dtype)
@@ -70,13 +78,17 @@ def quality(args) -> list[dict]:
         row = {"kv": label, "kv_cache_dtype": kv_dtype, "model": model, "wiki_ppl": ppl}
         if args.tasks_limit and label in args.tasks_kv.split(","):
             results = harness.evaluate(model, ["slimlm_tasks"], limit=args.tasks_limit, kv_cache_dtype=kv_dtype)
-            accs = [r.get("acc_norm,none", r.get("acc,none")) for t, r in results["results"].items()
-                    if t != "slimlm_tasks"]  # fmt: skip
+            accs = [
+                r.get("acc_norm,none", r.get("acc,none")) for t, r in results["results"].items() if t != "slimlm_tasks"
+            ]
             row["task_avg"] = 100 * sum(accs) / len(accs)
         rows.append(row)
         base = rows[0]
-        extra = f", tasks {row['task_avg']:.2f} ({row['task_avg'] / base['task_avg']:.1%} of float)" \
-            if "task_avg" in row else ""
+        extra = (
+            f", tasks {row['task_avg']:.2f} ({row['task_avg'] / base['task_avg']:.1%} of float)"
+            if "task_avg" in row
+            else ""
+        )
         print(f"{label:16} wiki ppl {ppl:8.4f} ({ppl / base['wiki_ppl'] - 1:+.2%}){extra}", flush=True)
     return rows
 
@@ -147,6 +159,7 @@ def int4(args) -> list[dict]:
 
     def write(layer: int, variant: Int4 | None, amax: dict, observe: bool = False):
         """Attention layer `layer`'s K/V write: as it is (variant None), observing key amax, or rounded."""
+
         def rounded(x: torch.Tensor, rotation, factor=None) -> torch.Tensor:
             x = x if factor is None else x / factor
             x = x if rotation is None else x @ rotation
@@ -157,8 +170,11 @@ def int4(args) -> list[dict]:
 
         def rotary_kv_write(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale=None, v_scale=None, k_offset=None):
             kv_heads, dim = k_cache.shape[2], k_cache.shape[3]
-            q, k, v = qkv.float().reshape(qkv.shape[0], -1, dim).split(
-                [qkv.shape[1] // dim - 2 * kv_heads, kv_heads, kv_heads], 1)  # fmt: skip
+            q, k, v = (
+                qkv.float()
+                .reshape(qkv.shape[0], -1, dim)
+                .split([qkv.shape[1] // dim - 2 * kv_heads, kv_heads, kv_heads], 1)
+            )
             cos, signed_sin = cos.float()[:, None], signed_sin.float()[:, None]
             k = reference.rotate(k, cos, signed_sin)
             if observe:  # per key channel: the largest |k|, and the sum and count for the mean
@@ -180,8 +196,9 @@ def int4(args) -> list[dict]:
 
         return rotary_kv_write
 
-    def perplexity_with(model: str, variant: Int4 | None, amax: dict, source="wiki", tokens=None,
-                        observe=False) -> float:  # fmt: skip
+    def perplexity_with(
+        model: str, variant: Int4 | None, amax: dict, source="wiki", tokens=None, observe=False
+    ) -> float:
         engine = engine_for(model, 512, kv_cache_dtype="float32", dtype=args.int4_dtype)
         for i, layer in enumerate(engine.runner.model.model.layers):
             layer.self_attn.rotary_kv_write = write(i, variant, amax, observe)
@@ -201,10 +218,20 @@ def int4(args) -> list[dict]:
                 continue
             ppl = perplexity_with(model, variant, amax)
             per_element = variant.bytes_per_element(head_dim)
-            rows.append({"model": model, "kv": f"int4 {name}", "wiki_ppl": ppl, "bytes_per_element": per_element,
-                         "capacity_vs_8bit": 1 / per_element})  # fmt: skip
-            print(f"  int4 {name:22} wiki ppl {ppl:8.4f} ({ppl / base - 1:+.2%}), {per_element:.3f} bytes/element, "
-                  f"capacity {1 / per_element:.2f}x of 8-bit KV", flush=True)  # fmt: skip
+            rows.append(
+                {
+                    "model": model,
+                    "kv": f"int4 {name}",
+                    "wiki_ppl": ppl,
+                    "bytes_per_element": per_element,
+                    "capacity_vs_8bit": 1 / per_element,
+                }
+            )
+            print(
+                f"  int4 {name:22} wiki ppl {ppl:8.4f} ({ppl / base - 1:+.2%}), {per_element:.3f} bytes/element, "
+                f"capacity {1 / per_element:.2f}x of 8-bit KV",
+                flush=True,
+            )
     return rows
 
 
@@ -222,9 +249,12 @@ def _workload(args, tokenizer) -> list[dict]:
 
 
 def capacity(args) -> list[dict]:
-    configs = [("float32 KV", MODEL, "float32"), ("bfloat16 KV", MODEL, "bfloat16"),
-               ("int8 attn_head", checkpoint("int8 attn_head", args.cache), "auto"),
-               ("int4", MODEL, "int4")]  # fmt: skip
+    configs = [
+        ("float32 KV", MODEL, "float32"),
+        ("bfloat16 KV", MODEL, "bfloat16"),
+        ("int8 attn_head", checkpoint("int8 attn_head", args.cache), "auto"),
+        ("int4", MODEL, "int4"),
+    ]
     return [serve_under_budget(label, model, kv_dtype, args) for label, model, kv_dtype in configs]
 
 
@@ -235,8 +265,15 @@ def serve_under_budget(label: str, model: str, kv_dtype: str, args) -> dict:
     from slimlm.runtime.sampling import SamplingParams
 
     context = args.prompt_len + args.output_len
-    engine = Engine(model, EngineConfig(kv_cache_memory=args.budget << 20, kv_cache_dtype=kv_dtype,
-                                        max_model_len=context, max_num_batched_tokens=512))  # fmt: skip
+    engine = Engine(
+        model,
+        EngineConfig(
+            kv_cache_memory=args.budget << 20,
+            kv_cache_dtype=kv_dtype,
+            max_model_len=context,
+            max_num_batched_tokens=512,
+        ),
+    )
     fits = engine.capacity // (-(-context // engine.config.block_size) * engine.config.block_size)
     pending = _workload(args, engine.tokenizer)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
@@ -256,12 +293,23 @@ def serve_under_budget(label: str, model: str, kv_dtype: str, args) -> dict:
         peak = max(peak, engine.stats().running)
     wall = time.perf_counter() - start
     preempted = sum(s.num_preemptions for s in seqs)
-    row = {"kv": label, "budget_mib": args.budget, "kv_bytes_per_token": engine.runner.kv_bytes_per_token,
-           "tokens_held": engine.capacity, "sequences_fit": fits, "peak_running": peak,
-           "preemptions": preempted, "output_tok_s": tokens / wall, "wall_s": wall}  # fmt: skip
-    print(f"{label:16} {engine.capacity:6} tokens in {args.budget} MiB -> {fits:2} sequences of {context}; "
-          f"Poisson: peak {peak} running, {preempted} preemptions, {tokens / wall:6.1f} output tok/s "
-          f"({wall:.0f} s)", flush=True)  # fmt: skip
+    row = {
+        "kv": label,
+        "budget_mib": args.budget,
+        "kv_bytes_per_token": engine.runner.kv_bytes_per_token,
+        "tokens_held": engine.capacity,
+        "sequences_fit": fits,
+        "peak_running": peak,
+        "preemptions": preempted,
+        "output_tok_s": tokens / wall,
+        "wall_s": wall,
+    }
+    print(
+        f"{label:16} {engine.capacity:6} tokens in {args.budget} MiB -> {fits:2} sequences of {context}; "
+        f"Poisson: peak {peak} running, {preempted} preemptions, {tokens / wall:6.1f} output tok/s "
+        f"({wall:.0f} s)",
+        flush=True,
+    )
     return row
 
 
@@ -271,11 +319,16 @@ def decode(args) -> list[dict]:
 
     bandwidth = copy_bandwidth()
     rows = []
+
     def made(label: str) -> str:  # a compress kv checkpoint, made only when its row is asked for
         return checkpoint(label, args.cache) if not args.decode_kv or label in args.decode_kv.split(",") else ""
 
-    configs = [("bfloat16 KV", MODEL, "bfloat16"), ("fp8 tensor", made("fp8 tensor"), "auto"),
-               ("int8 attn_head", made("int8 attn_head"), "auto"), ("int4", MODEL, "int4")]  # fmt: skip
+    configs = [
+        ("bfloat16 KV", MODEL, "bfloat16"),
+        ("fp8 tensor", made("fp8 tensor"), "auto"),
+        ("int8 attn_head", made("int8 attn_head"), "auto"),
+        ("int4", MODEL, "int4"),
+    ]
     if args.dtype == "float32":  # a bf16 model's cache is never wider than its activations
         configs.insert(0, ("float32 KV", MODEL, "float32"))
     for label, model, kv_dtype in configs:
@@ -283,13 +336,21 @@ def decode(args) -> list[dict]:
             continue
         for batch in (1, 8):
             ctx = args.context
-            probe = Engine(model, EngineConfig(dtype=args.dtype, kv_cache_dtype=kv_dtype, kv_cache_memory=1 << 20,
-                                               max_model_len=16))  # fmt: skip
+            probe = Engine(
+                model,
+                EngineConfig(dtype=args.dtype, kv_cache_dtype=kv_dtype, kv_cache_memory=1 << 20, max_model_len=16),
+            )
             per_token = probe.runner.kv_bytes_per_token
             del probe
-            engine = Engine(model, EngineConfig(dtype=args.dtype, kv_cache_dtype=kv_dtype,
-                                                kv_cache_memory=batch * ctx * per_token
-                                                + (16 << 20), max_model_len=ctx + 16))  # fmt: skip
+            engine = Engine(
+                model,
+                EngineConfig(
+                    dtype=args.dtype,
+                    kv_cache_dtype=kv_dtype,
+                    kv_cache_memory=batch * ctx * per_token + (16 << 20),
+                    max_model_len=ctx + 16,
+                ),
+            )
             runner, bs = engine.runner, engine.config.block_size
             cache = runner.kv_cache
             if cache.dtype == torch.uint8:  # 4-bit rows: any codes, fp16 steps and minima below 1 (bytes < 60)
@@ -299,10 +360,14 @@ def decode(args) -> list[dict]:
             else:
                 cache.normal_()
             blocks = torch.arange(batch * (ctx // bs), dtype=torch.int32).view(batch, -1)
-            step = StepInputs(positions=torch.full((batch,), ctx - 1), slots=blocks[:, -1].long() * bs + bs - 1,
-                              block_tables=blocks, seq_lens=torch.full((batch,), ctx, dtype=torch.int32),
-                              query_start=torch.arange(batch + 1, dtype=torch.int32),
-                              query_lens=[1] * batch)  # fmt: skip
+            step = StepInputs(
+                positions=torch.full((batch,), ctx - 1),
+                slots=blocks[:, -1].long() * bs + bs - 1,
+                block_tables=blocks,
+                seq_lens=torch.full((batch,), ctx, dtype=torch.int32),
+                query_start=torch.arange(batch + 1, dtype=torch.int32),
+                query_lens=[1] * batch,
+            )
             ids = torch.randint(0, 1000, (batch,))
             times = []
             with torch.inference_mode():
@@ -313,10 +378,23 @@ def decode(args) -> list[dict]:
             step_s = statistics.median(times[1:])
             moved = runner.weight_bytes() + batch * ctx * per_token
             floor = moved / (bandwidth * 1e9)
-            rows.append({"kv": label, "batch": batch, "context": ctx, "step_ms": 1e3 * step_s, "floor_ms": 1e3 * floor,
-                         "ratio": step_s / floor, "bytes": moved, "bandwidth_gb_s": bandwidth})  # fmt: skip
-            print(f"{label:16} batch {batch}: step {1e3 * step_s:7.1f} ms, floor {1e3 * floor:6.1f} ms "
-                  f"({step_s / floor:.2f}x), {moved / 1e6:.0f} MB moved", flush=True)  # fmt: skip
+            rows.append(
+                {
+                    "kv": label,
+                    "batch": batch,
+                    "context": ctx,
+                    "step_ms": 1e3 * step_s,
+                    "floor_ms": 1e3 * floor,
+                    "ratio": step_s / floor,
+                    "bytes": moved,
+                    "bandwidth_gb_s": bandwidth,
+                }
+            )
+            print(
+                f"{label:16} batch {batch}: step {1e3 * step_s:7.1f} ms, floor {1e3 * floor:6.1f} ms "
+                f"({step_s / floor:.2f}x), {moved / 1e6:.0f} MB moved",
+                flush=True,
+            )
             del engine
     return rows
 
@@ -347,8 +425,10 @@ def main() -> None:
     parser.add_argument("--calib-tokens", type=int, default=16384)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    print(f"{MODEL}, {args.dtype} weights (decode; quality and capacity: float32), {torch.get_num_threads()} threads",
-          flush=True)  # fmt: skip
+    print(
+        f"{MODEL}, {args.dtype} weights (decode; quality and capacity: float32), {torch.get_num_threads()} threads",
+        flush=True,
+    )
     run_parts(args, {"quality": quality, "int4": int4, "capacity": capacity, "decode": decode})
 
 
@@ -362,6 +442,7 @@ def run_parts(args, parts: dict) -> None:
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(results, indent=1))
+
 
 if __name__ == "__main__":
     main()

@@ -48,8 +48,10 @@ def main() -> None:
         r = {"checkpoint": str(d), **json.loads(out.stdout.splitlines()[-1])}
         rows.append(r)
         w = r["weight_bytes"]
-        print(f"{d.name:40} {w / 1e9:>10.3f} {r['peak_bytes'] / 1e9:>8.3f} {r['peak_bytes'] / w:>12.2f} "
-              f"{r['resident_bytes'] / w:>13.2f}")  # fmt: skip
+        print(
+            f"{d.name:40} {w / 1e9:>10.3f} {r['peak_bytes'] / 1e9:>8.3f} {r['peak_bytes'] / w:>12.2f} "
+            f"{r['resident_bytes'] / w:>13.2f}"
+        )
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
 

@@ -29,16 +29,17 @@ from slimlm.jobs.options import parse_size  # the sizes --kv-cache-memory takes
 V2, V1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory")
 
 
-
-
 def _controller() -> tuple[Path, dict[str, str]] | None:
     """The directory new groups go under and the names of its limit, peak and OOM files, or None."""
     subtree = V2 / "cgroup.subtree_control"
     if subtree.exists() and "memory" in subtree.read_text().split():
         return V2, {"limit": "memory.max", "peak": "memory.peak", "events": "memory.events"}
     if (V1 / "memory.limit_in_bytes").exists():
-        return V1, {"limit": "memory.limit_in_bytes", "peak": "memory.max_usage_in_bytes",
-                    "events": "memory.oom_control"}  # fmt: skip
+        return V1, {
+            "limit": "memory.limit_in_bytes",
+            "peak": "memory.max_usage_in_bytes",
+            "events": "memory.oom_control",
+        }
     return None
 
 
@@ -71,11 +72,14 @@ def run_capped(argv: list[str], cap: int, timeout: float | None = None) -> dict:
         oom_kills = int(events[events.index("oom_kill") + 1]) if "oom_kill" in events else 0
         peak_file = group / files["peak"]
         return {
-            "argv": argv, "cap_bytes": cap, "returncode": proc.returncode, "seconds": seconds,
+            "argv": argv,
+            "cap_bytes": cap,
+            "returncode": proc.returncode,
+            "seconds": seconds,
             "cgroup_peak_bytes": int(peak_file.read_text()) if peak_file.exists() else None,
             "child_maxrss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
             "oom_kills": oom_kills,
-        }  # fmt: skip
+        }
     finally:
         for _ in range(50):  # the group can be removed once its last process is gone
             try:
@@ -105,9 +109,11 @@ def main() -> int:
         return 2
     gb = 1e9
     peak = result["cgroup_peak_bytes"]
-    print(f"cap {result['cap_bytes'] / gb:.2f} GB: exit {result['returncode']} after {result['seconds']:.0f} s; "
-          f"peak resident {result['child_maxrss_bytes'] / gb:.2f} GB, cgroup peak (with page cache) "
-          f"{'n/a' if peak is None else f'{peak / gb:.2f} GB'}; OOM kills {result['oom_kills']}")  # fmt: skip
+    print(
+        f"cap {result['cap_bytes'] / gb:.2f} GB: exit {result['returncode']} after {result['seconds']:.0f} s; "
+        f"peak resident {result['child_maxrss_bytes'] / gb:.2f} GB, cgroup peak (with page cache) "
+        f"{'n/a' if peak is None else f'{peak / gb:.2f} GB'}; OOM kills {result['oom_kills']}"
+    )
     if a.json:
         a.json.write_text(json.dumps(result, indent=1))
     return 0 if result["returncode"] == 0 else 1

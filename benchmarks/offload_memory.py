@@ -74,9 +74,14 @@ def make_model(path: Path, layers: int, hidden: int, intermediate: int) -> tuple
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(path)
     config = LlamaConfig(
-        vocab_size=len(words), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=hidden // 256, max_position_embeddings=512,
-    )  # fmt: skip
+        vocab_size=len(words),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 256,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.save_pretrained(path)
@@ -96,11 +101,15 @@ def main() -> None:
         calib = tmp / "calib.txt"
         calib.write_text("\n\n".join(" ".join(f"w{(i * 7 + j) % 500}" for j in range(200)) for i in range(64)))
         kinds = {"load whole model (HF)": "whole", "compress rtn (slimlm)": "rtn", "compress gptq (slimlm)": "gptq"}
-        runs = {name: [growth_gb(tmp / "model", calib, tmp / f"{kind}-{live}", kind, live) for live in (False, True)]
-                for name, kind in kinds.items()}  # fmt: skip
+        runs = {
+            name: [growth_gb(tmp / "model", calib, tmp / f"{kind}-{live}", kind, live) for live in (False, True)]
+            for name, kind in kinds.items()
+        }
     gb = model_bytes / 1e9
-    print(f"model: {a.layers} layers, hidden {a.hidden}, intermediate {a.intermediate}: {gb:.2f} GB float32, "
-          f"{layer_bytes / 1e9:.3f} GB per decoder layer")  # fmt: skip
+    print(
+        f"model: {a.layers} layers, hidden {a.hidden}, intermediate {a.intermediate}: {gb:.2f} GB float32, "
+        f"{layer_bytes / 1e9:.3f} GB per decoder layer"
+    )
     print("peak RSS added, GB (÷ model size, ÷ one layer): glibc as it comes | live (fixed mmap threshold)")
     whole = runs["load whole model (HF)"]
     for name, pair in runs.items():

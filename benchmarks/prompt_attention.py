@@ -46,15 +46,20 @@ def main() -> None:
     for dtype in (torch.bfloat16, torch.float32):
         for s, n, c in STEPS:
             p = paged_problem([c + n] * s, [n] * s, 9, 3, 64, 16, dtype, dtype, seed=n)
-            fns = {name: functools.partial(cpu_attention.paged_attention, *p.args(), native=native)
-                   for name, native in (("C", True), ("torch", False))}  # fmt: skip
+            fns = {
+                name: functools.partial(cpu_attention.paged_attention, *p.args(), native=native)
+                for name, native in (("C", True), ("torch", False))
+            }
             if dtype == torch.bfloat16 and cpu_library.has_amx():
                 fns["C vec"] = without_amx(fns["C"])
             error = relative_error(fns["C"](), fns["torch"]().double())
             ms = interleaved_ms(fns, args.seconds)
             vec = f"  C vec {ms['C vec']:7.3f}  ({ms['C vec'] / ms['C']:.1f}×)" if "C vec" in ms else ""
-            print(f"{str(dtype).removeprefix('torch.'):9s} {s} × {n:3d} new after {c:4d}:  C {ms['C']:7.3f}  "
-                  f"torch {ms['torch']:7.3f}  ({ms['torch'] / ms['C']:.1f}×){vec}  rel. diff {error:.1e}", flush=True)
+            print(
+                f"{str(dtype).removeprefix('torch.'):9s} {s} × {n:3d} new after {c:4d}:  C {ms['C']:7.3f}  "
+                f"torch {ms['torch']:7.3f}  ({ms['torch'] / ms['C']:.1f}×){vec}  rel. diff {error:.1e}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

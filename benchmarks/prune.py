@@ -83,12 +83,25 @@ def search(args) -> list[dict]:
             after = math.exp(mean_nll(student, evaluation))
             shutil.rmtree(run_dir, ignore_errors=True)
             params = prune.count_parameters(teacher, shape)
-            rows.append({"target": target, "candidate": name, **asdict(shape), "parameters": params,
-                         "fraction": params / total, "eval_ppl_pruned": before, "eval_ppl_distilled": after,
-                         "distill_tokens": args.search_tokens, "distill_seconds": seconds,
-                         "final_loss": log[-1]["loss"]})  # fmt: skip
-            print(f"{target:.0%} {name:12} {params / total:6.1%} params  ppl pruned {before:9.1f}  after "
-                  f"{args.search_tokens} tokens {after:8.1f}  ({seconds:.0f} s)  {shape}", flush=True)  # fmt: skip
+            rows.append(
+                {
+                    "target": target,
+                    "candidate": name,
+                    **asdict(shape),
+                    "parameters": params,
+                    "fraction": params / total,
+                    "eval_ppl_pruned": before,
+                    "eval_ppl_distilled": after,
+                    "distill_tokens": args.search_tokens,
+                    "distill_seconds": seconds,
+                    "final_loss": log[-1]["loss"],
+                }
+            )
+            print(
+                f"{target:.0%} {name:12} {params / total:6.1%} params  ppl pruned {before:9.1f}  after "
+                f"{args.search_tokens} tokens {after:8.1f}  ({seconds:.0f} s)  {shape}",
+                flush=True,
+            )
     MEMO["search"] = rows
     return rows
 
@@ -112,12 +125,24 @@ def distill(args) -> list[dict]:
         curve = [e for e in meta["training"]["log"] if "eval_ppl" in e]
         start_ppl, end_ppl = curve[0]["eval_ppl"], curve[-1]["eval_ppl"]
         recovered = (start_ppl - end_ppl) / (start_ppl - base)
-        rows.append({"target": target, "candidate": best["candidate"], "dir": str(out), "minutes": minutes,
-                     "tokens": tokens, "parameters": meta["parameters"], "eval_ppl_unpruned": base,
-                     "curve": [(e["tokens"], e["eval_ppl"]) for e in curve], "recovered": recovered})  # fmt: skip
-        print(f"{target:.0%} {best['candidate']}: eval ppl {base:.2f} unpruned, {start_ppl:.1f} pruned, "
-              f"{end_ppl:.1f} after {tokens} tokens in {minutes:.1f} min: recovered {recovered:.1%} of the loss",
-              flush=True)  # fmt: skip
+        rows.append(
+            {
+                "target": target,
+                "candidate": best["candidate"],
+                "dir": str(out),
+                "minutes": minutes,
+                "tokens": tokens,
+                "parameters": meta["parameters"],
+                "eval_ppl_unpruned": base,
+                "curve": [(e["tokens"], e["eval_ppl"]) for e in curve],
+                "recovered": recovered,
+            }
+        )
+        print(
+            f"{target:.0%} {best['candidate']}: eval ppl {base:.2f} unpruned, {start_ppl:.1f} pruned, "
+            f"{end_ppl:.1f} after {tokens} tokens in {minutes:.1f} min: recovered {recovered:.1%} of the loss",
+            flush=True,
+        )
         shutil.copy(out / "curve.png", args.cache / f"curve-{round(target * 100)}.png")
     MEMO["distill"] = rows
     return rows
@@ -163,10 +188,13 @@ def speed(args) -> list[dict]:
         row = {"system": name, "dir": path, "wiki_ppl": ppl, **best[name]}
         row.update({f"{k}_ratio": v / best["unpruned"][k] for k, v in best[name].items()})
         rows.append(row)
-        print(f"{name:28} wiki ppl {ppl:8.2f}  decode b1 {row['decode_b1_tok_s']:6.1f} tok/s "
-              f"({row['decode_b1_tok_s_ratio']:.2f}x)  b32 {row['decode_b32_tok_s']:6.1f} "
-              f"({row['decode_b32_tok_s_ratio']:.2f}x)  prefill {row['prefill_tok_s']:6.0f} "
-              f"({row['prefill_tok_s_ratio']:.2f}x)", flush=True)  # fmt: skip
+        print(
+            f"{name:28} wiki ppl {ppl:8.2f}  decode b1 {row['decode_b1_tok_s']:6.1f} tok/s "
+            f"({row['decode_b1_tok_s_ratio']:.2f}x)  b32 {row['decode_b32_tok_s']:6.1f} "
+            f"({row['decode_b32_tok_s_ratio']:.2f}x)  prefill {row['prefill_tok_s']:6.0f} "
+            f"({row['prefill_tok_s_ratio']:.2f}x)",
+            flush=True,
+        )
     return rows
 
 
@@ -203,8 +231,12 @@ def main() -> None:
     parser.add_argument("--parts", default="search,distill,speed,tasks")
     parser.add_argument("--targets", type=lambda s: [float(t) for t in s.split(",")], default=[0.6, 0.4])
     parser.add_argument("--search-tokens", type=int, default=16384, help="short distillation of every candidate")
-    parser.add_argument("--distill-tokens", type=lambda s: [int(t) for t in s.split(",")], default=[131072, 65536],
-                        help="distillation budget per target")  # fmt: skip
+    parser.add_argument(
+        "--distill-tokens",
+        type=lambda s: [int(t) for t in s.split(",")],
+        default=[131072, 65536],
+        help="distillation budget per target",
+    )
     parser.add_argument("--ppl-tokens", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tasks-limit", type=int, default=40, help="documents per task-pack task")

@@ -42,8 +42,19 @@ def score(metrics: dict) -> tuple[str, float, float]:
 
 
 def evaluate(checkpoint: str, out: Path, a: argparse.Namespace) -> dict | None:
-    cmd = [sys.executable, "-m", "slimlm.cli", "eval", checkpoint, "--tasks", a.tasks, "--ppl", "wiki",
-           "--output", str(out)] + (["--limit", str(a.limit)] if a.limit else [])  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "slimlm.cli",
+        "eval",
+        checkpoint,
+        "--tasks",
+        a.tasks,
+        "--ppl",
+        "wiki",
+        "--output",
+        str(out),
+    ] + (["--limit", str(a.limit)] if a.limit else [])
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -65,13 +76,15 @@ def hf_compare(model_dir: str, a: argparse.Namespace) -> dict:
     tasks = a.tasks.split(",")
     manager = harness.task_manager(tasks)
     runs = {}
-    for name, make in [("slimlm", lambda: SlimlmLM(pretrained=model_dir, progress=False)),
-                       ("hf", lambda: HFLM(pretrained=model_dir, batch_size=a.hf_batch_size, device="cpu",
-                                           dtype="float32"))]:  # fmt: skip
+    for name, make in [
+        ("slimlm", lambda: SlimlmLM(pretrained=model_dir, progress=False)),
+        ("hf", lambda: HFLM(pretrained=model_dir, batch_size=a.hf_batch_size, device="cpu", dtype="float32")),
+    ]:
         lm = make()
         start = time.time()
-        runs[name] = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=a.limit, task_manager=manager,
-                                             log_samples=True, verbosity="ERROR")  # fmt: skip
+        runs[name] = lm_eval.simple_evaluate(
+            model=lm, tasks=tasks, limit=a.limit, task_manager=manager, log_samples=True, verbosity="ERROR"
+        )
         runs[name]["seconds"] = time.time() - start
         del lm
     agree, total, worst = 0, 0, 0.0
@@ -87,8 +100,12 @@ def hf_compare(model_dir: str, a: argparse.Namespace) -> dict:
         "speedup": round(runs["hf"]["seconds"] / runs["slimlm"]["seconds"], 2),
         "per_document_agreement": f"{agree}/{total}",
         "max_abs_loglikelihood_difference": worst,
-        **{f"{name}_results": {t: {k: v for k, v in m.items() if isinstance(v, float)}
-                               for t, m in runs[name]["results"].items()} for name in runs},  # fmt: skip
+        **{
+            f"{name}_results": {
+                t: {k: v for k, v in m.items() if isinstance(v, float)} for t, m in runs[name]["results"].items()
+            }
+            for name in runs
+        },
     }
 
 
@@ -104,8 +121,12 @@ def main() -> None:
     p.add_argument("--hf-compare", action="store_true", help="also score the float model with lm-eval's hf backend")
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--skip", nargs="*", default=[], metavar="SETTING:METHOD", help="e.g. w4g64-asym:llmc-awq")
-    p.add_argument("--resume", type=Path, metavar="JSON", help="keep the rows of an earlier run's results JSON and "
-                   "measure only the checkpoints it lacks")  # fmt: skip
+    p.add_argument(
+        "--resume",
+        type=Path,
+        metavar="JSON",
+        help="keep the rows of an earlier run's results JSON and measure only the checkpoints it lacks",
+    )
     p.add_argument("--note", default="")
     a = p.parse_args()
     a.gptqmodel_python = None
@@ -117,8 +138,9 @@ def main() -> None:
         earlier = json.loads(a.resume.read_text())
         rows, compare = earlier["rows"], earlier["hf_compare"]
     done = {(r["setting"], r["method"]) for r in rows}
-    todo = [("float", "baseline")] + [(s, m) for s in a.settings.split(",") for m in METHODS[s]
-                                      if f"{s}:{m}" not in a.skip]  # fmt: skip
+    todo = [("float", "baseline")] + [
+        (s, m) for s in a.settings.split(",") for m in METHODS[s] if f"{s}:{m}" not in a.skip
+    ]
     # the table is rewritten after every row: a long run is never all-or-nothing, and --resume continues it
     for setting, method in [t for t in todo if t not in done]:
         made, path = None, str(model_dir)
@@ -139,13 +161,18 @@ def main() -> None:
         if result is None:
             continue
         tasks = {t: score(m) for t, m in result["results"].items() if t in taskpack.STANDARD}
-        row = {"setting": setting, "method": method, "checkpoint": path, "made": made,
-               "tasks": {t: {"metric": k, "value": v, "stderr": e} for t, (k, v, e) in tasks.items()},
-               "average": sum(v for _, v, _ in tasks.values()) / len(tasks),
-               "wiki_ppl": result["slimlm"]["perplexity"]["perplexity"],
-               "eval_seconds": result["slimlm"]["seconds"],
-               "eval_tokens_per_second": result["slimlm"]["tokens_per_second"],
-               "n_samples": result["n-samples"]}  # fmt: skip
+        row = {
+            "setting": setting,
+            "method": method,
+            "checkpoint": path,
+            "made": made,
+            "tasks": {t: {"metric": k, "value": v, "stderr": e} for t, (k, v, e) in tasks.items()},
+            "average": sum(v for _, v, _ in tasks.values()) / len(tasks),
+            "wiki_ppl": result["slimlm"]["perplexity"]["perplexity"],
+            "eval_seconds": result["slimlm"]["seconds"],
+            "eval_tokens_per_second": result["slimlm"]["tokens_per_second"],
+            "n_samples": result["n-samples"],
+        }
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "tasks"}), flush=True)
         if method == "baseline" and a.hf_compare:
@@ -166,7 +193,8 @@ def report(rows: list[dict], compare: dict | None, a: argparse.Namespace) -> Non
         "(± is lm-eval's stderr). Recovery = average ÷ the float model's average.",
         *([a.note] if a.note else []),
         "",
-        "| setting | method | " + " | ".join(f"{SHORT[t]} ({n[t]})" for t in tasks)
+        "| setting | method | "
+        + " | ".join(f"{SHORT[t]} ({n[t]})" for t in tasks)
         + " | average | recovery | wiki ppl |",
         "|---|---|" + "---|" * len(tasks) + "---|---|---|",
     ]
@@ -175,10 +203,13 @@ def report(rows: list[dict], compare: dict | None, a: argparse.Namespace) -> Non
         tail = f" | {r['average'] * 100:.2f} | {r['average'] / base['average']:.2%} | {r['wiki_ppl']:.3f} |"
         lines.append(f"| {r['setting']} | {r['method']} | " + " | ".join(cells) + tail)
     if compare:
-        lines += ["", f"lm-eval's hf backend vs slimlm on the float model, same tasks and documents: "
-                  f"{compare['hf_seconds']:.0f} s vs {compare['slimlm_seconds']:.0f} s ({compare['speedup']:.2f}× "
-                  f"faster through the runtime), per-document agreement {compare['per_document_agreement']}, "
-                  f"largest log-likelihood difference {compare['max_abs_loglikelihood_difference']:.2e}."]  # fmt: skip
+        lines += [
+            "",
+            f"lm-eval's hf backend vs slimlm on the float model, same tasks and documents: "
+            f"{compare['hf_seconds']:.0f} s vs {compare['slimlm_seconds']:.0f} s ({compare['speedup']:.2f}× "
+            f"faster through the runtime), per-document agreement {compare['per_document_agreement']}, "
+            f"largest log-likelihood difference {compare['max_abs_loglikelihood_difference']:.2e}.",
+        ]
     save_results("quality", "\n".join(lines), {"rows": rows, "hf_compare": compare})
 
 

@@ -49,13 +49,22 @@ def main() -> None:
     p.add_argument("--settings", default=",".join(SETTINGS))
     p.add_argument("--methods", default="rtn,gptq,gptq-act,awq,llmc-gptq,llmc-awq,gptqmodel")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "slimlm-quant-vs-peers")
-    p.add_argument("--report-only", nargs="+", type=Path, metavar="LOG",
-                   help="merge the JSON rows printed by earlier runs into one table; runs nothing")  # fmt: skip
+    p.add_argument(
+        "--report-only",
+        nargs="+",
+        type=Path,
+        metavar="LOG",
+        help="merge the JSON rows printed by earlier runs into one table; runs nothing",
+    )
     p.add_argument("--note", default="", help="a line printed under the table's header")
     a = p.parse_args()
     if a.report_only:
-        rows = [json.loads(line) for log in a.report_only for line in log.read_text().splitlines()
-                if line.startswith('{"setting"')]  # fmt: skip
+        rows = [
+            json.loads(line)
+            for log in a.report_only
+            for line in log.read_text().splitlines()
+            if line.startswith('{"setting"')
+        ]
         base = [r for r in rows if r["method"] == "baseline"]
         report(
             rows
@@ -114,10 +123,29 @@ def quantize_jobs(setting: str, a: argparse.Namespace, calib_file: Path, model_d
     """Method name -> the command that quantizes the default model at `setting` (add --out DIR)."""
     bits, gs, sym = SETTINGS[setting]
     qflags = ["--bits", str(bits), "--group-size", str(gs), "--sym" if sym else "--asym"]
-    ours_common = ["--model", "smollm2-135m", "--calib", "owt", "--num-samples", str(a.samples),
-                   "--seq-len", str(a.seq_len), "--seed", str(a.seed), "--overwrite"]  # fmt: skip
-    peer_common = ["--model", str(model_dir), "--calib", str(calib_file), "--bits", str(bits),
-                   "--group-size", str(gs)] + ([] if sym else ["--asym"])  # fmt: skip
+    ours_common = [
+        "--model",
+        "smollm2-135m",
+        "--calib",
+        "owt",
+        "--num-samples",
+        str(a.samples),
+        "--seq-len",
+        str(a.seq_len),
+        "--seed",
+        str(a.seed),
+        "--overwrite",
+    ]
+    peer_common = [
+        "--model",
+        str(model_dir),
+        "--calib",
+        str(calib_file),
+        "--bits",
+        str(bits),
+        "--group-size",
+        str(gs),
+    ] + ([] if sym else ["--asym"])
     ours = [sys.executable, "-m", "slimlm.cli"]
     jobs = {
         "rtn": [*ours, "rtn", *ours_common, *qflags],
@@ -168,9 +196,16 @@ def _base_ppl(logs: list[Path]) -> float:
 
 
 def report(rows: list[dict], base_ppl: float, a: argparse.Namespace) -> None:
-    peers = {"gptq": "llmc-gptq", "gptq-fp32": "llmc-gptq", "gptq-noact": "llmc-gptq", "gptq-act": "llmc-gptq",
-             "awq": "llmc-awq", "awq-fp32": "llmc-awq", "awq-gptq": "llmc-gptq",
-             "awq-noclip-gptq": "llmc-gptq"}  # fmt: skip
+    peers = {
+        "gptq": "llmc-gptq",
+        "gptq-fp32": "llmc-gptq",
+        "gptq-noact": "llmc-gptq",
+        "gptq-act": "llmc-gptq",
+        "awq": "llmc-awq",
+        "awq-fp32": "llmc-awq",
+        "awq-gptq": "llmc-gptq",
+        "awq-noclip-gptq": "llmc-gptq",
+    }
     by_key = {(r["setting"], r["method"]): r for r in rows}
     lines = [
         f"SmolLM2-135M, calibration {a.samples}×{a.seq_len} owt tokens (seed {a.seed}, same windows for all), "

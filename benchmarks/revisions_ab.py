@@ -50,8 +50,9 @@ print(json.dumps(1e3 * statistics.median(times)))
 
 def worktree(rev: str, where: Path) -> Path:
     path = where / rev.replace("/", "_")
-    done = subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev], capture_output=True,
-                          text=True)  # fmt: skip
+    done = subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev], capture_output=True, text=True
+    )
     if done.returncode != 0:
         raise SystemExit(f"revisions_ab.py: cannot check out {rev!r}: {done.stderr.strip().splitlines()[-1]}")
     return path
@@ -85,8 +86,10 @@ def main() -> None:
             for rev in args.revs:
                 trees[rev] = worktree(rev, Path(tmp))
             what = "decode" if args.prompt == 1 else f"prompt chunks of {args.prompt} tokens,"
-            print(f"{args.model}, {what} context {args.context}, {args.threads} threads; step ms (median of each "
-                  f"revision's {args.rounds} turns)")  # fmt: skip
+            print(
+                f"{args.model}, {what} context {args.context}, {args.threads} threads; step ms (median of each "
+                f"revision's {args.rounds} turns)"
+            )
             for dtype in args.dtypes.split(","):
                 for batch in map(int, args.batch.split(",")):
                     ms = {rev: [] for rev in trees}

@@ -50,8 +50,14 @@ def workload(args) -> list[dict]:
         t += rng.expovariate(args.rate)
         n = rng.randint(lo, hi)
         start = rng.randrange(0, len(stream) - n)
-        requests.append({"id": f"r{i}", "arrival": t, "prompt": stream[start : start + n],
-                         "output_len": rng.randint(*args.output_len)})  # fmt: skip
+        requests.append(
+            {
+                "id": f"r{i}",
+                "arrival": t,
+                "prompt": stream[start : start + n],
+                "output_len": rng.randint(*args.output_len),
+            }
+        )
     return requests
 
 
@@ -157,8 +163,15 @@ def run_hf_static(requests: list[dict], dtype: str, batch: int) -> dict:
         mask = torch.tensor([[0] * (width - len(r["prompt"])) + [1] * len(r["prompt"]) for r in group])
         longest = max(r["output_len"] for r in group)
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
-                           pad_token_id=pad, logits_processor=LogitsProcessorList([clock]))  # fmt: skip
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=pad,
+                logits_processor=LogitsProcessorList([clock]),
+            )
 
     generate([{"prompt": requests[0]["prompt"][:32], "output_len": 4}], StepClock())  # warm-up
     start = time.perf_counter()
@@ -239,21 +252,34 @@ def summarize(requests: list[dict], result: dict) -> dict:
     def pct(xs, q):
         return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else xs[0]
 
-    return {"output_tok_s": tokens / last, "makespan_s": last, "ttft_mean_s": statistics.mean(ttft),
-            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "itl_mean_ms": 1e3 * statistics.mean(itl),
-            "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99),
-            "peak_rss_gb": result["peak_rss_gb"]}  # fmt: skip
+    return {
+        "output_tok_s": tokens / last,
+        "makespan_s": last,
+        "ttft_mean_s": statistics.mean(ttft),
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
+        "itl_mean_ms": 1e3 * statistics.mean(itl),
+        "itl_p50_ms": 1e3 * pct(itl, 50),
+        "itl_p99_ms": 1e3 * pct(itl, 99),
+        "peak_rss_gb": result["peak_rss_gb"],
+    }
 
 
 def http_vs_offline(offline: dict, http: dict) -> None:
     """What HTTP (server, SSE, client) adds to the same workload, and the issue's targets."""
-    print("\nHTTP vs offline, same workload: " + ", ".join(
-        f"{k.replace('_', ' ')} +{1e3 * (http[k] - offline[k]) if k.endswith('_s') else http[k] - offline[k]:.1f} ms"
-        for k in ("ttft_p50_s", "ttft_p99_s", "itl_p50_ms", "itl_p99_ms")))  # fmt: skip
+    print(
+        "\nHTTP vs offline, same workload: "
+        + ", ".join(
+            f"{k.replace('_', ' ')} +{(1e3 if k.endswith('_s') else 1) * (http[k] - offline[k]):.1f} ms"
+            for k in ("ttft_p50_s", "ttft_p99_s", "itl_p50_ms", "itl_p99_ms")
+        )
+    )
     cost = 1 - http["output_tok_s"] / offline["output_tok_s"]
     added = 1e3 * (http["ttft_p50_s"] - offline["ttft_p50_s"])
-    print(f"target: HTTP costs ≤ 5% throughput and adds ≤ 20 ms p50 TTFT: {cost:.1%}, {added:+.1f} ms -> "
-          f"{'met' if cost <= 0.05 and added <= 20 else 'missed'}")  # fmt: skip
+    print(
+        f"target: HTTP costs ≤ 5% throughput and adds ≤ 20 ms p50 TTFT: {cost:.1%}, {added:+.1f} ms -> "
+        f"{'met' if cost <= 0.05 and added <= 20 else 'missed'}"
+    )
 
 
 def copy_bandwidth() -> float:
@@ -312,15 +338,28 @@ def main() -> None:
     in_tokens = sum(len(r["prompt"]) for r in requests)
     out_tokens = sum(r["output_len"] for r in requests)
     last = requests[-1]["arrival"]
-    print(f"workload: {len(requests)} requests, Poisson {args.rate}/s (last arrives at {last:.1f} s), "
-          f"prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens ({in_tokens} in all), outputs "
-          f"{args.output_len[0]}-{args.output_len[1]} ({out_tokens}), seed {args.seed}, {args.dtype}, "
-          f"{torch.get_num_threads()} threads", flush=True)  # fmt: skip
+    print(
+        f"workload: {len(requests)} requests, Poisson {args.rate}/s (last arrives at {last:.1f} s), "
+        f"prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens ({in_tokens} in all), outputs "
+        f"{args.output_len[0]}-{args.output_len[1]} ({out_tokens}), seed {args.seed}, {args.dtype}, "
+        f"{torch.get_num_threads()} threads",
+        flush=True,
+    )
     results, runs = {}, {}
     for repeat in range(args.repeats):  # interleaved, so a slow patch of a shared machine hits every system
         for system in args.systems.split(","):
-            cmd = [sys.executable, __file__, "--worker", system, "--workload", str(path), "--dtype", args.dtype,
-                   "--hf-batch", str(args.hf_batch)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                system,
+                "--workload",
+                str(path),
+                "--dtype",
+                args.dtype,
+                "--hf-batch",
+                str(args.hf_batch),
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode != 0 or not line:
@@ -331,40 +370,53 @@ def main() -> None:
             s = summarize(requests, results[system])
             runs.setdefault(system, []).append(s)
             wall = results[system]["wall_s"]
-            print(f"{system} (run {repeat + 1}): {s['output_tok_s']:.1f} output tok/s, TTFT p50 "
-                  f"{s['ttft_p50_s']:.2f} s, ITL p50 {s['itl_p50_ms']:.0f} ms (wall {wall:.0f} s)", flush=True)
+            print(
+                f"{system} (run {repeat + 1}): {s['output_tok_s']:.1f} output tok/s, TTFT p50 "
+                f"{s['ttft_p50_s']:.2f} s, ITL p50 {s['itl_p50_ms']:.0f} ms (wall {wall:.0f} s)",
+                flush=True,
+            )
     summary = {system: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for system, rs in runs.items()}
     if args.repeats > 1:
         print(f"\n(medians over {args.repeats} runs of each system)")
 
     base = "hf-static"
-    print(f"\n{'system':<11}{'out tok/s':>10}{'TTFT mean':>11}{'p50':>9}{'p99':>9}{'ITL mean':>10}{'p50':>8}{'p99':>8}"
-          f"{'peak GB':>9}{'tok/s ÷ ' + base:>18}{'TTFT p50 ÷':>12}")  # fmt: skip
+    print(
+        f"\n{'system':<11}{'out tok/s':>10}{'TTFT mean':>11}{'p50':>9}{'p99':>9}{'ITL mean':>10}{'p50':>8}{'p99':>8}"
+        f"{'peak GB':>9}{'tok/s ÷ ' + base:>18}{'TTFT p50 ÷':>12}"
+    )
     for system, s in summary.items():
         ratio = s["output_tok_s"] / summary[base]["output_tok_s"] if base in summary else float("nan")
         tratio = s["ttft_p50_s"] / summary[base]["ttft_p50_s"] if base in summary else float("nan")
-        print(f"{system:<11}{s['output_tok_s']:>10.1f}{s['ttft_mean_s']:>10.2f}s{s['ttft_p50_s']:>8.2f}s"
-              f"{s['ttft_p99_s']:>8.2f}s{s['itl_mean_ms']:>8.0f}ms{s['itl_p50_ms']:>6.0f}ms{s['itl_p99_ms']:>6.0f}ms"
-              f"{s['peak_rss_gb']:>9.2f}{ratio:>17.2f}×{tratio:>11.2f}×")  # fmt: skip
+        print(
+            f"{system:<11}{s['output_tok_s']:>10.1f}{s['ttft_mean_s']:>10.2f}s{s['ttft_p50_s']:>8.2f}s"
+            f"{s['ttft_p99_s']:>8.2f}s{s['itl_mean_ms']:>8.0f}ms{s['itl_p50_ms']:>6.0f}ms{s['itl_p99_ms']:>6.0f}ms"
+            f"{s['peak_rss_gb']:>9.2f}{ratio:>17.2f}×{tratio:>11.2f}×"
+        )
 
     floor = {}
     if "slimlm" in results:
         bandwidth = copy_bandwidth()
         weights, kv = weight_bytes(args.dtype), kv_bytes_per_token(args.dtype)
-        print(f"\ndecode step vs memory-bandwidth floor (copy bandwidth {bandwidth:.1f} GB/s, weights "
-              f"{weights / 1e6:.0f} MB, KV {kv / 1e3:.1f} kB/token):")  # fmt: skip
+        print(
+            f"\ndecode step vs memory-bandwidth floor (copy bandwidth {bandwidth:.1f} GB/s, weights "
+            f"{weights / 1e6:.0f} MB, KV {kv / 1e3:.1f} kB/token):"
+        )
         print(f"{'batch':>6}{'context':>9}{'step ms':>9}{'floor ms':>10}{'÷ floor':>9}{'tok/s':>8}")
         for batch, d in results["slimlm"]["decode_steps"].items():
             moved = weights + int(batch) * d["context"] * kv
             floor_s = moved / (bandwidth * 1e9)
             floor[batch] = {**d, "bytes": moved, "floor_s": floor_s, "ratio": d["step_s"] / floor_s}
-            print(f"{batch:>6}{d['context']:>9.0f}{d['step_s'] * 1e3:>9.1f}{floor_s * 1e3:>10.1f}"
-                  f"{d['step_s'] / floor_s:>8.2f}×{int(batch) / d['step_s']:>8.0f}")  # fmt: skip
+            print(
+                f"{batch:>6}{d['context']:>9.0f}{d['step_s'] * 1e3:>9.1f}{floor_s * 1e3:>10.1f}"
+                f"{d['step_s'] / floor_s:>8.2f}×{int(batch) / d['step_s']:>8.0f}"
+            )
         if base in summary:
             r = summary["slimlm"]["output_tok_s"] / summary[base]["output_tok_s"]
             t = summary["slimlm"]["ttft_p50_s"] <= summary[base]["ttft_p50_s"]
-            print(f"\ntarget: throughput ≥ 5× {base} at equal or better p50 TTFT: {r:.2f}×, TTFT "
-                  f"{'better or equal' if t else 'worse'} -> {'met' if r >= 5 and t else 'missed'}")  # fmt: skip
+            print(
+                f"\ntarget: throughput ≥ 5× {base} at equal or better p50 TTFT: {r:.2f}×, TTFT "
+                f"{'better or equal' if t else 'worse'} -> {'met' if r >= 5 and t else 'missed'}"
+            )
         if "slimlm-http" in summary:
             http_vs_offline(summary["slimlm"], summary["slimlm-http"])
         b1 = floor.get("1") or floor.get(1)

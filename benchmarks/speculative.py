@@ -34,17 +34,22 @@ from kv_cache import run_parts  # noqa: E402
 from tests.runtime.test_speculative import chi_square_p  # noqa: E402  the same test the CI runs
 
 MODEL = "smollm2-135m"  # the default target; --model replaces it
-TASKS = ("Repeat the following text exactly, word for word.", "Fix the spelling mistakes in this text and "
-         "return the whole corrected text.", "Rewrite this Python code exactly, keeping every line.",
-         "Add a docstring to this Python function and return the whole function.")  # fmt: skip
-CODE = ("Write a Python function that returns the n-th Fibonacci number iteratively.",
-        "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces.",
-        "Write a Python class for a stack with push, pop, peek and is_empty methods.",
-        "Write a Python function that merges two sorted lists into one sorted list.",
-        "Write a Python function that counts the words in a text file and returns the ten most common.",
-        "Write a Python function that performs binary search on a sorted list.",
-        "Write a Python function that flattens a nested list of any depth.",
-        "Write a Python function that parses a CSV line with quoted fields.")  # fmt: skip
+TASKS = (
+    "Repeat the following text exactly, word for word.",
+    "Fix the spelling mistakes in this text and return the whole corrected text.",
+    "Rewrite this Python code exactly, keeping every line.",
+    "Add a docstring to this Python function and return the whole function.",
+)
+CODE = (
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces.",
+    "Write a Python class for a stack with push, pop, peek and is_empty methods.",
+    "Write a Python function that merges two sorted lists into one sorted list.",
+    "Write a Python function that counts the words in a text file and returns the ten most common.",
+    "Write a Python function that performs binary search on a sorted list.",
+    "Write a Python function that flattens a nested list of any depth.",
+    "Write a Python function that parses a CSV line with quoted fields.",
+)
 
 
 def prompts(tokenizer, n: int, code: bool = False) -> list[list[int]]:
@@ -52,8 +57,12 @@ def prompts(tokenizer, n: int, code: bool = False) -> list[list[int]]:
 
     if code:
         chats = [[{"role": "user", "content": task}] for task in CODE[:n]]
-        return [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False),
-                                 add_special_tokens=False) for c in chats]  # fmt: skip
+        return [
+            tokenizer.encode(
+                tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+            )
+            for c in chats
+        ]
 
     texts = [p for p in passages("owt") if 400 < len(p) < 900][: n // 2]
     code = []
@@ -120,18 +129,29 @@ def speed(args) -> list[dict]:
             ids = [o.token_ids for o in outs]
             reference.setdefault(size, ids)
             base = next((r for r in rows if r["system"] == "none" and r["batch"] == size), None)
-            row = {"system": name, "batch": size, "output_tokens": tokens, "seconds": wall, "tok_s": tokens / wall,
-                   "speedup": (tokens / wall) / base["tok_s"] if base else 1.0, "drafted": drafted,
-                   "accepted": accepted, "acceptance": accepted / drafted if drafted else None,
-                   "tokens_per_target_pass": (passes + accepted) / passes if passes else None,
-                   "target_passes_saved": accepted / (passes + accepted) if passes + accepted else 0.0,
-                   "identical_to_plain": ids == reference[size]}  # fmt: skip
+            row = {
+                "system": name,
+                "batch": size,
+                "output_tokens": tokens,
+                "seconds": wall,
+                "tok_s": tokens / wall,
+                "speedup": (tokens / wall) / base["tok_s"] if base else 1.0,
+                "drafted": drafted,
+                "accepted": accepted,
+                "acceptance": accepted / drafted if drafted else None,
+                "tokens_per_target_pass": (passes + accepted) / passes if passes else None,
+                "target_passes_saved": accepted / (passes + accepted) if passes + accepted else 0.0,
+                "identical_to_plain": ids == reference[size],
+            }
             rows.append(row)
             acc = f"{row['acceptance']:.1%}" if drafted else "-"
             tpp = f"{row['tokens_per_target_pass']:.2f}" if row["tokens_per_target_pass"] else "-"
-            print(f"{name:20} batch {size}: {row['tok_s']:6.1f} tok/s  {row['speedup']:.2f}x  acceptance {acc:>6}  "
-                  f"tokens/pass {tpp:>5}  passes saved {row['target_passes_saved']:.1%}  identical "
-                  f"{row['identical_to_plain']}", flush=True)  # fmt: skip
+            print(
+                f"{name:20} batch {size}: {row['tok_s']:6.1f} tok/s  {row['speedup']:.2f}x  acceptance {acc:>6}  "
+                f"tokens/pass {tpp:>5}  passes saved {row['target_passes_saved']:.1%}  identical "
+                f"{row['identical_to_plain']}",
+                flush=True,
+            )
         del llm
     return rows
 
@@ -145,12 +165,13 @@ def exactness(args) -> list[dict]:
     proposers = {"ngram": "prompt lookup", "draft": "draft RTN W4"}
     for key in args.proposers.split(","):
         name, spec = proposers[key], "ngram" if key == "ngram" else draft_model(args.cache, args.model)
-        llm = LLM(args.model, speculative=spec, num_speculative_tokens=2, max_num_seqs=256,
-                  max_num_batched_tokens=4096)  # fmt: skip
+        llm = LLM(args.model, speculative=spec, num_speculative_tokens=2, max_num_seqs=256, max_num_batched_tokens=4096)
         prompt = prompts(llm.tokenizer, 1)[0]
         for top_p in (float(t) for t in args.top_ps.split(",")):
-            params = [SamplingParams(max_tokens=3, temperature=1.0, top_p=top_p, seed=i, ignore_eos=True)
-                      for i in range(args.draws)]  # fmt: skip
+            params = [
+                SamplingParams(max_tokens=3, temperature=1.0, top_p=top_p, seed=i, ignore_eos=True)
+                for i in range(args.draws)
+            ]
             start = time.perf_counter()
             outs = [o.outputs[0] for o in llm.generate([prompt] * args.draws, params)]
             seconds = time.perf_counter() - start
@@ -162,13 +183,24 @@ def exactness(args) -> list[dict]:
             p1 = chi_square_p(first.bincount(minlength=vocab).float(), q[0])
             p2 = chi_square_p(second.bincount(minlength=vocab).float(), q[1])
             verified = sum(o.num_drafted > 0 for o in outs)
-            row = {"proposer": name, "top_p": top_p, "draws": args.draws, "first_token_p": p1,
-                   "second_token_draws": len(second), "second_token_p": p2, "verified_second_tokens": verified,
-                   "seconds": seconds, "passed": p1 > 0.001 and p2 > 0.001}  # fmt: skip
+            row = {
+                "proposer": name,
+                "top_p": top_p,
+                "draws": args.draws,
+                "first_token_p": p1,
+                "second_token_draws": len(second),
+                "second_token_p": p2,
+                "verified_second_tokens": verified,
+                "seconds": seconds,
+                "passed": p1 > 0.001 and p2 > 0.001,
+            }
             rows.append(row)
-            print(f"{name:14} top_p {top_p}: first token p = {p1:.3f}; second token after {top1} "
-                  f"({len(second)} draws) p = {p2:.3f}; {verified} second tokens verified; {seconds:.0f} s -> "
-                  f"{'pass' if row['passed'] else 'FAIL'}", flush=True)  # fmt: skip
+            print(
+                f"{name:14} top_p {top_p}: first token p = {p1:.3f}; second token after {top1} "
+                f"({len(second)} draws) p = {p2:.3f}; {verified} second tokens verified; {seconds:.0f} s -> "
+                f"{'pass' if row['passed'] else 'FAIL'}",
+                flush=True,
+            )
         del llm
     return rows
 
@@ -200,6 +232,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{args.model}, fp32, {torch.get_num_threads()} threads", flush=True)
     run_parts(args, {"speed": speed, "exactness": exactness})
+
 
 if __name__ == "__main__":
     main()

@@ -32,8 +32,15 @@ ROUNDS, STEPS = 10, 10
 
 def build(out: Path) -> ctypes.CDLL:
     library = out / "libslimlm_cpu.so"
-    command = ["gcc", *cpu_library.build_flags("native"), "-DSLIMLM_PHASE_TIMES", *map(str, cpu_library.SOURCES),
-               "-o", str(library), "-lm"]  # fmt: skip
+    command = [
+        "gcc",
+        *cpu_library.build_flags("native"),
+        "-DSLIMLM_PHASE_TIMES",
+        *map(str, cpu_library.SOURCES),
+        "-o",
+        str(library),
+        "-lm",
+    ]
     subprocess.run(command, check=True, capture_output=True)
     return cpu_library.bind(ctypes.CDLL(str(library)))
 
@@ -98,8 +105,10 @@ def main() -> None:
         rest = {m: ms[m]["step"] - ms[m]["lm_head"] - sum(ms[m][p] for p in PHASES) for m in args.models}
         for name in [*PHASES, "lm_head", "rest", "step"]:
             a, b = ((rest[m] if name == "rest" else ms[m][name]) for m in args.models)
-            print(f"{name:20s} {a:20.3f} {a / ms[first]['step']:6.1%} {b:20.3f} {b / ms[second]['step']:6.1%} "
-                  f"{b / a if a else float('nan'):5.2f}×")  # fmt: skip
+            print(
+                f"{name:20s} {a:20.3f} {a / ms[first]['step']:6.1%} {b:20.3f} {b / ms[second]['step']:6.1%} "
+                f"{b / a if a else float('nan'):5.2f}×"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
 

@@ -70,11 +70,17 @@ def llama_cpp(python: str, gguf: Path, threads: int, prompt: list[int], steps: i
 
 
 MODELS = {  # model: (compress rtn flags, llama.cpp's label, slimlm's label)
-    "smollm2-135m": (["--bits", "4", "--group-size", "32", "--asym", "--quantize-lm-head", "8"],
-                     "GGUF Q4_1, Q8_0 output", "W4 g32 asym, 8-bit lm_head"),
-    "qwen2.5-coder-1.5b": (["--bits", "4", "--group-size", "128"], "GGUF Q4_K_M, Q6_K output",
-                           "W4 g128, 8-bit lm_head"),
-}  # fmt: skip
+    "smollm2-135m": (
+        ["--bits", "4", "--group-size", "32", "--asym", "--quantize-lm-head", "8"],
+        "GGUF Q4_1, Q8_0 output",
+        "W4 g32 asym, 8-bit lm_head",
+    ),
+    "qwen2.5-coder-1.5b": (
+        ["--bits", "4", "--group-size", "128"],
+        "GGUF Q4_K_M, Q6_K output",
+        "W4 g128, 8-bit lm_head",
+    ),
+}
 
 
 def checkpoint(work: Path, model: str) -> Path:
@@ -107,22 +113,27 @@ def main() -> None:
     ids = tokenizer.encode("\n\n".join(assets.text_passages("wiki")[:40]))
     prompt = ids[: args.prompt]
     march = os.environ.get("SLIMLM_CPU_MARCH", "native")
-    print(f"{args.model}: {platform.processor() or platform.machine()}, slimlm's kernels -march={march}, torch "
-          f"{torch.__version__}, {args.threads} threads; prompt {len(prompt)} tokens, {args.steps} decode steps",
-          flush=True)  # fmt: skip
+    print(
+        f"{args.model}: {platform.processor() or platform.machine()}, slimlm's kernels -march={march}, torch "
+        f"{torch.__version__}, {args.threads} threads; prompt {len(prompt)} tokens, {args.steps} decode steps",
+        flush=True,
+    )
     peer_name = f"llama.cpp ({peer_label})"
     bandwidth = copy_bandwidth("cpu")
     results: dict[str, dict] = {}
     for _ in range(args.rounds):  # in turn, each side's best kept: single runs here drift by up to 2×
         runs = {peer_name: llama_cpp(args.llama_python, gguf, args.threads, prompt, args.steps)}
         for dtype in args.dtypes.split(","):
-            config = BenchConfig(batches=[1, 32], context=64, prefill_len=len(prompt), steps=args.steps // 4,
-                                 dtype=dtype)  # fmt: skip
+            config = BenchConfig(
+                batches=[1, 32], context=64, prefill_len=len(prompt), steps=args.steps // 4, dtype=dtype
+            )
             run = offline(str(model), config, bandwidth)
             one, many = run["decode"]
             runs[f"slimlm {dtype} ({label})"] = {
-                "prefill_tok_s": run["prefill_tok_s"], "decode_tok_s": one["tok_s"], "batch32_tok_s": many["tok_s"],
-            }  # fmt: skip
+                "prefill_tok_s": run["prefill_tok_s"],
+                "decode_tok_s": one["tok_s"],
+                "batch32_tok_s": many["tok_s"],
+            }
         for name, run in runs.items():
             best = results.setdefault(name, run)
             results[name] = {key: max(value, best[key]) for key, value in run.items()}
@@ -130,8 +141,10 @@ def main() -> None:
     print(f"{'system':<48}{'prefill tok/s':>14}{'÷llama':>8}{'decode tok/s':>14}{'÷llama':>8}{'b32 tok/s':>11}")
     for name, r in results.items():
         b32 = f"{r['batch32_tok_s']:>11.0f}" if "batch32_tok_s" in r else f"{'-':>11}"
-        print(f"{name:<48}{r['prefill_tok_s']:>14.0f}{r['prefill_tok_s'] / peer['prefill_tok_s']:>7.2f}×"
-              f"{r['decode_tok_s']:>14.1f}{r['decode_tok_s'] / peer['decode_tok_s']:>7.2f}×{b32}")  # fmt: skip
+        print(
+            f"{name:<48}{r['prefill_tok_s']:>14.0f}{r['prefill_tok_s'] / peer['prefill_tok_s']:>7.2f}×"
+            f"{r['decode_tok_s']:>14.1f}{r['decode_tok_s'] / peer['decode_tok_s']:>7.2f}×{b32}"
+        )
     if args.json:
         run = {"model": args.model, "march": march, "threads": args.threads, "prompt": len(prompt), "results": results}
         Path(args.json).write_text(json.dumps(run, indent=1))

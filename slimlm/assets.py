@@ -263,8 +263,11 @@ def _convert_gguf(gguf_path: Path, out: Path, asset: Asset) -> None:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     source = {"spec": asset.name, "package": asset.package, "member": asset.member, "sha256": asset.sha256}
-    manifest.write(out, {"method": "float", "arguments": {"converted_from": "gguf"}, "source_model": source},
-                   [p.name for p in shards.weight_files(out)])  # fmt: skip
+    manifest.write(
+        out,
+        {"method": "float", "arguments": {"converted_from": "gguf"}, "source_model": source},
+        [p.name for p in shards.weight_files(out)],
+    )
 
 
 def text_passages(name: str) -> list[str]:

@@ -23,17 +23,29 @@ def build_parser() -> argparse.ArgumentParser:
     for name, job in JOBS.items():
         add_arguments(sub.add_parser(name, help=job.help, description=job.help), job)
 
-    p = sub.add_parser("recipe", help="run a YAML recipe: compression stages, then eval, bench and the report "
-                       "(stages already done are skipped)")  # fmt: skip
+    p = sub.add_parser(
+        "recipe",
+        help="run a YAML recipe: compression stages, then eval, bench and the report (stages already done are skipped)",
+    )
     p.add_argument("recipe", type=Path, help="e.g. recipes/default.yaml")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a field, e.g. --set eval.limit=10 (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a field, e.g. --set eval.limit=10 (repeatable)",
+    )
     p.add_argument("--check", action="store_true", help="validate the recipe and stop")
 
-    p = sub.add_parser("lm-eval", help="lm-eval's own command line with the slimlm model and task pack registered",
-                       add_help=False)  # fmt: skip
-    p.add_argument("args", nargs=argparse.REMAINDER, help="lm-eval arguments, e.g. --model slimlm --model_args "
-                   "pretrained=DIR --tasks slimlm_tasks")  # fmt: skip
+    p = sub.add_parser(
+        "lm-eval", help="lm-eval's own command line with the slimlm model and task pack registered", add_help=False
+    )
+    p.add_argument(
+        "args",
+        nargs=argparse.REMAINDER,
+        help="lm-eval arguments, e.g. --model slimlm --model_args pretrained=DIR --tasks slimlm_tasks",
+    )
     return parser
 
 
@@ -51,8 +63,13 @@ def cmd_recipe(a: argparse.Namespace) -> None:
         return
     run_dirs = recipes.run(recipe)
     if recipe.report is not None:
-        result = report.render(run_dirs, recipe.report, title=f"slimlm: {recipe.path.name} on {recipe.model}",
-                               notes=recipe.notes, overwrite=report.written_by_slimlm(recipe.report))  # fmt: skip
+        result = report.render(
+            run_dirs,
+            recipe.report,
+            title=f"slimlm: {recipe.path.name} on {recipe.model}",
+            notes=recipe.notes,
+            overwrite=report.written_by_slimlm(recipe.report),
+        )
         print(report.main_table(result["runs"]))
         print(f"report: {recipe.report.resolve()}")
 

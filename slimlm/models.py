@@ -19,8 +19,14 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
 }
 
-SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "vocab_size")  # fmt: skip
+SIZE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+)
 
 
 def resolve(spec: str) -> Path:

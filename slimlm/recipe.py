@@ -109,8 +109,31 @@ def _override(data: dict, assignment: str) -> None:
             target = target[index]
 
 
+def _stages(stages: dict, fail) -> dict[str, list[Step]]:
+    """The stages' steps, each a plain stage name and a list of one-command steps (`fail(field, message)`)."""
+    parsed: dict[str, list[Step]] = {}
+    for name, steps in stages.items():
+        field = f"stages.{name}"
+        if not isinstance(name, str) or not STAGE_NAME.fullmatch(name):  # never "." or "..": a letter first
+            fail(field, f"a stage name is a plain name (letters, digits, '.', '_', '-'), got {name!r}")
+        if not isinstance(steps, list | type(None)):
+            fail(field, "a list of steps, e.g. [{gptq: {bits: 4}}] ([] for the source itself)")
+        parsed[name] = []
+        for i, step in enumerate(steps or []):
+            if not isinstance(step, dict) or len(step) != 1:
+                fail(f"{field}.{i}", "a step is one command with its options, e.g. {gptq: {bits: 4}}")
+            ((command, options),) = step.items()
+            if command not in STEPS:
+                fail(f"{field}.{i}", f"unknown step {command!r} (steps: {', '.join(STEPS)})")
+            options = options or {}
+            if not isinstance(options, dict):
+                fail(f"{field}.{i}.{command}", "options are a mapping, e.g. {bits: 4, group_size: 64}")
+            parsed[name].append(Step(command, options))
+    return parsed
+
+
 def load(path: Path, overrides: list[str] = ()) -> Recipe:
-    """Read and check a recipe (every step's options through its command's parser) without running it."""
+    """Read and check a recipe (every step's options as its command's job) without running it."""
     path = Path(path)
     if not path.is_file():
         raise SlimlmError(f"recipe {path} does not exist")
@@ -154,30 +177,24 @@ def load(path: Path, overrides: list[str] = ()) -> Recipe:
         fail("stages" if "stages" in data else "", "'stages' is required: a mapping of stage names to steps")
     if Path(data["runs"]).exists() and not Path(data["runs"]).is_dir():
         fail("runs", f"{data['runs']} exists and is not a directory")
-    parsed: dict[str, list[Step]] = {}
-    for name, steps in stages.items():
-        field = f"stages.{name}"
-        if not isinstance(name, str) or not STAGE_NAME.fullmatch(name):  # never "." or "..": a letter first
-            fail(field, f"a stage name is a plain name (letters, digits, '.', '_', '-'), got {name!r}")
-        if not isinstance(steps, list | type(None)):
-            fail(field, "a list of steps, e.g. [{gptq: {bits: 4}}] ([] for the source itself)")
-        parsed[name] = []
-        for i, step in enumerate(steps or []):
-            if not isinstance(step, dict) or len(step) != 1:
-                fail(f"{field}.{i}", "a step is one command with its options, e.g. {gptq: {bits: 4}}")
-            (command, options), = step.items()
-            if command not in STEPS:
-                fail(f"{field}.{i}", f"unknown step {command!r} (steps: {', '.join(STEPS)})")
-            options = options or {}
-            if not isinstance(options, dict):
-                fail(f"{field}.{i}.{command}", "options are a mapping, e.g. {bits: 4, group_size: 64}")
-            parsed[name].append(Step(command, options))
+    parsed = _stages(stages, fail)
     report = Path(data["report"]) if data.get("report") else None
-    recipe = Recipe(path, data["model"], Path(data["runs"]), data.get("eval") or {}, data.get("bench") or {},
-                    report, parsed, str(data.get("notes") or ""))  # fmt: skip
+    recipe = Recipe(
+        path,
+        data["model"],
+        Path(data["runs"]),
+        data.get("eval") or {},
+        data.get("bench") or {},
+        report,
+        parsed,
+        str(data.get("notes") or ""),
+    )
     step = {"model": "model", "out": Path("out")}
-    parts = [(f"stages.{name}.{i}.{s.command}", s.command, s.options, step) for name, steps in parsed.items()
-             for i, s in enumerate(steps)] + [("eval", "eval", recipe.eval, {}), ("bench", "bench", recipe.bench, {})]
+    parts = [
+        (f"stages.{name}.{i}.{s.command}", s.command, s.options, step)
+        for name, steps in parsed.items()
+        for i, s in enumerate(steps)
+    ] + [("eval", "eval", recipe.eval, {}), ("bench", "bench", recipe.bench, {})]
     for field, command, options, placeholders in parts:  # every step's job, checked now, before any work
         try:
             job(command, options, **{"model": recipe.model, **placeholders})
@@ -232,8 +249,10 @@ def _state(run_dir: Path, name: str) -> dict:
         if isinstance(state, dict) and state.get("name") == name:
             return state
     if run_dir.is_dir() and any(run_dir.iterdir()):
-        raise SlimlmError(f"{run_dir} holds files this recipe did not write (no run.json of stage {name!r}); "
-                          "point runs: at a new directory or move them away")  # fmt: skip
+        raise SlimlmError(
+            f"{run_dir} holds files this recipe did not write (no run.json of stage {name!r}); "
+            "point runs: at a new directory or move them away"
+        )
     if run_dir.exists() and not run_dir.is_dir():
         raise SlimlmError(f"{run_dir} exists and is not a directory; point runs: elsewhere")
     return {}
@@ -278,8 +297,14 @@ def _run_stage(recipe: Recipe, name: str, steps: list[Step], log, produced: dict
             log(f"{name}: {part}: done before, skipped")
             continue
         log(f"{name}: {part}")
-        own = {"output": run_dir / target} if part == "eval" else {  # the run directory is this stage's (_state)
-            "json_path": run_dir / target, "baseline": recipe.model if steps else "none"}
+        own = (
+            {"output": run_dir / target}
+            if part == "eval"
+            else {  # the run directory is this stage's (_state)
+                "json_path": run_dir / target,
+                "baseline": recipe.model if steps else "none",
+            }
+        )
         job(part, options, model=model, overwrite=True, **own).run()
         record(part, part_key, model)
     return run_dir

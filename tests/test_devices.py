@@ -13,13 +13,21 @@ def test_resolve_device_names_what_is_wrong():
         devices.resolve_device("nope")
 
 
-@pytest.mark.parametrize(("flags", "fast"), [("fpu avx512f avx512_bf16 sse", True), ("fpu amx_bf16 avx2", True),
-                                             ("fpu avx512f avx512bw avx2", False), ("", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("flags", "fast"),
+    [
+        ("fpu avx512f avx512_bf16 sse", True),
+        ("fpu amx_bf16 avx2", True),
+        ("fpu avx512f avx512bw avx2", False),
+        ("", False),
+    ],
+)
 def test_bf16_counts_as_fast_on_cpus_with_bf16_dot_products_only(monkeypatch, flags, fast):
     cpuinfo = f"processor\t: 0\nmodel name\t: x\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: fpu\n"
     real_open = builtins.open
-    monkeypatch.setattr(builtins, "open", lambda p, *a, **k: io.StringIO(cpuinfo) if p == "/proc/cpuinfo"
-                        else real_open(p, *a, **k))  # fmt: skip
+    monkeypatch.setattr(
+        builtins, "open", lambda p, *a, **k: io.StringIO(cpuinfo) if p == "/proc/cpuinfo" else real_open(p, *a, **k)
+    )
     devices.cpu_flags.cache_clear()
     try:
         assert devices.fast_bf16_matmul(torch.device("cpu")) is fast
@@ -39,12 +47,19 @@ def test_bf16_is_slow_where_the_cpu_flags_cannot_be_read(monkeypatch):
         devices.cpu_flags.cache_clear()
 
 
-@pytest.mark.parametrize(("fast", "stored", "device", "want"), [
-    (True, torch.float32, "cpu", torch.bfloat16), (True, torch.bfloat16, "cpu", torch.bfloat16),
-    (True, torch.float16, "cpu", torch.bfloat16), (True, torch.float16, "cuda", torch.float16),
-    (False, torch.float32, "cpu", torch.float32), (False, torch.bfloat16, "cpu", torch.float32),
-    (False, torch.float16, "cpu", torch.float32), (False, torch.bfloat16, "cuda", torch.float32),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fast", "stored", "device", "want"),
+    [
+        (True, torch.float32, "cpu", torch.bfloat16),
+        (True, torch.bfloat16, "cpu", torch.bfloat16),
+        (True, torch.float16, "cpu", torch.bfloat16),
+        (True, torch.float16, "cuda", torch.float16),
+        (False, torch.float32, "cpu", torch.float32),
+        (False, torch.bfloat16, "cpu", torch.float32),
+        (False, torch.float16, "cpu", torch.float32),
+        (False, torch.bfloat16, "cuda", torch.float32),
+    ],
+)
 def test_auto_computes_in_the_machines_fast_dtype_not_the_checkpoints(monkeypatch, fast, stored, device, want):
     monkeypatch.setattr(devices, "fast_bf16_matmul", lambda _dev: fast)
     assert devices.compute_dtype("auto", stored, torch.device(device)) == want

@@ -23,8 +23,10 @@ def oversized() -> list[str]:
             params = [p for p in params if p.arg not in ("self", "cls")]
             lines = node.end_lineno - node.lineno + 1
             if lines > MAX_LINES or len(params) > MAX_PARAMS:
-                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}: {lines} lines, "
-                             f"{len(params)} parameters")  # fmt: skip
+                found.append(
+                    f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}: {lines} lines, "
+                    f"{len(params)} parameters"
+                )
     return found
 
 

@@ -66,8 +66,12 @@ def layer_of(module: str) -> int:
 
 
 def upward_edges(graph: dict[str, set[str]]) -> list[str]:
-    return sorted(f"{m} imports {t}" for m, targets in graph.items() for t in targets
-                  if unit(t) != unit(m) and layer_of(t) >= layer_of(m))  # fmt: skip
+    return sorted(
+        f"{m} imports {t}"
+        for m, targets in graph.items()
+        for t in targets
+        if unit(t) != unit(m) and layer_of(t) >= layer_of(m)
+    )
 
 
 def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
@@ -132,11 +136,19 @@ def write_package(root: Path, files: dict[str, str]) -> Path:
 def test_a_reach_upward_and_a_cycle_are_caught(tmp_path, where):
     line = "from slimlm.runtime.engine import Engine"
     upward = line if where == "at the top" else f"def f():\n    {line}\n"
-    graph = import_graph(write_package(tmp_path, {
-        "__init__.py": "", "formats/__init__.py": "", "formats/reader.py": upward,
-        "runtime/__init__.py": "", "runtime/engine.py": "from .draft import Draft\n",
-        "runtime/draft.py": "from ..runtime import engine\nfrom slimlm.formats.reader import x\n",
-    }))  # fmt: skip
+    graph = import_graph(
+        write_package(
+            tmp_path,
+            {
+                "__init__.py": "",
+                "formats/__init__.py": "",
+                "formats/reader.py": upward,
+                "runtime/__init__.py": "",
+                "runtime/engine.py": "from .draft import Draft\n",
+                "runtime/draft.py": "from ..runtime import engine\nfrom slimlm.formats.reader import x\n",
+            },
+        )
+    )
     assert graph["slimlm.runtime.draft"] == {"slimlm.runtime.engine", "slimlm.formats.reader"}
     assert upward_edges(graph) == ["slimlm.formats.reader imports slimlm.runtime.engine"]
     assert cycles(graph) == [{"slimlm.formats.reader", "slimlm.runtime.engine", "slimlm.runtime.draft"}]

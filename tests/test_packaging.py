@@ -22,8 +22,23 @@ def wheel(tmp_path_factory) -> Path:
     shutil.copytree(ROOT / "slimlm", src / "slimlm", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path / "dist")], check=True, capture_output=True, cwd=src)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(src),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+        ],
+        check=True,
+        capture_output=True,
+        cwd=src,
+    )
     (built,) = (tmp_path / "dist").glob("slimlm-*.whl")
     return built
 
@@ -56,14 +71,19 @@ def test_the_installed_wheel_builds_its_kernels_and_runs_the_command(wheel, tmp_
     """Installed as a user installs it (not editable, outside the source tree): the C kernels build from the
     wheel's sources into a fresh cache and match the reference, and `compress --help` lists the commands."""
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
     env = {**os.environ, "PYTHONPATH": str(site), "SLIMLM_CACHE": str(tmp_path / "cache")}
-    done = subprocess.run([sys.executable, "-c", INSTALLED_CHECK, str(site)], capture_output=True, text=True,
-                          env=env, cwd=tmp_path)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", INSTALLED_CHECK, str(site)], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     assert float(done.stdout.split("max error ")[1]) < 1e-4
     assert list((tmp_path / "cache" / "kernels").glob("*/libslimlm_cpu.so"))
-    done = subprocess.run([sys.executable, "-m", "slimlm.cli", "--help"], capture_output=True, text=True, env=env,
-                          cwd=tmp_path)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "slimlm.cli", "--help"], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
     assert done.returncode == 0 and all(command in done.stdout for command in ("gptq", "serve", "recipe"))

@@ -58,57 +58,104 @@ def test_a_recipe_runs_resumes_and_redoes_only_what_changed(tiny_llama, calib_tx
     assert main(["recipe", str(path), "--set", "stages.rtn.0.rtn.bits=8"]) == 0
     err = capsys.readouterr().err
     assert "rtn: step 1/1 rtn {'group_size': 32, 'bits': 8}" in err and "float: eval: done before" in err
-    assert json.loads((runs / "rtn" / "model" / "config.json").read_text())["quantization_config"][
-        "config_groups"]["group_0"]["weights"]["num_bits"] == 8  # fmt: skip
+    assert (
+        json.loads((runs / "rtn" / "model" / "config.json").read_text())["quantization_config"]["config_groups"][
+            "group_0"
+        ]["weights"]["num_bits"]
+        == 8
+    )
 
 
-@pytest.mark.parametrize("text,message", [
-    ("model: m\nruns: r\nstagez: {}\n",
-     "x.yaml:3: stagez: unknown field (a recipe has model, runs, eval, bench, report, notes, stages)"),
-    ("model: m\nruns: r\nstages:\n  a:\n    - quantize: {bits: 4}\n",
-     "x.yaml:5: stages.a.0: unknown step 'quantize' (steps: rtn, gptq, awq, kv, gqa, prune)"),
-    ("model: m\nruns: r\nstages:\n  a:\n    - rtn: {bitz: 4}\n",
-     "x.yaml:5: stages.a.0.rtn.bitz: unknown option (`compress rtn` takes model, calib, num_samples, seq_len, seed, "
-     "batch_size, out, overwrite, ppl, ppl_tokens, device, compute_dtype, kv_dtype, kv_strategy, bits, group_size, "
-     "sym, ignore, quantize_lm_head, format, report_error)"),
-    ("model: m\nruns: r\nstages:\n  a:\n    - rtn: {out: elsewhere}\n",
-     "x.yaml:5: stages.a.0.rtn.out: set by the recipe; leave it out"),
-    ("model: m\nruns: r\nstages:\n  a: [{rtn: {bits: [4}]\n",
-     "x.yaml:4: not valid YAML (expected ',' or ']', but got '}')"),
-    ("model: m\nruns: r\n", "x.yaml: 'stages' is required: a mapping of stage names to steps"),
-    ("model: m\nruns: r\nstages: {}\n", "x.yaml:3: stages: 'stages' is required: a mapping of stage names to steps"),
-    ("model: m\nruns: r\nstages: [a]\n", "x.yaml:3: stages: 'stages' is required: a mapping of stage names to steps"),
-    ("runs: r\nstages: {a: []}\n", "x.yaml: the field 'model' is required"),
-    ("model: m\nstages: {a: []}\n", "x.yaml: the field 'runs' is required"),
-    ("model: [m]\nruns: r\nstages: {a: []}\n", "x.yaml:1: model: required: a string"),
-    ("model: m\nruns: ''\nstages: {a: []}\n", "x.yaml:2: runs: required: a string"),
-    ("model: m\nruns: r\nreport: 3\nstages: {a: []}\n", "x.yaml:3: report: a file path, e.g. out/runs/report.html"),
-    ("model: m\nruns: r\nreport: ''\nstages: {a: []}\n", "x.yaml:3: report: a file path, e.g. out/runs/report.html"),
-    ("model: m\nruns: r\neval: [ppl]\nstages: {a: []}\n", "x.yaml:3: eval: a mapping of `compress eval` options"),
-    ("model: m\nruns: r\nbench: 1\nstages: {a: []}\n", "x.yaml:3: bench: a mapping of `compress bench` options"),
-    ("model: m\nruns: r\neval: {tasks: slimlm_piqa, limitt: 2}\nstages: {a: []}\n",
-     "x.yaml:3: eval.limitt: unknown option (`compress eval` takes dtype, kv_cache_memory, kv_cache_dtype, device, "
-     "model, tasks, limit, num_fewshot, batch_size, ppl, seq_len, max_tokens, output, overwrite)"),
-    ("model: m\nruns: r\nstages:\n  a: rtn\n",
-     "x.yaml:4: stages.a: a list of steps, e.g. [{gptq: {bits: 4}}] ([] for the source itself)"),
-    ("model: m\nruns: r\nstages:\n  a: [rtn]\n",
-     "x.yaml:4: stages.a.0: a step is one command with its options, e.g. {gptq: {bits: 4}}"),
-    ("model: m\nruns: r\nstages:\n  a: [{rtn: {}, gptq: {}}]\n",
-     "x.yaml:4: stages.a.0: a step is one command with its options, e.g. {gptq: {bits: 4}}"),
-    ("model: m\nruns: r\nstages:\n  a: [{rtn: 4}]\n",
-     "x.yaml:4: stages.a.0.rtn: options are a mapping, e.g. {bits: 4, group_size: 64}"),
-    ("model: m\nruns: r\nstages:\n  ../victim: []\n",
-     "x.yaml:4: stages.../victim: a stage name is a plain name (letters, digits, '.', '_', '-'), got '../victim'"),
-    ("model: m\nruns: r\nstages:\n  /abs/path: []\n", "got '/abs/path'"),
-    ("model: m\nruns: r\nstages:\n  .: []\n", "got '.'"),
-    ("model: m\nruns: r\nstages:\n  ..: []\n", "got '..'"),
-    ("model: m\nruns: r\nstages:\n  1: []\n", "got 1"),
-    ("model: m\nruns: x.yaml\nstages: {a: []}\n", "x.yaml:2: runs: x.yaml exists and is not a directory"),
-    ("- model: m\n", "x.yaml: a recipe is a mapping with the fields model, runs, eval, bench, report, notes, stages"),
-    ("", "x.yaml: a recipe is a mapping with the fields model, runs, eval, bench, report, notes, stages"),
-    ("model: m\nruns: r\nXtra: 1\nstages: {a: []}\n",
-     "x.yaml:3: Xtra: unknown field (a recipe has model, runs, eval, bench, report, notes, stages)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        (
+            "model: m\nruns: r\nstagez: {}\n",
+            "x.yaml:3: stagez: unknown field (a recipe has model, runs, eval, bench, report, notes, stages)",
+        ),
+        (
+            "model: m\nruns: r\nstages:\n  a:\n    - quantize: {bits: 4}\n",
+            "x.yaml:5: stages.a.0: unknown step 'quantize' (steps: rtn, gptq, awq, kv, gqa, prune)",
+        ),
+        (
+            "model: m\nruns: r\nstages:\n  a:\n    - rtn: {bitz: 4}\n",
+            "x.yaml:5: stages.a.0.rtn.bitz: unknown option (`compress rtn` takes model, calib, "
+            "num_samples, seq_len, seed, "
+            "batch_size, out, overwrite, ppl, ppl_tokens, device, compute_dtype, kv_dtype, "
+            "kv_strategy, bits, group_size, "
+            "sym, ignore, quantize_lm_head, format, report_error)",
+        ),
+        (
+            "model: m\nruns: r\nstages:\n  a:\n    - rtn: {out: elsewhere}\n",
+            "x.yaml:5: stages.a.0.rtn.out: set by the recipe; leave it out",
+        ),
+        (
+            "model: m\nruns: r\nstages:\n  a: [{rtn: {bits: [4}]\n",
+            "x.yaml:4: not valid YAML (expected ',' or ']', but got '}')",
+        ),
+        ("model: m\nruns: r\n", "x.yaml: 'stages' is required: a mapping of stage names to steps"),
+        (
+            "model: m\nruns: r\nstages: {}\n",
+            "x.yaml:3: stages: 'stages' is required: a mapping of stage names to steps",
+        ),
+        (
+            "model: m\nruns: r\nstages: [a]\n",
+            "x.yaml:3: stages: 'stages' is required: a mapping of stage names to steps",
+        ),
+        ("runs: r\nstages: {a: []}\n", "x.yaml: the field 'model' is required"),
+        ("model: m\nstages: {a: []}\n", "x.yaml: the field 'runs' is required"),
+        ("model: [m]\nruns: r\nstages: {a: []}\n", "x.yaml:1: model: required: a string"),
+        ("model: m\nruns: ''\nstages: {a: []}\n", "x.yaml:2: runs: required: a string"),
+        ("model: m\nruns: r\nreport: 3\nstages: {a: []}\n", "x.yaml:3: report: a file path, e.g. out/runs/report.html"),
+        (
+            "model: m\nruns: r\nreport: ''\nstages: {a: []}\n",
+            "x.yaml:3: report: a file path, e.g. out/runs/report.html",
+        ),
+        ("model: m\nruns: r\neval: [ppl]\nstages: {a: []}\n", "x.yaml:3: eval: a mapping of `compress eval` options"),
+        ("model: m\nruns: r\nbench: 1\nstages: {a: []}\n", "x.yaml:3: bench: a mapping of `compress bench` options"),
+        (
+            "model: m\nruns: r\neval: {tasks: slimlm_piqa, limitt: 2}\nstages: {a: []}\n",
+            "x.yaml:3: eval.limitt: unknown option (`compress eval` takes dtype, kv_cache_memory, "
+            "kv_cache_dtype, device, "
+            "model, tasks, limit, num_fewshot, batch_size, ppl, seq_len, max_tokens, output, overwrite)",
+        ),
+        (
+            "model: m\nruns: r\nstages:\n  a: rtn\n",
+            "x.yaml:4: stages.a: a list of steps, e.g. [{gptq: {bits: 4}}] ([] for the source itself)",
+        ),
+        (
+            "model: m\nruns: r\nstages:\n  a: [rtn]\n",
+            "x.yaml:4: stages.a.0: a step is one command with its options, e.g. {gptq: {bits: 4}}",
+        ),
+        (
+            "model: m\nruns: r\nstages:\n  a: [{rtn: {}, gptq: {}}]\n",
+            "x.yaml:4: stages.a.0: a step is one command with its options, e.g. {gptq: {bits: 4}}",
+        ),
+        (
+            "model: m\nruns: r\nstages:\n  a: [{rtn: 4}]\n",
+            "x.yaml:4: stages.a.0.rtn: options are a mapping, e.g. {bits: 4, group_size: 64}",
+        ),
+        (
+            "model: m\nruns: r\nstages:\n  ../victim: []\n",
+            "x.yaml:4: stages.../victim: a stage name is a plain name (letters, digits, '.', '_', "
+            "'-'), got '../victim'",
+        ),
+        ("model: m\nruns: r\nstages:\n  /abs/path: []\n", "got '/abs/path'"),
+        ("model: m\nruns: r\nstages:\n  .: []\n", "got '.'"),
+        ("model: m\nruns: r\nstages:\n  ..: []\n", "got '..'"),
+        ("model: m\nruns: r\nstages:\n  1: []\n", "got 1"),
+        ("model: m\nruns: x.yaml\nstages: {a: []}\n", "x.yaml:2: runs: x.yaml exists and is not a directory"),
+        (
+            "- model: m\n",
+            "x.yaml: a recipe is a mapping with the fields model, runs, eval, bench, report, notes, stages",
+        ),
+        ("", "x.yaml: a recipe is a mapping with the fields model, runs, eval, bench, report, notes, stages"),
+        (
+            "model: m\nruns: r\nXtra: 1\nstages: {a: []}\n",
+            "x.yaml:3: Xtra: unknown field (a recipe has model, runs, eval, bench, report, notes, stages)",
+        ),
+    ],
+)
 def test_malformed_recipes_name_the_file_line_and_field(tmp_path, text, message, monkeypatch):
     """The whole message: where (file:line, the line of the offending value), the field, and what to do."""
     monkeypatch.chdir(tmp_path)
@@ -129,8 +176,13 @@ def test_options_become_the_commands_own_jobs():
     """Each option as the command's job takes it: a switch named true sets its field, false and null leave
     the default, a list stays a list where the field is one and reads as comma-separated text where the flag
     takes text; what the recipe sets is refused."""
-    job = recipes.job("rtn", {"bits": 8, "asym": True, "sym": False, "ignore": ["*.down_proj", "*.up_proj"],
-                              "quantize_lm_head": None}, model="m", out=Path("o"), overwrite=True)  # fmt: skip
+    job = recipes.job(
+        "rtn",
+        {"bits": 8, "asym": True, "sym": False, "ignore": ["*.down_proj", "*.up_proj"], "quantize_lm_head": None},
+        model="m",
+        out=Path("o"),
+        overwrite=True,
+    )
     assert (job.model, job.out, job.overwrite, job.bits) == ("m", Path("o"), True, 8)
     assert job.sym is False and job.ignore == ["*.down_proj", "*.up_proj"] and job.quantize_lm_head is None
     assert recipes.job("rtn", {"float_lm_head": True}, model="m", out=Path("o")).quantize_lm_head == 0
@@ -145,12 +197,18 @@ def test_options_become_the_commands_own_jobs():
         recipes.job("rtn", {"asym": 3}, model="m", out=Path("o"))
 
 
-@pytest.mark.parametrize("assignment,message", [
-    ("stages", "--set 'stages': use --set FIELD=VALUE, e.g. --set eval.limit=10"),
-    ("=[]", "--set '=[]': use --set FIELD=VALUE, e.g. --set eval.limit=10"),
-    ("stages.a.1.rtn.bits=4", "--set stages.a.1.rtn.bits: '1' is not an item there (a list of 1, from 0)"),
-    ("eval.limit=[1", "--set eval.limit: the value is not valid YAML (expected ',' or ']', but got '<stream end>')"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "assignment,message",
+    [
+        ("stages", "--set 'stages': use --set FIELD=VALUE, e.g. --set eval.limit=10"),
+        ("=[]", "--set '=[]': use --set FIELD=VALUE, e.g. --set eval.limit=10"),
+        ("stages.a.1.rtn.bits=4", "--set stages.a.1.rtn.bits: '1' is not an item there (a list of 1, from 0)"),
+        (
+            "eval.limit=[1",
+            "--set eval.limit: the value is not valid YAML (expected ',' or ']', but got '<stream end>')",
+        ),
+    ],
+)
 def test_set_refusals_are_whole_sentences(tmp_path, assignment, message):
     path = tmp_path / "x.yaml"
     path.write_text("model: m\nruns: r\neval: {}\nstages:\n  a: [{rtn: {bits: 4}}]\n")
@@ -169,8 +227,9 @@ def test_a_loaded_recipe_holds_its_fields_and_names_the_overrides_behind_an_erro
     assert recipes.load(path, ["report=", "notes=short"]).report is None
     with pytest.raises(SlimlmError) as error:
         recipes.load(path, ["stages.a.0.rtn.bits=5", "stages.a.0.rtn.group_size=32", "notes=x"])
-    assert str(error.value) == (f"{path}:5 (with --set stages.a.0.rtn.bits=5): stages.a.0.rtn.bits: invalid choice: 5 "
-                                "(choose from 2, 3, 4, 8)")  # the override behind it, not every one
+    assert str(error.value) == (
+        f"{path}:5 (with --set stages.a.0.rtn.bits=5): stages.a.0.rtn.bits: invalid choice: 5 (choose from 2, 3, 4, 8)"
+    )  # the override behind it, not every one
     with pytest.raises(SlimlmError) as error:
         recipes.load(path, ["model=", "notes=x"])  # about one field, not the recipe's overrides as a whole
     assert str(error.value) == f"{path}:1 (with --set model=): model: required: a string"
@@ -188,23 +247,32 @@ def test_overrides_are_checked_too(tmp_path, capsys):
     assert main(["recipe", str(path), "--check", "--set", "stages.b.0.rtn.bits=8"]) == 2
     assert "--set stages.b.0.rtn.bits: the recipe has no field 'b' there" in capsys.readouterr().err
     assert main(["recipe", str(path), "--check", "--set", "stages.a.0.rtn.bits=five"]) == 2
-    assert ("x.yaml:4 (with --set stages.a.0.rtn.bits=five): stages.a.0.rtn.bits: 'five' is not an integer"
-            ) in capsys.readouterr().err
+    assert (
+        "x.yaml:4 (with --set stages.a.0.rtn.bits=five): stages.a.0.rtn.bits: 'five' is not an integer"
+    ) in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("assignment,fragment", [
-    ("stages.a.5.rtn.bits=4", "--set stages.a.5.rtn.bits: '5' is not an item there (a list of 1, from 0)"),
-    ("stages.a.-1.rtn.bits=3", "'-1' is not an item there"),
-    ("stages.float.x=1", "--set stages.float.x: 'x' is not an item there (a list of 0, from 0)"),
-    ("stages=!!python/object/apply:os.system [true]", "--set stages: the value is not valid YAML"),
-    ("stages.a.0.rtn.bits=5", "x.yaml:6 (with --set stages.a.0.rtn.bits=5): stages.a.0.rtn.bits: invalid choice: 5"),
-    ("stages.a.0.rtn.group_size=0", "x.yaml:6 (with --set stages.a.0.rtn.group_size=0): stages.a.0.rtn.group_size: "
-     "invalid choice: 0"),
-    ("bench.prompt_len=[8]", "x.yaml:3 (with --set bench.prompt_len=[8]): bench.prompt_len: '8': give LO,HI"),
-    ("bench.batch=[0]", "bench.batch: '0': give positive integers"),
-    ("eval.tasks=nosuch_task", "eval.tasks: unknown task nosuch_task"),
-    ("stages.~=[]", "a stage name is a plain name"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "assignment,fragment",
+    [
+        ("stages.a.5.rtn.bits=4", "--set stages.a.5.rtn.bits: '5' is not an item there (a list of 1, from 0)"),
+        ("stages.a.-1.rtn.bits=3", "'-1' is not an item there"),
+        ("stages.float.x=1", "--set stages.float.x: 'x' is not an item there (a list of 0, from 0)"),
+        ("stages=!!python/object/apply:os.system [true]", "--set stages: the value is not valid YAML"),
+        (
+            "stages.a.0.rtn.bits=5",
+            "x.yaml:6 (with --set stages.a.0.rtn.bits=5): stages.a.0.rtn.bits: invalid choice: 5",
+        ),
+        (
+            "stages.a.0.rtn.group_size=0",
+            "x.yaml:6 (with --set stages.a.0.rtn.group_size=0): stages.a.0.rtn.group_size: invalid choice: 0",
+        ),
+        ("bench.prompt_len=[8]", "x.yaml:3 (with --set bench.prompt_len=[8]): bench.prompt_len: '8': give LO,HI"),
+        ("bench.batch=[0]", "bench.batch: '0': give positive integers"),
+        ("eval.tasks=nosuch_task", "eval.tasks: unknown task nosuch_task"),
+        ("stages.~=[]", "a stage name is a plain name"),
+    ],
+)
 def test_check_refuses_what_the_run_would(tmp_path, capsys, assignment, fragment):
     """--check (and so every run, before its first stage) refuses each value a command would refuse later."""
     path = tmp_path / "x.yaml"
@@ -236,9 +304,11 @@ def test_a_recipe_replaces_only_what_it_wrote(tiny_llama, tmp_path, capsys):
     assert (mine.parent / "eval.json").read_text() == "mine" and not mine.exists()
     own = tmp_path / "report.html"
     own.write_text("<html>my notes</html>")
-    path.write_text(f"model: {tiny_llama}\nruns: {tmp_path / 'runs2'}\nreport: {own}\neval: {{max_tokens: 256, "
-                    "seq_len: 64}\nbench: {batch: [1], context: 16, prefill_len: 8, requests: 1, prompt_len: [4, 4], "
-                    "output_len: [2, 2], rounds: 1}\nstages:\n  float: []\n")  # fmt: skip
+    path.write_text(
+        f"model: {tiny_llama}\nruns: {tmp_path / 'runs2'}\nreport: {own}\neval: {{max_tokens: 256, "
+        "seq_len: 64}\nbench: {batch: [1], context: 16, prefill_len: 8, requests: 1, prompt_len: [4, 4], "
+        "output_len: [2, 2], rounds: 1}\nstages:\n  float: []\n"
+    )
     assert main(["recipe", str(path), "--check"]) == 2  # refused before any stage runs
     assert f"--out {own} exists; pass --overwrite to replace it" in capsys.readouterr().err
     assert own.read_text() == "<html>my notes</html>" and not (tmp_path / "runs2").exists()
@@ -253,13 +323,67 @@ def test_every_shipped_recipe_is_valid(path):
     assert recipe.report is not None and list(recipe.stages)[0] == "float" and not recipe.stages["float"]
 
 
-PARTS = st.sampled_from(["model", "runs", "eval", "bench", "stages", "report", "notes", "a", "float", "0", "1", "-1",
-                         "5", "rtn", "gptq", "bits", "group_size", "limit", "batch", "prompt_len", "x", "~", "..",
-                         "", " ", "01", "1.5"])  # fmt: skip
-VALUES = st.one_of(st.sampled_from(["", "null", "~", "5", "-1", "0", "nan", ".inf", "1e400", "[8]", "[1, 2]", "[0]",
-                                    "{rtn: {bits: 4}}", "[{rtn: {bits: 8}}]", "{a: 1}", "x", "'..'", "/abs",
-                                    "!!python/object/apply:os.system [true]", "[", "{", "true", "2**70"]),
-                   st.text(max_size=6))  # fmt: skip
+PARTS = st.sampled_from(
+    [
+        "model",
+        "runs",
+        "eval",
+        "bench",
+        "stages",
+        "report",
+        "notes",
+        "a",
+        "float",
+        "0",
+        "1",
+        "-1",
+        "5",
+        "rtn",
+        "gptq",
+        "bits",
+        "group_size",
+        "limit",
+        "batch",
+        "prompt_len",
+        "x",
+        "~",
+        "..",
+        "",
+        " ",
+        "01",
+        "1.5",
+    ]
+)
+VALUES = st.one_of(
+    st.sampled_from(
+        [
+            "",
+            "null",
+            "~",
+            "5",
+            "-1",
+            "0",
+            "nan",
+            ".inf",
+            "1e400",
+            "[8]",
+            "[1, 2]",
+            "[0]",
+            "{rtn: {bits: 4}}",
+            "[{rtn: {bits: 8}}]",
+            "{a: 1}",
+            "x",
+            "'..'",
+            "/abs",
+            "!!python/object/apply:os.system [true]",
+            "[",
+            "{",
+            "true",
+            "2**70",
+        ]
+    ),
+    st.text(max_size=6),
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -269,8 +393,9 @@ def test_any_set_gives_a_valid_recipe_or_a_one_line_error(tmp_path, monkeypatch,
     internal error (IndexError, ValueError, AttributeError, TypeError were all reachable)."""
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "x.yaml"
-    path.write_text("model: m\nruns: r\neval: {limit: 5}\nbench: {batch: [1]}\nstages:\n  a: [{rtn: {bits: 4}}]\n"
-                    "  float: []\n")  # fmt: skip
+    path.write_text(
+        "model: m\nruns: r\neval: {limit: 5}\nbench: {batch: [1]}\nstages:\n  a: [{rtn: {bits: 4}}]\n  float: []\n"
+    )
     try:
         recipes.load(path, [f"{'.'.join(parts)}={value}"])
     except SlimlmError as e:
@@ -394,8 +519,10 @@ def test_a_run_does_each_step_once_reuses_shared_chains_and_redoes_what_changed(
 
     def measured(name: str, model: str) -> list[tuple]:
         baseline = "none" if name == "float" else str(src)
-        return [("eval", model, str(runs / name / "eval.json")),
-                ("bench", model, str(runs / name / "bench.json"), baseline)]  # fmt: skip
+        return [
+            ("eval", model, str(runs / name / "eval.json")),
+            ("bench", model, str(runs / name / "bench.json"), baseline),
+        ]
 
     def final(name: str) -> str:
         return str(runs / name / "model")
@@ -447,9 +574,14 @@ def test_a_stage_directory_is_refused_unless_its_run_json_names_the_stage(tmp_pa
     assert json.loads((stage / "run.json").read_text())["name"] == "a"
     for text in (json.dumps({"name": "b"}), "{not json", json.dumps(["a"])):
         (stage / "run.json").write_text(text)
-        with pytest.raises(SlimlmError, match=re.escape(f"{stage} holds files this recipe did not write (no run.json "
-                                                        "of stage 'a'); point runs: at a new directory or move them "
-                                                        "away")):  # fmt: skip
+        with pytest.raises(
+            SlimlmError,
+            match=re.escape(
+                f"{stage} holds files this recipe did not write (no run.json "
+                "of stage 'a'); point runs: at a new directory or move them "
+                "away"
+            ),
+        ):
             recipes.load(path)
     (stage / "run.json").unlink()
     (stage / "eval.json").unlink()

@@ -152,8 +152,10 @@ def test_bad_ppl_source_and_unwritable_out_fail_before_work(capsys, tiny_llama, 
 def test_edited_configs_are_named_not_served(capsys, quantized, changes, fragment):
     drop_manifest_hashes(quantized)
     edit_config(quantized, **changes)
-    for command in (["eval", str(quantized), "--max-tokens", "64", "--seq-len", "32", "--ppl", "wiki"],
-                    ["generate", str(quantized), "--prompt", "the"]):  # fmt: skip
+    for command in (
+        ["eval", str(quantized), "--max-tokens", "64", "--seq-len", "32", "--ppl", "wiki"],
+        ["generate", str(quantized), "--prompt", "the"],
+    ):
         code, _, err = run_cli(capsys, *command)
         assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
         assert re.search(fragment, err), err
@@ -184,10 +186,14 @@ def rewrite_tensors(d, change):
     "change, fragment",
     [
         (lambda t: t.pop("model.layers.0.self_attn.q_proj.weight_scale"), "has no model.layers.0.self_attn.q_proj"),
-        (lambda t: t.__setitem__("model.layers.1.mlp.up_proj.weight_shape", torch.tensor([96, 32])),
-         "up_proj.weight_packed is [96, 8] torch.int32, the quantization_config implies [96, 4]"),  # fmt: skip
-        (lambda t: t["model.layers.1.mlp.down_proj.weight_scale"].__setitem__((0, 0), float("nan")),
-         "tensor model.layers.1.mlp.down_proj.weight_scale holds NaN or Inf"),  # fmt: skip
+        (
+            lambda t: t.__setitem__("model.layers.1.mlp.up_proj.weight_shape", torch.tensor([96, 32])),
+            "up_proj.weight_packed is [96, 8] torch.int32, the quantization_config implies [96, 4]",
+        ),
+        (
+            lambda t: t["model.layers.1.mlp.down_proj.weight_scale"].__setitem__((0, 0), float("nan")),
+            "tensor model.layers.1.mlp.down_proj.weight_scale holds NaN or Inf",
+        ),
         (lambda t: t["model.norm.weight"].__setitem__(0, float("inf")), "tensor model.norm.weight holds NaN or Inf"),
         (lambda t: t.__setitem__("extra.weight", torch.zeros(2)), "holds tensor extra.weight that its config.json"),
     ],
@@ -196,8 +202,10 @@ def rewrite_tensors(d, change):
 def test_tensors_that_do_not_match_are_named(capsys, quantized, change, fragment):
     drop_manifest_hashes(quantized)
     rewrite_tensors(quantized, change)
-    for command in (["generate", str(quantized), "--prompt", "the"],
-                    ["eval", str(quantized), "--max-tokens", "64", "--seq-len", "32"]):  # fmt: skip
+    for command in (
+        ["generate", str(quantized), "--prompt", "the"],
+        ["eval", str(quantized), "--max-tokens", "64", "--seq-len", "32"],
+    ):
         code, _, err = run_cli(capsys, *command)
         assert_one_line_error(code, err, fragment)
 
@@ -261,8 +269,16 @@ def test_the_converted_default_model_carries_its_file_hashes():
 def test_sampling_parameters_follow_vllm(tiny_llama):
     from slimlm import LLM, SamplingParams
 
-    bad_params = [dict(logprobs=1000), dict(logprobs=-1), dict(logprobs=True), dict(max_tokens=True),
-                  dict(prompt_logprobs=21), dict(seed=-1), dict(stop_token_ids=[-3]), dict(temperature=float("inf"))]
+    bad_params = [
+        dict(logprobs=1000),
+        dict(logprobs=-1),
+        dict(logprobs=True),
+        dict(max_tokens=True),
+        dict(prompt_logprobs=21),
+        dict(seed=-1),
+        dict(stop_token_ids=[-3]),
+        dict(temperature=float("inf")),
+    ]
     for bad in bad_params:
         with pytest.raises(SlimlmError, match="invalid sampling parameters"):
             SamplingParams(**bad)
@@ -398,8 +414,10 @@ def test_a_huge_single_passage_is_tokenized_only_as_far_as_needed(tiny_llama):
         (["rtn", "--model", "{m}", "--out", "{o}", "--batch-size", "0"], "must be a positive integer"),
         (["rtn", "--model", "{m}", "--out", "{o}", "--ppl-tokens", "-100"], "must be a positive integer"),
         (["rtn", "--model", "{m}", "--out", "{o}", "--seed", str(2**70)], "must be in [0, 2^63)"),
-        (["eval", "{m}", "--tasks", "slimlm_piqa,hellaswagg"], "unknown task hellaswagg; bundled (offline): "
-         "slimlm_tasks (all of them), slimlm_hellaswag, slimlm_piqa"),
+        (
+            ["eval", "{m}", "--tasks", "slimlm_piqa,hellaswagg"],
+            "unknown task hellaswagg; bundled (offline): slimlm_tasks (all of them), slimlm_hellaswag, slimlm_piqa",
+        ),
         (["eval", "{m}", "--tasks", " , "], "--tasks: is empty"),
         (["plan", "llama-3.1-8b", "--weights", "w4g0"], "and a group >= 1 (-1: per channel)"),
     ],
@@ -418,16 +436,22 @@ def test_flags_out_of_range_are_argparse_errors(capsys, tiny_llama, tmp_path, ar
         (["eval", "{m}", "--seq-len", "4096"], "exceeds the model's context (512 tokens)"),
         (["eval", "{t}", "--tasks", "slimlm_piqa"], "has no config.json"),
         (["rtn", "--model", "{m}", "--out", "{o}", "--calib", "/etc/passwd"], "is neither .txt"),
-        (["awq", "--model", "{m}", "--out", "{o}", "--group-size", "32", "--search-batches", "0"],
-         "--search-batches 0 must be a positive integer"),
-        (["awq", "--model", "{m}", "--out", "{o}", "--group-size", "32", "--grid", "0"],
-         "--grid 0 must be a positive integer (20 is the default)"),  # fmt: skip
+        (
+            ["awq", "--model", "{m}", "--out", "{o}", "--group-size", "32", "--search-batches", "0"],
+            "--search-batches 0 must be a positive integer",
+        ),
+        (
+            ["awq", "--model", "{m}", "--out", "{o}", "--group-size", "32", "--grid", "0"],
+            "--grid 0 must be a positive integer (20 is the default)",
+        ),
         (["generate", "{m}", "--prompt", "caf\udce9"], "is not valid text"),
         (["plan", "llama-3.1-8b", "--bench", "{t}/b.json"], "give that checkpoint"),
         (["plan", "{m}", "--bench", "{m}/config.json"], "not a compress bench JSON (KeyError: 'systems')"),
         (["bench", "{m}", "--baseline", "none", "--prefill-len", "100000"], "--prefill-len: 100000 tokens are past"),
-        (["generate", "{m}", "--prompt", "hi", "--max-model-len", "4096"], "max_model_len 4096 is past the model's "
-         "context of 512 tokens"),
+        (
+            ["generate", "{m}", "--prompt", "hi", "--max-model-len", "4096"],
+            "max_model_len 4096 is past the model's context of 512 tokens",
+        ),
     ],
 )
 def test_user_errors_are_one_line(capsys, tiny_llama, tmp_path, argv, fragment):

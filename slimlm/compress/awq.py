@@ -72,8 +72,9 @@ class AWQ:
 
     needs_data = True
 
-    def __init__(self, args: QuantArgs, search_batches: int = 2, clip: bool = True, grid: int = GRID,
-                 search_dtype: str = "auto"):  # fmt: skip
+    def __init__(
+        self, args: QuantArgs, search_batches: int = 2, clip: bool = True, grid: int = GRID, search_dtype: str = "auto"
+    ):
         if search_dtype not in devices.COMPUTE_DTYPES:
             raise SlimlmError(f"--search-dtype {search_dtype!r} is not one of {', '.join(devices.COMPUTE_DTYPES)}")
         if not (type(search_batches) is int and search_batches > 0):
@@ -86,8 +87,12 @@ class AWQ:
         self.block_inputs: dict[str, list[tuple[tuple, dict]]] = {}
 
     def arguments(self) -> dict[str, Any]:
-        return {"search_batches": self.search_batches, "clip": self.clip, "grid": self.grid,
-                "search_dtype": self.search_dtype}  # fmt: skip
+        return {
+            "search_batches": self.search_batches,
+            "clip": self.clip,
+            "grid": self.grid,
+            "search_dtype": self.search_dtype,
+        }
 
     def observe(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> list[Any]:
         self.stats = {}

@@ -103,8 +103,15 @@ def gptq_quantize(
     return result
 
 
-def _quantize_columns(W: torch.Tensor, U: torch.Tensor, group_list: list[int], args: QuantArgs, scale: torch.Tensor,
-                      zero: torch.Tensor | None, dynamic: bool) -> torch.Tensor:  # fmt: skip
+def _quantize_columns(
+    W: torch.Tensor,
+    U: torch.Tensor,
+    group_list: list[int],
+    args: QuantArgs,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    dynamic: bool,
+) -> torch.Tensor:
     """GPTQ's column loop over W [out, in] (columns in processing order), U the upper Cholesky factor of the
     inverse Hessian: each column rounded, its error spread over the columns after it, 128 columns per block.
     `dynamic`: each group's qparams are set (in scale, zero) from its columns when the group is reached.

@@ -101,33 +101,53 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
         with_data = job.report_error or any(s.needs_data for s in job.steps)
         samples = None
         if with_data:
-            samples = data.calibration_windows(calibration.source, tokenizer, calibration.num_samples,
-                                               calibration.seq_len, calibration.seed)  # fmt: skip
-            log(f"[{job.method}] {source.dir.name}: {len(samples)}×{calibration.seq_len} calibration tokens from "
-                f"'{calibration.source}', {source.device}, passes in {_name(passes)}")  # fmt: skip
+            samples = data.calibration_windows(
+                calibration.source, tokenizer, calibration.num_samples, calibration.seq_len, calibration.seed
+            )
+            log(
+                f"[{job.method}] {source.dir.name}: {len(samples)}×{calibration.seq_len} calibration tokens from "
+                f"'{calibration.source}', {source.device}, passes in {_name(passes)}"
+            )
         else:
             log(f"[{job.method}] {source.dir.name}: no calibration data needed, on {source.device}")
         # Each finished layer goes to disk in the checkpoint's own format at once (shards.ShardWriter), so
         # the job never holds the whole model's codes: memory stays bounded by a layer and one shard.
-        layers = _LayerWriter(shards.ShardWriter(tmp), job.fmt, source.keep_weights,
-                              weights.dtypes if job.args is None and weights is not None else {})  # fmt: skip
+        layers = _LayerWriter(
+            shards.ShardWriter(tmp),
+            job.fmt,
+            source.keep_weights,
+            weights.dtypes if job.args is None and weights is not None else {},
+        )
         run = pipeline.Passes(calibration.batch_size, source.device, passes, job.report_error, progress)
         result = pipeline.run(model, job.steps, samples, run, job.ignore, weights, on_layer=layers.write)
         seconds = time.time() - start
         meta = {
             "method": job.method,
-            "arguments": {**(asdict(job.args) if job.args else {}), "ignore": list(job.ignore),
-                          "lm_head_bits": job.lm_head_bits, **source.method_args},
-            "calibration": {"source": calibration.source, "num_samples": calibration.num_samples,
-                            "seq_len": calibration.seq_len, "seed": calibration.seed,
-                            "compute_dtype": _name(passes)} if with_data else None,
-            "source_model": {"spec": job.model, "path": str(source.dir),
-                             "sha256": shards.sha256(*shards.weight_files(source.dir))},
+            "arguments": {
+                **(asdict(job.args) if job.args else {}),
+                "ignore": list(job.ignore),
+                "lm_head_bits": job.lm_head_bits,
+                **source.method_args,
+            },
+            "calibration": {
+                "source": calibration.source,
+                "num_samples": calibration.num_samples,
+                "seq_len": calibration.seq_len,
+                "seed": calibration.seed,
+                "compute_dtype": _name(passes),
+            }
+            if with_data
+            else None,
+            "source_model": {
+                "spec": job.model,
+                "path": str(source.dir),
+                "sha256": shards.sha256(*shards.weight_files(source.dir)),
+            },
             "source_size_bytes": shards.total_size(source.dir),
             "compress_seconds": round(seconds, 2),
             "device": str(source.device),
             "layers": result.report,
-        }  # fmt: skip
+        }
         config_patch = {**result.config_patch, **_finish(job, source, model, weights, layers)}
         del result
         config = model.config
@@ -163,9 +183,11 @@ def _check(job: Quantization) -> _Source:
     source_qcfg = source_config.get("quantization_config")
     keep_weights = job.args is None and source_qcfg is not None
     if keep_weights and source_qcfg.get("quant_method") != "compressed-tensors":
-        raise SlimlmError(f"{model_dir} is a {source_qcfg.get('quant_method')} checkpoint, which has no place for "
-                          "KV-cache scales; give compress kv a float or compressed-tensors checkpoint, or pass "
-                          "--kv-dtype to the weight method")  # fmt: skip
+        raise SlimlmError(
+            f"{model_dir} is a {source_qcfg.get('quant_method')} checkpoint, which has no place for "
+            "KV-cache scales; give compress kv a float or compressed-tensors checkpoint, or pass "
+            "--kv-dtype to the weight method"
+        )
     data.check_source(c.source)  # even when no step reads it: a mistyped --calib is worth saying
     return _Source(model_dir, source_config, dev, method_args, head_args, keep_weights)
 
@@ -204,8 +226,13 @@ class _LayerWriter:
         self.sink.add(writer.quantized_tensors(quantized, tensors, self.fmt))
 
 
-def _finish(job: Quantization, source: _Source, model: torch.nn.Module, weights: offload.LazyWeights | None,
-            layers: _LayerWriter) -> dict:  # fmt: skip
+def _finish(
+    job: Quantization,
+    source: _Source,
+    model: torch.nn.Module,
+    weights: offload.LazyWeights | None,
+    layers: _LayerWriter,
+) -> dict:
     """Write what lies outside the decoder layers (embeddings, final norm, lm_head, or a quantized source's own
     tensors with the new KV scales); returns the config.json fields the checkpoint changes."""
     if source.keep_weights:  # the source's own tensors and config, the new KV scales in place of any old ones

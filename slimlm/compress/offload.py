@@ -50,8 +50,10 @@ class LazyWeights:
         """Give a meta-device module its real weights from disk."""
         wanted = [f"{prefix}.{k}" for k in module.state_dict()]
         tensors = self.read([n for n in wanted if n in self.files])
-        state = {k[len(prefix) + 1 :]: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
-                 for k, v in tensors.items()}  # fmt: skip
+        state = {
+            k[len(prefix) + 1 :]: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
+            for k, v in tensors.items()
+        }
         missing = set(module.state_dict()) - set(state)
         if missing:
             raise SlimlmError(f"the checkpoint lacks {prefix}.{sorted(missing)[0]} (and maybe more)")

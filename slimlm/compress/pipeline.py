@@ -274,8 +274,9 @@ def run(
             weights.materialize(layers[i], f"{arch.LAYERS}.{i}", dtype, device)
         layer, prefix = layers[i], f"{arch.LAYERS}.{i}."
         linears = {n: m for n, m in all_linears.items() if n.startswith(prefix)}
-        done, layer_tensors, ref = _apply_steps(layer, i, linears, steps, inputs, compute_dtype, report_error,
-                                                config_patch)  # fmt: skip
+        done, layer_tensors, ref = _apply_steps(
+            layer, i, linears, steps, inputs, compute_dtype, report_error, config_patch
+        )
         entry = {"layer": i}
         if with_data:
             out = _run_layer(in_dtype(layer, compute_dtype), inputs)

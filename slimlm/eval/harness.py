@@ -63,12 +63,21 @@ def evaluate(
     start = time.time()
     try:
         results = lm_eval.simple_evaluate(
-            model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-        )  # fmt: skip
+            model=lm,
+            tasks=tasks,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=manager,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
     except (ConnectionError, DatasetNotFoundError) as e:  # a hub task, offline
-        raise SlimlmError(f"a task's data could not be fetched ({type(e).__name__}: {str(e)[:160]}); offline, "
-                          f"use the bundled tasks: {taskpack.GROUP} or {', '.join(taskpack.STANDARD)}") from None
+        raise SlimlmError(
+            f"a task's data could not be fetched ({type(e).__name__}: {str(e)[:160]}); offline, "
+            f"use the bundled tasks: {taskpack.GROUP} or {', '.join(taskpack.STANDARD)}"
+        ) from None
     seconds = time.time() - start
     results.pop("samples", None)
     results["slimlm"] = {

@@ -53,8 +53,10 @@ class SlimlmLM(TemplateLM):
         known = set(EngineConfig.__dataclass_fields__)
         unknown = sorted(set(engine_args) - known)
         if unknown:
-            raise SlimlmError(f"unknown slimlm model_args {', '.join(unknown)}; known: pretrained, batch_size, "
-                              f"add_bos_token, {', '.join(sorted(known))}")  # fmt: skip
+            raise SlimlmError(
+                f"unknown slimlm model_args {', '.join(unknown)}; known: pretrained, batch_size, "
+                f"add_bos_token, {', '.join(sorted(known))}"
+            )
         if engine_args.get("device") == "cuda:0" and not torch.cuda.is_available():
             engine_args["device"] = None  # lm-eval's command line passes its default, cuda:0, on every machine
         seqs = _int_or_none(batch_size) or _int_or_none(max_batch_size) or 128
@@ -85,12 +87,15 @@ class SlimlmLM(TemplateLM):
         return self.tokenizer.name_or_path.replace("/", "__")
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        special = {} if add_special_tokens is None and self.add_bos_token is None else {
-            "add_special_tokens": self.add_bos_token if add_special_tokens is None else add_special_tokens}
+        special = (
+            {}
+            if add_special_tokens is None and self.add_bos_token is None
+            else {"add_special_tokens": self.add_bos_token if add_special_tokens is None else add_special_tokens}
+        )
         bos = self.tokenizer.bos_token
         if add_special_tokens is None and bos and string.startswith(bos):
             special["add_special_tokens"] = False  # the text already starts with BOS
-        return self.tokenizer.encode(string, **special)  # fmt: skip
+        return self.tokenizer.encode(string, **special)
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(
@@ -123,9 +128,15 @@ class SlimlmLM(TemplateLM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, owner = [], []
         for i, (text,) in enumerate(req.args for req in requests):
-            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
-                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length - 1, context_len=1)):  # fmt: skip
+            for context, continuation in map(
+                make_disjoint_window,
+                get_rolling_token_windows(
+                    token_list=self.tok_encode(text),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length - 1,
+                    context_len=1,
+                ),
+            ):
                 windows.append((None, context, continuation))
                 owner.append(i)
         totals = [0.0] * len(requests)
@@ -144,10 +155,16 @@ class SlimlmLM(TemplateLM):
             max_tokens = min(kwargs.pop("max_gen_toks"), self.max_length - 1)
             greedy = not kwargs.get("do_sample")
             prompts.append(self.tok_encode(context)[-(self.max_length - max_tokens) :])
-            params.append(SamplingParams(
-                max_tokens=max_tokens, stop=until, temperature=0.0 if greedy else float(kwargs.get("temperature", 1.0)),
-                top_p=float(kwargs.get("top_p", 1.0)), top_k=int(kwargs.get("top_k", 0)), seed=kwargs.get("seed"),
-            ))  # fmt: skip
+            params.append(
+                SamplingParams(
+                    max_tokens=max_tokens,
+                    stop=until,
+                    temperature=0.0 if greedy else float(kwargs.get("temperature", 1.0)),
+                    top_p=float(kwargs.get("top_p", 1.0)),
+                    top_k=int(kwargs.get("top_k", 0)),
+                    seed=kwargs.get("seed"),
+                )
+            )
         outputs = self._run(prompts, params, None, "generate_until", disable_tqdm)
         texts = [out.outputs[0].text for out in outputs]
         for req, text in zip(requests, texts, strict=True):

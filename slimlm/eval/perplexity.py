@@ -27,8 +27,10 @@ def engine_for(model: str, seq_len: int, **config) -> Engine:
 
 def _check_window(seq_len: int, context: int) -> None:
     if seq_len >= context:
-        raise SlimlmError(f"--seq-len {seq_len} exceeds the model's context ({context} tokens) less the one the "
-                          f"runtime generates; use at most {context - 1}")  # fmt: skip
+        raise SlimlmError(
+            f"--seq-len {seq_len} exceeds the model's context ({context} tokens) less the one the "
+            f"runtime generates; use at most {context - 1}"
+        )
 
 
 def perplexity(

@@ -63,12 +63,18 @@ class Dims:
     def from_config(cls, config: dict) -> Dims:
         heads = config["num_attention_heads"]
         qwen2 = config.get("model_type") == "qwen2"  # q/k/v carry biases, o does not
-        return cls(vocab=config["vocab_size"], hidden=config["hidden_size"], heads=heads,
-                   kv_heads=config.get("num_key_value_heads") or heads,
-                   head_dim=config.get("head_dim") or config["hidden_size"] // heads, ffn=config["intermediate_size"],
-                   layers=config["num_hidden_layers"], tied=bool(config.get("tie_word_embeddings", False)),
-                   qkv_bias=qwen2 or bool(config.get("attention_bias")),
-                   o_bias=not qwen2 and bool(config.get("attention_bias")))  # fmt: skip
+        return cls(
+            vocab=config["vocab_size"],
+            hidden=config["hidden_size"],
+            heads=heads,
+            kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            ffn=config["intermediate_size"],
+            layers=config["num_hidden_layers"],
+            tied=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=qwen2 or bool(config.get("attention_bias")),
+            o_bias=not qwen2 and bool(config.get("attention_bias")),
+        )
 
 
 MODEL_PRESETS = {  # public configs, for planning models that are not on this machine
@@ -82,16 +88,28 @@ MODEL_PRESETS = {  # public configs, for planning models that are not on this ma
 def linear_shapes(d: Dims) -> list[tuple[int, int]]:
     """(in, out) of one decoder layer's linears: q, k, v, o, gate, up, down."""
     q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
-    return [(d.hidden, q), (d.hidden, kv), (d.hidden, kv), (q, d.hidden), (d.hidden, d.ffn), (d.hidden, d.ffn),
-            (d.ffn, d.hidden)]  # fmt: skip
+    return [
+        (d.hidden, q),
+        (d.hidden, kv),
+        (d.hidden, kv),
+        (q, d.hidden),
+        (d.hidden, d.ffn),
+        (d.hidden, d.ffn),
+        (d.ffn, d.hidden),
+    ]
 
 
 def parameters(d: Dims) -> dict[str, int]:
     q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
     attention = d.layers * (2 * d.hidden * q + 2 * d.hidden * kv + d.qkv_bias * (q + 2 * kv) + d.o_bias * d.hidden)
     v, dh, hd, n, k, f, L = d.vocab, d.hidden, d.head_dim, d.heads, d.kv_heads, d.ffn, d.layers  # noqa: N806
-    out = {"embeddings": v * dh, "lm_head": 0 if d.tied else v * dh, "attention": attention,
-           "mlp": L * 3 * dh * f, "norms": (2 * L + 1) * dh}  # fmt: skip
+    out = {
+        "embeddings": v * dh,
+        "lm_head": 0 if d.tied else v * dh,
+        "attention": attention,
+        "mlp": L * 3 * dh * f,
+        "norms": (2 * L + 1) * dh,
+    }
     out["total"] = sum(out.values())
     out["simplified"] = 2 * v * dh + 3 * dh * f * L + (2 * dh * n * hd + 2 * dh * k * hd) * L
     return out
@@ -113,9 +131,11 @@ class WeightFormat:
             return cls(dtype=text)
         match = re.fullmatch(r"w(\d+)(?:g(-1|\d+))?(-asym)?", text)
         if not match or int(match[1]) not in (2, 3, 4, 8) or match[2] == "0":
-            raise SlimlmError(f"use a float dtype ({', '.join(FLOAT_BYTES)}) or wBITS[gGROUP][-asym] with bits "
-                              f"2/3/4/8 and a group >= 1 (-1: per channel), e.g. w4g128, w8g-1; got "
-                              f"{text!r}")  # fmt: skip
+            raise SlimlmError(
+                f"use a float dtype ({', '.join(FLOAT_BYTES)}) or wBITS[gGROUP][-asym] with bits "
+                f"2/3/4/8 and a group >= 1 (-1: per channel), e.g. w4g128, w8g-1; got "
+                f"{text!r}"
+            )
         return cls(bits=int(match[1]), group_size=int(match[2] or 128), sym=not match[3])
 
 
@@ -163,12 +183,19 @@ def decode_step(d: Dims, w: WeightFormat, kv_dtype: str, batch: int, context: in
     tau = moved / device.bandwidth
     matmul = linear_params(d) + d.vocab * d.hidden  # 2 FLOPs per weight per token, the head included
     compute = 2 * batch * matmul / device.peak_flops  # the linears' arithmetic at the device's peak
-    return {"batch": batch, "context": context, "kv_bytes": kv, "bytes_moved": moved, "step_ms": 1e3 * tau,
-            "tokens_per_s": batch / tau, "linear_intensity": 2 * batch * linear_params(d) / _linear_bytes(d, w),
-            "attention_intensity": 2 * (d.heads / d.kv_heads) * d.head_dim / _head_bytes(d, kv_dtype),
-            "compute_ms": 1e3 * compute,
-            "bound": "compute" if compute > tau else "bandwidth",
-            "roofline_tokens_per_s": batch / max(tau, compute)}  # fmt: skip
+    return {
+        "batch": batch,
+        "context": context,
+        "kv_bytes": kv,
+        "bytes_moved": moved,
+        "step_ms": 1e3 * tau,
+        "tokens_per_s": batch / tau,
+        "linear_intensity": 2 * batch * linear_params(d) / _linear_bytes(d, w),
+        "attention_intensity": 2 * (d.heads / d.kv_heads) * d.head_dim / _head_bytes(d, kv_dtype),
+        "compute_ms": 1e3 * compute,
+        "bound": "compute" if compute > tau else "bandwidth",
+        "roofline_tokens_per_s": batch / max(tau, compute),
+    }
 
 
 def max_batch(d: Dims, w_bytes: int, kv_dtype: str, context: int, memory: float) -> int:
@@ -223,8 +250,15 @@ def matmul_rate(dtype: str = "float32", device: str = "cpu", n: int = 1024, seco
     return 2 * n**3 * count / (time.perf_counter() - start)
 
 
-def serving_roofline(d: Dims, requests: list[tuple[float, int, int]], max_seqs: int, read_bytes: float,
-                     kv_bytes_per_token: float, peak_flops: float, bandwidth: float) -> dict:  # fmt: skip
+def serving_roofline(
+    d: Dims,
+    requests: list[tuple[float, int, int]],
+    max_seqs: int,
+    read_bytes: float,
+    kv_bytes_per_token: float,
+    peak_flops: float,
+    bandwidth: float,
+) -> dict:
     """A lower bound on the wall time of a workload whose requests are (arrival s, prompt tokens p, output
     tokens o), and the output throughput it allows:
       arithmetic F = 2·P·(Σp + Σo) + 2·V·D·Σo + 4·L·N·H·C: the linears' P weights for every token, the head
@@ -238,16 +272,28 @@ def serving_roofline(d: Dims, requests: list[tuple[float, int, int]], max_seqs: 
     prompts, outputs = sum(p for _, p, _ in requests), sum(o for _, _, o in requests)
     decode_context = sum((o - 1) * p + (o - 1) * o // 2 for _, p, o in requests)
     context = sum(p * (p + 1) // 2 for _, p, _ in requests) + decode_context
-    flops = (2 * linear_params(d) * (prompts + outputs) + 2 * d.vocab * d.hidden * outputs
-             + 4 * d.layers * d.heads * d.head_dim * context)  # fmt: skip
+    flops = (
+        2 * linear_params(d) * (prompts + outputs)
+        + 2 * d.vocab * d.hidden * outputs
+        + 4 * d.layers * d.heads * d.head_dim * context
+    )
     steps = max(max(o for _, _, o in requests), -(-outputs // max_seqs))
     moved = steps * read_bytes + kv_bytes_per_token * decode_context
     compute_s, memory_s = flops / peak_flops, moved / bandwidth
     arrivals_s = max(a for a, _, _ in requests)
     time_s = max(compute_s, memory_s, arrivals_s)
     bound = max(("compute", compute_s), ("bandwidth", memory_s), ("arrivals", arrivals_s), key=lambda kv: kv[1])[0]
-    return {"flops": flops, "bytes": moved, "steps": steps, "compute_s": compute_s, "memory_s": memory_s,
-            "arrivals_s": arrivals_s, "time_s": time_s, "bound": bound, "output_tok_s": outputs / time_s}  # fmt: skip
+    return {
+        "flops": flops,
+        "bytes": moved,
+        "steps": steps,
+        "compute_s": compute_s,
+        "memory_s": memory_s,
+        "arrivals_s": arrivals_s,
+        "time_s": time_s,
+        "bound": bound,
+        "output_tok_s": outputs / time_s,
+    }
 
 
 def probe_cpu(seconds: float = 0.5) -> Device:
@@ -261,8 +307,16 @@ def probe_cpu(seconds: float = 0.5) -> Device:
     return Device(f"this machine ({torch.get_num_threads()} threads)", flops, copy_bandwidth("cpu", seconds), memory)
 
 
-def plan(d: Dims, weights: WeightFormat, kv_dtype: str, context: int, batches: list[int], kv_heads: list[int],
-         device: Device, memory: float | None = None) -> dict:  # fmt: skip
+def plan(
+    d: Dims,
+    weights: WeightFormat,
+    kv_dtype: str,
+    context: int,
+    batches: list[int],
+    kv_heads: list[int],
+    device: Device,
+    memory: float | None = None,
+) -> dict:
     """Everything `compress plan` prints, as data: the counts, then one row per (KV heads, batch)."""
     memory = device.memory if memory is None else memory
     rows = []
@@ -270,12 +324,26 @@ def plan(d: Dims, weights: WeightFormat, kv_dtype: str, context: int, batches: l
         variant = Dims(**{**d.__dict__, "kv_heads": k})
         fits = max_batch(variant, weight_bytes(variant, weights), kv_dtype, context, memory)
         for batch in batches:
-            rows.append({"kv_heads": k, **decode_step(variant, weights, kv_dtype, batch, context, device),
-                         "fits": batch <= fits, "max_batch": fits})  # fmt: skip
-    return {"dims": d.__dict__, "parameters": parameters(d), "weights": weights.__dict__,
-            "weight_bytes": weight_bytes(d, weights), "kv_dtype": kv_dtype,
-            "kv_bytes_per_token": kv_bytes_per_token(d, kv_dtype), "device": device.__dict__,
-            "memory": memory, "crossover": device.peak_flops / device.bandwidth, "rows": rows}  # fmt: skip
+            rows.append(
+                {
+                    "kv_heads": k,
+                    **decode_step(variant, weights, kv_dtype, batch, context, device),
+                    "fits": batch <= fits,
+                    "max_batch": fits,
+                }
+            )
+    return {
+        "dims": d.__dict__,
+        "parameters": parameters(d),
+        "weights": weights.__dict__,
+        "weight_bytes": weight_bytes(d, weights),
+        "kv_dtype": kv_dtype,
+        "kv_bytes_per_token": kv_bytes_per_token(d, kv_dtype),
+        "device": device.__dict__,
+        "memory": memory,
+        "crossover": device.peak_flops / device.bandwidth,
+        "rows": rows,
+    }
 
 
 def weight_format_of(config: dict, dtype: str) -> WeightFormat:
@@ -299,14 +367,23 @@ def against_bench(bench: dict, config: dict) -> list[dict]:
     measured = system["offline"]["kv_bytes_per_token"]
     kv = next((k for k in ("int4", "int8", "bf16", "fp32") if kv_bytes_per_token(dims, k) == measured), None)
     if kv is None:
-        raise SlimlmError(f"the bench's {measured} KV bytes per token fit no KV dtype of this model's shape; "
-                          "was it run on another model?")  # fmt: skip
+        raise SlimlmError(
+            f"the bench's {measured} KV bytes per token fit no KV dtype of this model's shape; "
+            "was it run on another model?"
+        )
     device = Device("measured", float("inf"), bench["bandwidth_bytes_s"], float("inf"))
     rows = []
     for d in system["offline"]["decode"]:
         predicted = decode_step(dims, weights, kv, d["batch"], bench["config"]["context"], device)["step_ms"]
-        rows.append({"batch": d["batch"], "context": bench["config"]["context"], "predicted_ms": predicted,
-                     "measured_ms": d["step_ms"], "ratio": d["step_ms"] / predicted})  # fmt: skip
+        rows.append(
+            {
+                "batch": d["batch"],
+                "context": bench["config"]["context"],
+                "predicted_ms": predicted,
+                "measured_ms": d["step_ms"],
+                "ratio": d["step_ms"] / predicted,
+            }
+        )
     return rows
 
 
@@ -325,16 +402,20 @@ def format_plan(result: dict) -> str:
         f"{'KV heads':>8} {'batch':>6} {'context':>8} {'KV GB':>8} {'moved GB':>9} {'step ms':>9} {'tok/s':>10} "
         f"{'linear FLOP/B':>13} {'attn FLOP/B':>11} {'compute ms':>10} {'bound':>9} {'roofline tok/s':>14} "
         f"{'fits':>5}",
-    ]  # fmt: skip
+    ]
     for r in result["rows"]:
-        lines.append(f"{r['kv_heads']:>8} {r['batch']:>6} {r['context']:>8} {r['kv_bytes'] / gb:>8.3f} "
-                     f"{r['bytes_moved'] / gb:>9.3f} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.1f} "
-                     f"{r['linear_intensity']:>13.1f} {r['attention_intensity']:>11.1f} {r['compute_ms']:>10.2f} "
-                     f"{r['bound']:>9} {r['roofline_tokens_per_s']:>14.1f} {'yes' if r['fits'] else 'no':>5}")
-    lines.append("(a step is bandwidth-bound while its intensity is under the crossover; 'fits': the batch's KV "
-                 "fits beside the weights, at most " + ", ".join(
-                     f"{k}: {m}" for k, m in dict((r["kv_heads"], r["max_batch"]) for r in result["rows"]).items())
-                 + " sequences by KV heads)")  # fmt: skip
+        lines.append(
+            f"{r['kv_heads']:>8} {r['batch']:>6} {r['context']:>8} {r['kv_bytes'] / gb:>8.3f} "
+            f"{r['bytes_moved'] / gb:>9.3f} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.1f} "
+            f"{r['linear_intensity']:>13.1f} {r['attention_intensity']:>11.1f} {r['compute_ms']:>10.2f} "
+            f"{r['bound']:>9} {r['roofline_tokens_per_s']:>14.1f} {'yes' if r['fits'] else 'no':>5}"
+        )
+    lines.append(
+        "(a step is bandwidth-bound while its intensity is under the crossover; 'fits': the batch's KV "
+        "fits beside the weights, at most "
+        + ", ".join(f"{k}: {m}" for k, m in dict((r["kv_heads"], r["max_batch"]) for r in result["rows"]).items())
+        + " sequences by KV heads)"
+    )
     return "\n".join(lines)
 
 

@@ -31,8 +31,9 @@ def _read(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise SlimlmError(f"{path} is not valid JSON ({e.msg}, line {e.lineno}); rerun the stage that wrote "
-                          "it") from None
+        raise SlimlmError(
+            f"{path} is not valid JSON ({e.msg}, line {e.lineno}); rerun the stage that wrote it"
+        ) from None
 
 
 def load_run(run_dir: Path) -> dict:
@@ -46,8 +47,13 @@ def load_run(run_dir: Path) -> dict:
         raise SlimlmError(f"{run_dir} has neither eval.json nor bench.json; run compress eval/bench into it")
     model = Path(meta.get("model", run_dir))
     manifest = _read(model / "slimlm.json") if model.is_dir() else None
-    run = {"name": meta.get("name", run_dir.name), "dir": str(run_dir), "model": str(model),
-           "method": _method(manifest), "tasks": {}}  # fmt: skip
+    run = {
+        "name": meta.get("name", run_dir.name),
+        "dir": str(run_dir),
+        "model": str(model),
+        "method": _method(manifest),
+        "tasks": {},
+    }
     if evaluation is not None:
         ppl = evaluation.get("slimlm", {}).get("perplexity") if "results" in evaluation else evaluation
         run["wiki_ppl"] = ppl["perplexity"] if ppl else None
@@ -81,14 +87,23 @@ def _bench_figures(bench: dict) -> dict:
     off, on = mine["offline"], mine["online"]
     decode = {d["batch"]: d for d in off["decode"]}
     b1 = decode.get(1) or next(iter(decode.values()))
-    out = {"weight_bytes": off["weight_bytes"], "kv_bytes_per_token": off["kv_bytes_per_token"],
-           "decode_b1_tok_s": b1["tok_s"], "output_tok_s": on["output_tok_s"], "ttft_p50_s": on["ttft_s"]["p50"],
-           "itl_p50_s": on["itl_s"]["p50"], "goodput_req_s": on["goodput_req_s"],
-           "mb_per_token": (off["weight_bytes"] + bench["config"]["context"] * off["kv_bytes_per_token"]) / 1e6,
-           "floors": [{"batch": d["batch"], "predicted_ms": d["floor_ms"], "measured_ms": d["step_ms"],
-                       "ratio": d["floor_ratio"]} for d in off["decode"]],
-           "bandwidth_gb_s": bench["bandwidth_bytes_s"] / 1e9, "threads": bench.get("threads"),
-           "bench_warnings": bench.get("warnings", [])}  # fmt: skip
+    out = {
+        "weight_bytes": off["weight_bytes"],
+        "kv_bytes_per_token": off["kv_bytes_per_token"],
+        "decode_b1_tok_s": b1["tok_s"],
+        "output_tok_s": on["output_tok_s"],
+        "ttft_p50_s": on["ttft_s"]["p50"],
+        "itl_p50_s": on["itl_s"]["p50"],
+        "goodput_req_s": on["goodput_req_s"],
+        "mb_per_token": (off["weight_bytes"] + bench["config"]["context"] * off["kv_bytes_per_token"]) / 1e6,
+        "floors": [
+            {"batch": d["batch"], "predicted_ms": d["floor_ms"], "measured_ms": d["step_ms"], "ratio": d["floor_ratio"]}
+            for d in off["decode"]
+        ],
+        "bandwidth_gb_s": bench["bandwidth_bytes_s"] / 1e9,
+        "threads": bench.get("threads"),
+        "bench_warnings": bench.get("warnings", []),
+    }
     if base is not None:
         base_b1 = {d["batch"]: d for d in base["offline"]["decode"]}.get(b1["batch"])
         out["speedup_b1"] = b1["tok_s"] / base_b1["tok_s"] if base_b1 else None
@@ -99,6 +114,7 @@ def _bench_figures(bench: dict) -> dict:
 
 def pareto(points: list[tuple[float, float]], x_higher: bool) -> list[int]:
     """Indices of the points no other point beats on both axes (y: lower is better; x as told)."""
+
     def beats(a, b) -> bool:
         ax, bx = (a[0], b[0]) if x_higher else (-a[0], -b[0])
         return ax >= bx and a[1] <= b[1] and (ax > bx or a[1] < b[1])
@@ -142,14 +158,26 @@ def environment() -> dict:
     lines = info.read_text().splitlines() if info.exists() else []
     cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor())
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=5).stdout.strip()  # fmt: skip
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            timeout=5,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    return {"cpu": cpu, "gpu": gpu, "torch threads": torch.get_num_threads(), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "commit": commit or "unknown",
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
+    return {
+        "cpu": cpu,
+        "gpu": gpu,
+        "torch threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "commit": commit or "unknown",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
 
 
 GENERATOR = '<meta name="generator" content="slimlm">'  # in every report: what a recipe may replace
@@ -164,8 +192,14 @@ def written_by_slimlm(path: Path) -> bool:
         return False
 
 
-def render(run_dirs: list[Path], out: Path, baseline: str | None = None, title: str = "slimlm tradeoff report",
-           notes: str = "", overwrite: bool = False) -> dict:  # fmt: skip
+def render(
+    run_dirs: list[Path],
+    out: Path,
+    baseline: str | None = None,
+    title: str = "slimlm tradeoff report",
+    notes: str = "",
+    overwrite: bool = False,
+) -> dict:
     """Write the report to `out`; returns the runs it shows (with their ratios against the baseline)."""
     from jinja2 import Environment, FileSystemLoader, select_autoescape
 
@@ -183,24 +217,37 @@ def render(run_dirs: list[Path], out: Path, baseline: str | None = None, title: 
             r["recovery"] = r["task_average"] / base["task_average"]
     source = base.get("ppl_source") or "wiki"
     quality_key, quality_label = ("wiki_ppl", f"{source} perplexity (lower is better)")
-    plots = [p for p in (
-        _plot(runs, "output_tok_s", "output tokens/s under the Poisson load", True, quality_key, quality_label),
-        _plot(runs, "mb_per_token", "MB moved per decoded token (batch 1: weights + KV)", False, quality_key,
-              quality_label),
-        _plot(runs, "size_mb", "checkpoint size (MB)", False, quality_key, quality_label),
-    ) if p]  # fmt: skip
+    plots = [
+        p
+        for p in (
+            _plot(runs, "output_tok_s", "output tokens/s under the Poisson load", True, quality_key, quality_label),
+            _plot(
+                runs,
+                "mb_per_token",
+                "MB moved per decoded token (batch 1: weights + KV)",
+                False,
+                quality_key,
+                quality_label,
+            ),
+            _plot(runs, "size_mb", "checkpoint size (MB)", False, quality_key, quality_label),
+        )
+        if p
+    ]
     tasks = sorted({t for r in runs for t in r["tasks"]})
     env = Environment(loader=FileSystemLoader(TEMPLATE.parent), autoescape=select_autoescape(["html", "j2"]))
-    html = env.get_template(TEMPLATE.name).render(title=title, runs=runs, base=base, tasks=tasks, plots=plots,
-                                                  environment=environment(), notes=notes)  # fmt: skip
+    html = env.get_template(TEMPLATE.name).render(
+        title=title, runs=runs, base=base, tasks=tasks, plots=plots, environment=environment(), notes=notes
+    )
     atomic.write_file(Path(out), html, overwrite, "--out")
     return {"runs": runs, "baseline": base["name"], "plots": len(plots)}
 
 
 def main_table(runs: list[dict]) -> str:
     """The report's main table as text, for the terminal."""
-    header = (f"{'run':14} {'wiki ppl':>9} {'Δ ppl':>7} {'tasks':>6} {'recov.':>7} {'weight MB':>10} "
-              f"{'b1 tok/s':>9} {'speedup':>8} {'load tok/s':>10} {'TTFT p50':>9}")  # fmt: skip
+    header = (
+        f"{'run':14} {'wiki ppl':>9} {'Δ ppl':>7} {'tasks':>6} {'recov.':>7} {'weight MB':>10} "
+        f"{'b1 tok/s':>9} {'speedup':>8} {'load tok/s':>10} {'TTFT p50':>9}"
+    )
     lines = [header]
 
     def cell(value, spec: str) -> str:  # spec: sign, width and type, e.g. "+7.1%"
@@ -209,10 +256,12 @@ def main_table(runs: list[dict]) -> str:
 
     for r in runs:
         weight = r.get("weight_bytes") and r["weight_bytes"] / 1e6
-        lines.append(f"{r['name'][:14]:14} {cell(r.get('wiki_ppl'), '9.2f')} {cell(r.get('ppl_change'), '+7.1%')} "
-                     f"{cell(r.get('task_average'), '6.3f')} {cell(r.get('recovery'), '7.1%')} "
-                     f"{cell(weight, '10.1f')} {cell(r.get('decode_b1_tok_s'), '9.1f')} "
-                     f"{cell(r.get('speedup_b1'), '8.2f')} {cell(r.get('output_tok_s'), '10.1f')} "
-                     f"{cell(r.get('ttft_p50_s'), '9.3f')}")  # fmt: skip
+        lines.append(
+            f"{r['name'][:14]:14} {cell(r.get('wiki_ppl'), '9.2f')} {cell(r.get('ppl_change'), '+7.1%')} "
+            f"{cell(r.get('task_average'), '6.3f')} {cell(r.get('recovery'), '7.1%')} "
+            f"{cell(weight, '10.1f')} {cell(r.get('decode_b1_tok_s'), '9.1f')} "
+            f"{cell(r.get('speedup_b1'), '8.2f')} {cell(r.get('output_tok_s'), '10.1f')} "
+            f"{cell(r.get('ttft_p50_s'), '9.3f')}"
+        )
     lines += [f"{r['name']}: {w}" for r in runs for w in r.get("bench_warnings", [])]
     return "\n".join(lines)

@@ -42,8 +42,9 @@ def load(file: str, split: str = "validation", **_metadata) -> datasets.DatasetD
     # request is exactly that split, so text = context + continuation.
     with gzip.open(path, "rt", encoding="utf-8") as f:
         rows = [json.loads(line)["request"] for line in f]
-    return datasets.DatasetDict({split: datasets.Dataset.from_list([{"text": r["context"] + r["continuation"]}
-                                                                     for r in rows])})  # fmt: skip
+    return datasets.DatasetDict(
+        {split: datasets.Dataset.from_list([{"text": r["context"] + r["continuation"]} for r in rows])}
+    )
 
 
 def boolq_docs(dataset: datasets.Dataset) -> datasets.Dataset:

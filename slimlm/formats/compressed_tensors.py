@@ -61,8 +61,13 @@ def _group(targets: list[str], args: QuantArgs, act_order: str | None) -> dict:
         "actorder": act_order,
         "observer": "minmax",
     }
-    return {"targets": targets, "weights": weights, "input_activations": None, "output_activations": None,
-            "format": "pack-quantized"}  # fmt: skip
+    return {
+        "targets": targets,
+        "weights": weights,
+        "input_activations": None,
+        "output_activations": None,
+        "format": "pack-quantized",
+    }
 
 
 def args_from_config(qcfg: dict) -> QuantArgs | None:
@@ -88,8 +93,10 @@ def named_args(qcfg: dict) -> dict[str, QuantArgs]:
             raise SlimlmError(f"config group targets {targets!r}: expected a list of module names")
         for target in targets:
             if not isinstance(target, str) or target.startswith("re:"):
-                raise SlimlmError(f"config group target {target!r}: slimlm reads targets that are exact module "
-                                  'names, besides the one "Linear" group')  # fmt: skip
+                raise SlimlmError(
+                    f"config group target {target!r}: slimlm reads targets that are exact module "
+                    'names, besides the one "Linear" group'
+                )
             named[target] = _weight_args(group)
     return named
 
@@ -105,8 +112,10 @@ def _main_and_named_groups(qcfg: dict) -> tuple[dict, list[dict]]:
         return groups[0], []
     main = [g for g in groups if "Linear" in (g.get("targets") or [])]
     if len(main) != 1:
-        raise SlimlmError('with several config groups, exactly one must target "Linear"; slimlm reads the others '
-                          "as schemes for the modules they name")  # fmt: skip
+        raise SlimlmError(
+            'with several config groups, exactly one must target "Linear"; slimlm reads the others '
+            "as schemes for the modules they name"
+        )
     return main[0], [g for g in groups if g is not main[0]]
 
 
@@ -115,8 +124,10 @@ def _weight_args(group: dict) -> QuantArgs:
         raise SlimlmError("activation quantization (W·A· schemes) is not supported; slimlm serves weight-only schemes")
     w = group["weights"]
     if w.get("type", "int") != "int" or w.get("strategy") not in (None, "group", "channel"):
-        raise SlimlmError(f"weight scheme type={w.get('type')} strategy={w.get('strategy')} is not supported; "
-                          "slimlm serves integer per-group or per-channel weights")  # fmt: skip
+        raise SlimlmError(
+            f"weight scheme type={w.get('type')} strategy={w.get('strategy')} is not supported; "
+            "slimlm serves integer per-group or per-channel weights"
+        )
     bits, group, sym = w.get("num_bits"), w.get("group_size"), w.get("symmetric", True)
     if type(bits) is not int or bits not in SUPPORTED_BITS:
         raise SlimlmError(f"weights.num_bits is {bits!r}; slimlm reads integers {SUPPORTED_BITS}")

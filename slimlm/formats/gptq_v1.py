@@ -51,8 +51,11 @@ def from_tensors(t: dict[str, torch.Tensor], args: QuantArgs, name: str) -> Quan
         raise SlimlmError(f"the checkpoint has no {name}.{missing[0]}")
     in_f, out_f = t["g_idx"].numel(), t["scales"].shape[-1] if t["scales"].dim() else 0
     groups = args.groups(in_f)
-    want = {"qweight": (in_f * args.bits // 32, out_f), "qzeros": (groups, out_f * args.bits // 32),
-            "scales": (groups, out_f)}  # fmt: skip
+    want = {
+        "qweight": (in_f * args.bits // 32, out_f),
+        "qzeros": (groups, out_f * args.bits // 32),
+        "scales": (groups, out_f),
+    }
     for key, shape in want.items():
         if tuple(t[key].shape) != shape:
             raise SlimlmError(f"{name}.{key} is {list(t[key].shape)}, the quantization_config implies {list(shape)}")
@@ -90,6 +93,7 @@ def args_from_config(qcfg: dict) -> QuantArgs:
     bits, group = qcfg.get("bits"), qcfg.get("group_size")
     valid = type(bits) is int and type(group) is int
     if not valid or bits not in SUPPORTED_BITS or group not in SUPPORTED_GROUP_SIZES:
-        raise SlimlmError(f"GPTQ bits={bits!r} group_size={group!r}: slimlm reads bits 2/3/4/8, group sizes "
-                          f"{SUPPORTED_GROUP_SIZES}")  # fmt: skip
+        raise SlimlmError(
+            f"GPTQ bits={bits!r} group_size={group!r}: slimlm reads bits 2/3/4/8, group sizes {SUPPORTED_GROUP_SIZES}"
+        )
     return QuantArgs(bits=bits, group_size=group, sym=True)

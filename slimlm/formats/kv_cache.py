@@ -38,12 +38,16 @@ def kv_dtype_of(kv_scheme: dict) -> str:
         raise SlimlmError(f"kv_cache_scheme is {kv_scheme!r}, not an object")
     bits, kind, strategy = kv_scheme.get("num_bits"), kv_scheme.get("type", "float"), kv_scheme.get("strategy")
     if bits != 8 or kind not in ("float", "int"):
-        raise SlimlmError(f"kv_cache_scheme num_bits={bits} type={kind} is not supported; slimlm serves 8-bit "
-                          "float (fp8 e4m3) or int KV caches")  # fmt: skip
+        raise SlimlmError(
+            f"kv_cache_scheme num_bits={bits} type={kind} is not supported; slimlm serves 8-bit "
+            "float (fp8 e4m3) or int KV caches"
+        )
     if strategy not in STRATEGIES or kv_scheme.get("dynamic") or not kv_scheme.get("symmetric", True):
-        raise SlimlmError(f"kv_cache_scheme strategy={strategy} dynamic={kv_scheme.get('dynamic')} "
-                          f"symmetric={kv_scheme.get('symmetric')} is not supported; slimlm serves static symmetric "
-                          f"scales, strategy {' or '.join(STRATEGIES)}")  # fmt: skip
+        raise SlimlmError(
+            f"kv_cache_scheme strategy={strategy} dynamic={kv_scheme.get('dynamic')} "
+            f"symmetric={kv_scheme.get('symmetric')} is not supported; slimlm serves static symmetric "
+            f"scales, strategy {' or '.join(STRATEGIES)}"
+        )
     return "fp8" if kind == "float" else "int8"
 
 
@@ -62,8 +66,9 @@ def scale_names(layer: int, prefix: str = "model.layers") -> tuple[str, str]:
     return tuple(f"{prefix}.{layer}{suffix}" for suffix in SUFFIXES)
 
 
-def read_scales(tensors: dict[str, torch.Tensor], kv_scheme: dict, layers: int, kv_heads: int,
-                where: str) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+def read_scales(
+    tensors: dict[str, torch.Tensor], kv_scheme: dict, layers: int, kv_heads: int, where: str
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Pop every layer's k_scale/v_scale out of `tensors`, checked, as fp32 [kv_heads] per (K, V)."""
     strategy = kv_scheme.get("strategy")
     shape = (1,) if strategy == "tensor" else (kv_heads, 1, 1)
@@ -73,14 +78,20 @@ def read_scales(tensors: dict[str, torch.Tensor], kv_scheme: dict, layers: int, 
         for name in scale_names(i):
             t = tensors.pop(name, None)
             if t is None:
-                raise SlimlmError(f"{where}: kv_cache_scheme is set but {name} is missing; the checkpoint is "
-                                  "incomplete (re-run compress kv)")  # fmt: skip
+                raise SlimlmError(
+                    f"{where}: kv_cache_scheme is set but {name} is missing; the checkpoint is "
+                    "incomplete (re-run compress kv)"
+                )
             if t.numel() != math.prod(shape) or not t.is_floating_point():
-                raise SlimlmError(f"{where}: {name} is {list(t.shape)} {t.dtype}; strategy {strategy} with "
-                                  f"{kv_heads} KV heads implies a float {list(shape)}")  # fmt: skip
+                raise SlimlmError(
+                    f"{where}: {name} is {list(t.shape)} {t.dtype}; strategy {strategy} with "
+                    f"{kv_heads} KV heads implies a float {list(shape)}"
+                )
             if not torch.isfinite(t).all() or (t <= 0).any():
-                raise SlimlmError(f"{where}: {name} holds {t.flatten().tolist()[:4]}; KV scales must be finite "
-                                  "and positive (re-run compress kv)")  # fmt: skip
+                raise SlimlmError(
+                    f"{where}: {name} holds {t.flatten().tolist()[:4]}; KV scales must be finite "
+                    "and positive (re-run compress kv)"
+                )
             pair.append(t.float().flatten().expand(kv_heads).contiguous())
         out.append((pair[0], pair[1]))
     return out

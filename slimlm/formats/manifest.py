@@ -1,13 +1,13 @@
 """slimlm.json: how a checkpoint was made and what it measured; one schema, written here only.
 
-    method          "rtn", "gptq", "awq+gptq", "float", ...
-    arguments       the method's settings
-    calibration     {source, num_samples, seq_len, seed} or null
-    source_model    {spec, path, sha256}
-    source_size_bytes, compress_seconds, layers (per-layer report)
-    tool            "slimlm <version>"
-    size_bytes      bytes of the weight files
-    files           {weight file name: sha256}: what `verify` checks before anything is loaded
+method          "rtn", "gptq", "awq+gptq", "float", ...
+arguments       the method's settings
+calibration     {source, num_samples, seq_len, seed} or null
+source_model    {spec, path, sha256}
+source_size_bytes, compress_seconds, layers (per-layer report)
+tool            "slimlm <version>"
+size_bytes      bytes of the weight files
+files           {weight file name: sha256}: what `verify` checks before anything is loaded
 """
 
 from __future__ import annotations

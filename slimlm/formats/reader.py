@@ -121,14 +121,20 @@ def _check_against_model(model_dir, quantized_shapes, tensors, expected, optiona
     found = {**{k: tuple(v.shape) for k, v in tensors.items()}, **quantized_shapes}
     missing = sorted(set(expected) - set(found) - set(optional))
     if missing:
-        hint = " (a quantized checkpoint whose quantization_config was removed?)" if any(
-            k.endswith((".weight_packed", ".qweight")) for k in found) else ""  # fmt: skip
-        raise SlimlmError(f"{model_dir} has no tensor {missing[0]} ({len(missing)} missing){hint}; "
-                          "the checkpoint is incomplete")  # fmt: skip
+        hint = (
+            " (a quantized checkpoint whose quantization_config was removed?)"
+            if any(k.endswith((".weight_packed", ".qweight")) for k in found)
+            else ""
+        )
+        raise SlimlmError(
+            f"{model_dir} has no tensor {missing[0]} ({len(missing)} missing){hint}; the checkpoint is incomplete"
+        )
     unexpected = sorted(set(found) - set(expected))
     if unexpected:
-        raise SlimlmError(f"{model_dir} holds tensor {unexpected[0]} that its config.json does not describe "
-                          f"({len(unexpected)} unexpected); the checkpoint does not match its config")  # fmt: skip
+        raise SlimlmError(
+            f"{model_dir} holds tensor {unexpected[0]} that its config.json does not describe "
+            f"({len(unexpected)} unexpected); the checkpoint does not match its config"
+        )
     for name, shape in expected.items():
         if name in found and found[name] != tuple(shape):
             raise SlimlmError(f"{model_dir}: {name} is {list(found[name])}, config.json implies {list(shape)}")

@@ -40,8 +40,11 @@ class ShardWriter:
                 self._flush()
             with open(self._scratch(), "ab") as data:
                 data.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
-            self.entries[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                                  "data_offsets": [self.size, self.size + nbytes]}  # fmt: skip
+            self.entries[name] = {
+                "dtype": SAFETENSORS_DTYPES[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [self.size, self.size + nbytes],
+            }
             self.size += nbytes
             self.total += nbytes
 
@@ -144,10 +147,23 @@ def check_layout(path: Path) -> None:
         raise SlimlmError(f"cannot read {path}: {e.strerror or e}") from None
 
 
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-          "I16": torch.int16, "I8": torch.int8, "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16,
-          "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 SAFETENSORS_DTYPES = {dtype: name for name, dtype in DTYPES.items()}

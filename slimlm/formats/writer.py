@@ -29,8 +29,9 @@ def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def quantization_config(fmt: str, args: QuantArgs | None, ignore: list[str], method_args: dict,
-                        named: dict[str, QuantArgs] | None = None) -> dict:  # fmt: skip
+def quantization_config(
+    fmt: str, args: QuantArgs | None, ignore: list[str], method_args: dict, named: dict[str, QuantArgs] | None = None
+) -> dict:
     """The config's quantization_config; `method_args` carries act_order, damp and kv_cache_scheme; `named`
     the modules with a scheme of their own (compressed-tensors only)."""
     if fmt not in FORMATS:
@@ -38,17 +39,22 @@ def quantization_config(fmt: str, args: QuantArgs | None, ignore: list[str], met
     kv_scheme = method_args.get("kv_cache_scheme")
     if fmt == "gptq":
         if kv_scheme is not None:
-            raise SlimlmError("--format gptq has no place for KV-cache scales; use --format compressed-tensors "
-                              "to quantize the KV cache too")  # fmt: skip
+            raise SlimlmError(
+                "--format gptq has no place for KV-cache scales; use --format compressed-tensors "
+                "to quantize the KV cache too"
+            )
         if any(own != args for own in (named or {}).values()):
-            raise SlimlmError("--format gptq stores one scheme for every linear; use --format compressed-tensors "
-                              "for an lm_head of other bits")  # fmt: skip
+            raise SlimlmError(
+                "--format gptq stores one scheme for every linear; use --format compressed-tensors "
+                "for an lm_head of other bits"
+            )
         return gptq_v1.quantization_config(args, method_args.get("act_order"), method_args.get("damp"))
     return compressed_tensors.quantization_config(args, ignore, method_args.get("act_order"), kv_scheme, named)
 
 
-def quantized_tensors(quantized: dict[str, QuantizedWeight], float_tensors: dict[str, torch.Tensor],
-                      fmt: str) -> dict[str, torch.Tensor]:  # fmt: skip
+def quantized_tensors(
+    quantized: dict[str, QuantizedWeight], float_tensors: dict[str, torch.Tensor], fmt: str
+) -> dict[str, torch.Tensor]:
     """Float tensors as they are, each quantized linear's weight replaced by its format's tensors."""
     per_linear = gptq_v1.to_tensors if fmt == "gptq" else compressed_tensors.to_tensors
     tensors = dict(float_tensors)

@@ -14,9 +14,26 @@ from slimlm.jobs.quantize import AWQ, GPTQ, KV, RTN
 from slimlm.jobs.serve import Assets, Generate, Serve
 from slimlm.jobs.train import GQA, Prune
 
-JOBS: dict[str, type[Job]] = {job.command: job for job in (
-    Assets, RTN, GPTQ, AWQ, KV, GQA, Prune, Bench, Report, Plan, Eval, Generate, Serve)}  # fmt: skip
+JOBS: dict[str, type[Job]] = {
+    job.command: job for job in (Assets, RTN, GPTQ, AWQ, KV, GQA, Prune, Bench, Report, Plan, Eval, Generate, Serve)
+}
 STEPS = ("rtn", "gptq", "awq", "kv", "gqa", "prune")  # the jobs that write a checkpoint a recipe can chain
 
-__all__ = ["AWQ", "GPTQ", "GQA", "JOBS", "KV", "RTN", "STEPS", "Assets", "Bench", "Eval", "Generate", "Job", "Plan",
-           "Prune", "Report", "Serve"]  # fmt: skip
+__all__ = [
+    "AWQ",
+    "GPTQ",
+    "GQA",
+    "JOBS",
+    "KV",
+    "RTN",
+    "STEPS",
+    "Assets",
+    "Bench",
+    "Eval",
+    "Generate",
+    "Job",
+    "Plan",
+    "Prune",
+    "Report",
+    "Serve",
+]

@@ -18,8 +18,9 @@ class EngineMemory(Job):
 
     dtype: Dtype = "float32"
     kv_cache_memory: Annotated[int, Opt("KV block pool size (e.g. 512M, 2G)", parse=parse_size)] = 512 << 20
-    kv_cache_dtype: Annotated[str, Opt("KV cache storage: auto = the checkpoint's kv_cache_scheme, else --dtype",
-                                       choices=CACHE_DTYPES)] = "auto"  # fmt: skip
+    kv_cache_dtype: Annotated[
+        str, Opt("KV cache storage: auto = the checkpoint's kv_cache_scheme, else --dtype", choices=CACHE_DTYPES)
+    ] = "auto"
     device: Device = None
 
     def engine_config(self, **more):
@@ -34,10 +35,18 @@ class EngineMemory(Job):
 class EngineOptions(EngineMemory):
     """The runtime's options, the same for generate and serve."""
 
-    max_model_len: Annotated[int | None, Opt(
-        "context length (default: the model's, or what the KV cache pool holds if that is less)",
-        parse=positive_int)] = None  # fmt: skip
-    speculative: Annotated[str | None, Opt(
-        "speculative decoding: ngram (prompt lookup) or a draft model with the same tokenizer (asset, directory "
-        "or hub id)", metavar="ngram|DRAFT")] = None  # fmt: skip
+    max_model_len: Annotated[
+        int | None,
+        Opt(
+            "context length (default: the model's, or what the KV cache pool holds if that is less)", parse=positive_int
+        ),
+    ] = None
+    speculative: Annotated[
+        str | None,
+        Opt(
+            "speculative decoding: ngram (prompt lookup) or a draft model with the same tokenizer (asset, directory "
+            "or hub id)",
+            metavar="ngram|DRAFT",
+        ),
+    ] = None
     num_speculative_tokens: Annotated[int, Opt("drafted tokens per target pass", parse=positive_int)] = 4

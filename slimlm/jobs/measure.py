@@ -20,7 +20,7 @@ from slimlm.jobs.options import (
     nonnegative_int,
     parse_size,
     positive_float,
-    positive_int,  # fmt: skip
+    positive_int,
     seed_int,
     span,
     window_int,
@@ -50,8 +50,9 @@ def task_list(text: str) -> list[str]:
     return tasks
 
 
-def measure_perplexity(spec: str, source: str, seq_len: int, max_tokens: int, device: str | None,
-                       kv_cache_dtype: str = "auto") -> dict:  # fmt: skip
+def measure_perplexity(
+    spec: str, source: str, seq_len: int, max_tokens: int, device: str | None, kv_cache_dtype: str = "auto"
+) -> dict:
     from slimlm.eval.perplexity import engine_for, perplexity
     from slimlm.formats import shards
 
@@ -69,13 +70,20 @@ class Eval(EngineMemory):
     command = "eval"
     help = "lm-eval tasks and perplexity of a model or checkpoint, through the runtime"
     model: Annotated[str, Opt("asset name, local directory or hub id", positional=True)]
-    tasks: Annotated[list[str] | None, Opt(
-        "comma-separated lm-eval tasks; bundled: slimlm_tasks (all), slimlm_hellaswag, slimlm_piqa, ... (default: "
-        "none; --ppl wiki alone)", parse=task_list)] = None  # fmt: skip
-    limit: Annotated[int | float | None, Opt("documents per task: a count, or a fraction in (0, 1)",
-                                             parse=limit_arg)] = None  # fmt: skip
-    num_fewshot: Annotated[int | None, Opt("few-shot examples (default: each task's own)",
-                                           parse=nonnegative_int)] = None  # fmt: skip
+    tasks: Annotated[
+        list[str] | None,
+        Opt(
+            "comma-separated lm-eval tasks; bundled: slimlm_tasks (all), slimlm_hellaswag, slimlm_piqa, ... (default: "
+            "none; --ppl wiki alone)",
+            parse=task_list,
+        ),
+    ] = None
+    limit: Annotated[
+        int | float | None, Opt("documents per task: a count, or a fraction in (0, 1)", parse=limit_arg)
+    ] = None
+    num_fewshot: Annotated[int | None, Opt("few-shot examples (default: each task's own)", parse=nonnegative_int)] = (
+        None
+    )
     batch_size: Annotated[int | None, Opt("sequences per engine step (default 128)", parse=positive_int)] = None
     ppl: Annotated[str | None, Opt("perplexity text (default: wiki when no --tasks)", metavar="SOURCE")] = None
     seq_len: Annotated[int, Opt("--ppl window length", parse=window_int)] = 512
@@ -96,20 +104,32 @@ class Eval(EngineMemory):
         if tasks:
             from slimlm.eval import harness  # lm-eval and datasets load only when tasks are asked for
 
-            results = harness.evaluate(self.model, tasks, limit=self.limit, num_fewshot=self.num_fewshot,
-                                       batch_size=self.batch_size, dtype=self.dtype,
-                                       kv_cache_memory=self.kv_cache_memory, device=self.device,
-                                       kv_cache_dtype=self.kv_cache_dtype)  # fmt: skip
+            results = harness.evaluate(
+                self.model,
+                tasks,
+                limit=self.limit,
+                num_fewshot=self.num_fewshot,
+                batch_size=self.batch_size,
+                dtype=self.dtype,
+                kv_cache_memory=self.kv_cache_memory,
+                device=self.device,
+                kv_cache_dtype=self.kv_cache_dtype,
+            )
             print(harness.table(results))
             s = results["slimlm"]
-            print(f"[{s['tokens_computed']} tokens through the runtime in {s['seconds']:.0f}s: "
-                  f"{s['tokens_per_second']:.0f} tokens/s]")  # fmt: skip
+            print(
+                f"[{s['tokens_computed']} tokens through the runtime in {s['seconds']:.0f}s: "
+                f"{s['tokens_per_second']:.0f} tokens/s]"
+            )
         ppl = None
         if ppl_source:
-            ppl = measure_perplexity(self.model, ppl_source, self.seq_len, self.max_tokens, self.device,
-                                     self.kv_cache_dtype)  # fmt: skip
-            print(f"perplexity on {ppl_source}: {ppl['perplexity']:.3f} ({ppl['tokens_scored']} tokens, "
-                  f"windows of {self.seq_len}, {ppl['seconds']:.0f}s)")  # fmt: skip
+            ppl = measure_perplexity(
+                self.model, ppl_source, self.seq_len, self.max_tokens, self.device, self.kv_cache_dtype
+            )
+            print(
+                f"perplexity on {ppl_source}: {ppl['perplexity']:.3f} ({ppl['tokens_scored']} tokens, "
+                f"windows of {self.seq_len}, {ppl['seconds']:.0f}s)"
+            )
         if results is not None:
             results["slimlm"]["perplexity"] = ppl
             text = harness.to_json(results)
@@ -124,28 +144,41 @@ class Eval(EngineMemory):
 
 class Bench(Job):
     command = "bench"
-    help = ("speed and memory against the baseline in the same run: prefill, decode vs the bandwidth floor, a "
-            "Poisson workload's throughput, TTFT, ITL, goodput")  # fmt: skip
+    help = (
+        "speed and memory against the baseline in the same run: prefill, decode vs the bandwidth floor, a "
+        "Poisson workload's throughput, TTFT, ITL, goodput"
+    )
     model: Annotated[str, Opt("checkpoint directory, asset name or hub id", positional=True)]
-    baseline: Annotated[str | None, Opt(
-        "model measured beside it (default: the source in its slimlm.json; 'none': no baseline)")] = None
+    baseline: Annotated[
+        str | None, Opt("model measured beside it (default: the source in its slimlm.json; 'none': no baseline)")
+    ] = None
     batch: Annotated[list[int], Opt("decode batch sizes", parse=int_list)] = [1, 8, 32, 64]
     context: Annotated[int, Opt("KV tokens per sequence in the decode steps", parse=positive_int)] = 512
     prefill_len: Annotated[int, Opt(parse=positive_int)] = 512
-    rounds: Annotated[int, Opt("measurements of each model, in turn (offline: each figure's median; online: the "
-                               "run of median throughput)", parse=positive_int)] = 3  # fmt: skip
+    rounds: Annotated[
+        int,
+        Opt(
+            "measurements of each model, in turn (offline: each figure's median; online: the run of median throughput)",
+            parse=positive_int,
+        ),
+    ] = 3
     requests: Annotated[int, Opt("Poisson workload: requests", parse=positive_int)] = 24
     rate: Annotated[float, Opt("Poisson workload: arrivals per second (inf: all at once)", parse=positive_float)] = 2.0
     prompt_len: Annotated[tuple[int, int], Opt("Poisson workload: prompt lengths, uniform in LO,HI", parse=span)] = (
-        64, 256)  # fmt: skip
+        64,
+        256,
+    )
     output_len: Annotated[tuple[int, int], Opt("Poisson workload: output lengths, uniform in LO,HI", parse=span)] = (
-        16, 64)  # fmt: skip
+        16,
+        64,
+    )
     slo_ttft: Annotated[float, Opt("goodput: time to first token at most, seconds", parse=positive_float)] = 2.0
     slo_itl: Annotated[float, Opt("goodput: mean inter-token latency at most, seconds", parse=positive_float)] = 0.2
     dtype: Annotated[str, Opt(choices=DTYPES)] = "float32"
-    kv_cache_memory: Annotated[int | None, Opt(
-        "KV block pool size (default: what the largest batch needs at --context, at least 512M)",
-        parse=parse_size)] = None  # fmt: skip
+    kv_cache_memory: Annotated[
+        int | None,
+        Opt("KV block pool size (default: what the largest batch needs at --context, at least 512M)", parse=parse_size),
+    ] = None
     http: Annotated[bool, Opt("also send the workload to compress serve over HTTP")] = False
     seed: Annotated[int, Opt(parse=seed_int)] = 0
     json_path: Annotated[Path | None, Opt("write the results as JSON", flag="--json")] = None
@@ -158,11 +191,22 @@ class Bench(Job):
 
         if self.json_path:
             atomic.check_file(self.json_path, self.overwrite, "--json")
-        config = BenchConfig(batches=self.batch, context=self.context, prefill_len=self.prefill_len,
-                                   rounds=self.rounds, kv_cache_memory=self.kv_cache_memory, dtype=self.dtype,
-                                   requests=self.requests, rate=self.rate, prompt_len=self.prompt_len,
-                                   output_len=self.output_len, slo_ttft_s=self.slo_ttft, slo_itl_s=self.slo_itl,
-                                   seed=self.seed, http=self.http)  # fmt: skip
+        config = BenchConfig(
+            batches=self.batch,
+            context=self.context,
+            prefill_len=self.prefill_len,
+            rounds=self.rounds,
+            kv_cache_memory=self.kv_cache_memory,
+            dtype=self.dtype,
+            requests=self.requests,
+            rate=self.rate,
+            prompt_len=self.prompt_len,
+            output_len=self.output_len,
+            slo_ttft_s=self.slo_ttft,
+            slo_itl_s=self.slo_itl,
+            seed=self.seed,
+            http=self.http,
+        )
         model_dir = models.resolve(self.model)
         baseline = None if self.baseline == "none" else self.baseline
         if self.baseline is None and (model_dir / "slimlm.json").exists():
@@ -176,21 +220,37 @@ class Bench(Job):
 
 class Plan(Job):
     command = "plan"
-    help = ("capacity and bandwidth model: weight and KV bytes, what fits, the bandwidth-bound decode step and "
-            "throughput, arithmetic intensity vs the roofline")  # fmt: skip
-    model: Annotated[str, Opt("asset name, local directory, hub id, or a preset: llama-3.1-8b, llama-3.1-70b, "
-                              "mistral-7b, qwen2.5-7b", positional=True)]  # fmt: skip
-    weights: Annotated[Any, Opt("bf16 | fp16 | fp32 | wBITS[gGROUP][-asym], e.g. w4g128", parse=weight_format),
-                       Field(default_factory=lambda: weight_format("bf16"))]
+    help = (
+        "capacity and bandwidth model: weight and KV bytes, what fits, the bandwidth-bound decode step and "
+        "throughput, arithmetic intensity vs the roofline"
+    )
+    model: Annotated[
+        str,
+        Opt(
+            "asset name, local directory, hub id, or a preset: llama-3.1-8b, llama-3.1-70b, mistral-7b, qwen2.5-7b",
+            positional=True,
+        ),
+    ]
+    weights: Annotated[
+        Any,
+        Opt("bf16 | fp16 | fp32 | wBITS[gGROUP][-asym], e.g. w4g128", parse=weight_format),
+        Field(default_factory=lambda: weight_format("bf16")),
+    ]
     kv_dtype: Annotated[str, Opt(choices=("fp32", "bf16", "fp16", "fp8", "int8", "int4"))] = "bf16"
     context: Annotated[int, Opt("tokens per sequence", parse=positive_int)] = 2048
     batch: Annotated[list[int], Opt("comma-separated batch sizes", parse=int_list)] = [1, 8, 32, 64]
-    kv_heads: Annotated[list[int] | None, Opt("comma-separated KV-head counts to compare (default: the model's)",
-                                              parse=int_list)] = None  # fmt: skip
+    kv_heads: Annotated[
+        list[int] | None, Opt("comma-separated KV-head counts to compare (default: the model's)", parse=int_list)
+    ] = None
     device: Annotated[str, Opt("h100 | h200 | a100 | cpu (this machine, probed now)")] = "h100"
     memory: Annotated[int | None, Opt("memory budget (default: the device's)", parse=parse_size)] = None
-    bench: Annotated[Path | None, Opt("a compress bench JSON of MODEL: the model's decode steps, predicted at its "
-                                      "measured bandwidth, against the measured ones")] = None  # fmt: skip
+    bench: Annotated[
+        Path | None,
+        Opt(
+            "a compress bench JSON of MODEL: the model's decode steps, predicted at its "
+            "measured bandwidth, against the measured ones"
+        ),
+    ] = None
     json_path: Annotated[Path | None, Opt("also write the plan as JSON", flag="--json")] = None
     overwrite: Annotated[bool, OVERWRITE] = False
 
@@ -214,8 +274,10 @@ class Plan(Job):
             raise SlimlmError(f"--kv-heads {bad[0]} does not divide the {dims.heads} query heads")
         if self.bench:
             if self.model in plan.MODEL_PRESETS:
-                raise SlimlmError(f"--bench compares a checkpoint's measured steps with its plan; give that checkpoint "
-                                  f"(its directory or asset name) in place of the preset {self.model}")  # fmt: skip
+                raise SlimlmError(
+                    f"--bench compares a checkpoint's measured steps with its plan; give that checkpoint "
+                    f"(its directory or asset name) in place of the preset {self.model}"
+                )
             try:
                 rows = plan.against_bench(json.loads(self.bench.read_text()), config)
             except (OSError, json.JSONDecodeError, KeyError, TypeError, IndexError, AttributeError) as e:
@@ -223,8 +285,10 @@ class Plan(Job):
                 raise SlimlmError(f"--bench {self.bench}: not a compress bench JSON ({problem})") from None
             print(f"{'batch':>6} {'context':>8} {'predicted ms':>13} {'measured ms':>12} {'measured/predicted':>19}")
             for r in rows:
-                print(f"{r['batch']:>6} {r['context']:>8} {r['predicted_ms']:>13.2f} {r['measured_ms']:>12.2f} "
-                      f"{r['ratio']:>19.2f}")  # fmt: skip
+                print(
+                    f"{r['batch']:>6} {r['context']:>8} {r['predicted_ms']:>13.2f} {r['measured_ms']:>12.2f} "
+                    f"{r['ratio']:>19.2f}"
+                )
             return rows
         result = plan.plan(dims, self.weights, self.kv_dtype, self.context, self.batch, kv_heads, device, self.memory)
         print(plan.format_plan(result))
@@ -235,8 +299,10 @@ class Plan(Job):
 
 class Report(Job):
     command = "report"
-    help = ("one HTML page from run directories: quality vs speed vs memory, Pareto plots, per-method table, "
-            "bandwidth model vs measured")  # fmt: skip
+    help = (
+        "one HTML page from run directories: quality vs speed vs memory, Pareto plots, per-method table, "
+        "bandwidth model vs measured"
+    )
     runs: Annotated[list[Path], Opt("run directories (eval.json, bench.json, run.json)", positional=True, nargs="+")]
     out: Annotated[Path, Opt()] = Path("report.html")
     overwrite: Annotated[bool, OVERWRITE] = False

@@ -73,8 +73,9 @@ class Job(BaseModel):
 
     @classmethod
     def opts(cls) -> dict[str, Opt]:
-        return {name: next((m for m in f.metadata if isinstance(m, Opt)), Opt()) for name, f in
-                cls.model_fields.items()}  # fmt: skip
+        return {
+            name: next((m for m in f.metadata if isinstance(m, Opt)), Opt()) for name, f in cls.model_fields.items()
+        }
 
     @model_validator(mode="before")
     @classmethod
@@ -94,8 +95,9 @@ class Job(BaseModel):
     def from_options(cls, options: dict, where: str = "") -> Job:
         """A recipe step or an API call's mapping -> the job, or one line naming the field that is wrong.
         A switch may be named too (`asym: true`, `no_clip: true`), as on the command line."""
-        switches = {s.flag.lstrip("-").replace("-", "_"): (name, s.value) for name, o in cls.opts().items()
-                    for s in o.switches}  # fmt: skip
+        switches = {
+            s.flag.lstrip("-").replace("-", "_"): (name, s.value) for name, o in cls.opts().items() for s in o.switches
+        }
         values = {}
         for key, value in options.items():
             if key in switches and key not in cls.model_fields:

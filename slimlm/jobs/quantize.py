@@ -31,21 +31,34 @@ class Calibration(Job):
     batch_size: Annotated[int, Opt("calibration windows per forward", parse=positive_int)] = 8
     out: Annotated[Path, Opt("output checkpoint directory")]
     overwrite: Annotated[bool, Opt("replace --out if it exists")] = False
-    ppl: Annotated[str | None, Opt("measure perplexity on SOURCE before and after (e.g. wiki)",
-                                   metavar="SOURCE")] = None  # fmt: skip
+    ppl: Annotated[str | None, Opt("measure perplexity on SOURCE before and after (e.g. wiki)", metavar="SOURCE")] = (
+        None
+    )
     ppl_tokens: Annotated[int, Opt("tokens scored by --ppl", parse=positive_int)] = 16384
     device: Annotated[str | None, Opt("cpu or cuda[:N] (default: cuda when available, else cpu)")] = None
-    compute_dtype: Annotated[str, Opt(
-        "dtype the calibration passes run in (the weights are quantized from their stored values); auto: bf16 "
-        "for an fp32 model where bf16 products are fast, else the model's", choices=DTYPE_CHOICE)] = "auto"  # fmt: skip
+    compute_dtype: Annotated[
+        str,
+        Opt(
+            "dtype the calibration passes run in (the weights are quantized from their stored values); auto: bf16 "
+            "for an fp32 model where bf16 products are fast, else the model's",
+            choices=DTYPE_CHOICE,
+        ),
+    ] = "auto"
 
 
 class KVScales(Calibration):
-    kv_dtype: Annotated[str | None, Opt("quantize the KV cache too: calibrate static scales for fp8 e4m3 or int8",
-                                        choices=("fp8", "int8"))] = None  # fmt: skip
-    kv_strategy: Annotated[str | None, Opt(
-        "one KV scale per layer (tensor; vLLM reads it) or per KV head (attn_head); default: tensor for fp8, "
-        "attn_head for int8", choices=("tensor", "attn_head"))] = None  # fmt: skip
+    kv_dtype: Annotated[
+        str | None,
+        Opt("quantize the KV cache too: calibrate static scales for fp8 e4m3 or int8", choices=("fp8", "int8")),
+    ] = None
+    kv_strategy: Annotated[
+        str | None,
+        Opt(
+            "one KV scale per layer (tensor; vLLM reads it) or per KV head (attn_head); default: tensor for fp8, "
+            "attn_head for int8",
+            choices=("tensor", "attn_head"),
+        ),
+    ] = None
 
     def kv_steps(self) -> list:
         """The KV-cache step that ends a run, when kv_dtype asks for one."""
@@ -65,20 +78,39 @@ class Weights(KVScales):
     """The weight quantization every method shares."""
 
     bits: Annotated[int, Opt("2, 3, 4 or 8", parse=integer, choices=SUPPORTED_BITS)] = 4
-    group_size: Annotated[int | None, Opt(
-        "-1 (per channel), 32, 64 or 128 (default: the largest that divides every layer)", parse=integer,
-        choices=SUPPORTED_GROUP_SIZES, metavar="{-1,32,64,128}")] = None  # fmt: skip
+    group_size: Annotated[
+        int | None,
+        Opt(
+            "-1 (per channel), 32, 64 or 128 (default: the largest that divides every layer)",
+            parse=integer,
+            choices=SUPPORTED_GROUP_SIZES,
+            metavar="{-1,32,64,128}",
+        ),
+    ] = None
     sym: Annotated[bool, SYM] = True
     ignore: Annotated[list[str], Opt("linears to keep float, e.g. '*.down_proj'", nargs="*", metavar="GLOB")] = []
-    quantize_lm_head: Annotated[int | None, Opt(
-        "lm_head rounded to nearest at BITS (default: 8, except with --format gptq at other bits; at 4 the "
-        "default model's wiki perplexity rose 26%% more); a tied one is untied, the embeddings stay float",
-        parse=integer, choices=(4, 8), nargs="?", const=8, metavar="BITS",
-        switches=(Switch("--float-lm-head", 0, "keep lm_head float (it is the largest matrix a decode step reads)"),),
-    )] = None  # fmt: skip
-    format: Annotated[str, Opt(
-        "checkpoint layout: compressed-tensors (default; vLLM, transformers) or GPTQ v1 (sym 4/8-bit)",
-        choices=("compressed-tensors", "gptq"))] = "compressed-tensors"  # fmt: skip
+    quantize_lm_head: Annotated[
+        int | None,
+        Opt(
+            "lm_head rounded to nearest at BITS (default: 8, except with --format gptq at other bits; at 4 the "
+            "default model's wiki perplexity rose 26%% more); a tied one is untied, the embeddings stay float",
+            parse=integer,
+            choices=(4, 8),
+            nargs="?",
+            const=8,
+            metavar="BITS",
+            switches=(
+                Switch("--float-lm-head", 0, "keep lm_head float (it is the largest matrix a decode step reads)"),
+            ),
+        ),
+    ] = None
+    format: Annotated[
+        str,
+        Opt(
+            "checkpoint layout: compressed-tensors (default; vLLM, transformers) or GPTQ v1 (sym 4/8-bit)",
+            choices=("compressed-tensors", "gptq"),
+        ),
+    ] = "compressed-tensors"
 
     def quant_args(self):
         from slimlm import models
@@ -88,8 +120,11 @@ class Weights(KVScales):
         group = self.group_size
         if group is None:
             group = default_group_size(models.resolve(self.model))  # the job checks the model itself
-            print(f"--group-size not given: using {group}, the largest of 128, 64, 32 that divides every layer's "
-                  "input dim", file=sys.stderr)  # fmt: skip
+            print(
+                f"--group-size not given: using {group}, the largest of 128, 64, 32 that divides every layer's "
+                "input dim",
+                file=sys.stderr,
+            )
         return QuantArgs(bits=self.bits, group_size=group, sym=self.sym)
 
     def lm_head_bits(self, args) -> int | None:
@@ -103,12 +138,18 @@ class Weights(KVScales):
 
 class GPTQOptions(Job):
     damp: Annotated[float, Opt("GPTQ dampening, a fraction of the mean Hessian diagonal", parse=finite_float)] = 0.01
-    act_order: Annotated[str | None, Opt(
-        "GPTQ: quantize columns by decreasing Hessian diagonal (on by default: measured better); 'weight' keeps the "
-        "plain format, 'group' writes g_idx (not read by compressed-tensors >= 0.12)", choices=("weight", "group"),
-        nargs="?", const="weight",
-        switches=(Switch("--no-act-order", None, "GPTQ: columns left to right (the paper's original order)"),),
-    )] = "weight"  # fmt: skip
+    act_order: Annotated[
+        str | None,
+        Opt(
+            "GPTQ: quantize columns by decreasing Hessian diagonal (on by default: measured better); "
+            "'weight' keeps the "
+            "plain format, 'group' writes g_idx (not read by compressed-tensors >= 0.12)",
+            choices=("weight", "group"),
+            nargs="?",
+            const="weight",
+            switches=(Switch("--no-act-order", None, "GPTQ: columns left to right (the paper's original order)"),),
+        ),
+    ] = "weight"
 
     def gptq(self, args):
         from slimlm.compress import gptq
@@ -119,16 +160,18 @@ class GPTQOptions(Job):
 class RTN(Weights):
     command = "rtn"
     help = "round-to-nearest weight quantization"
-    report_error: Annotated[bool, Opt(
-        "run the calibration data through each layer to report its output error (RTN needs no data)")] = False
+    report_error: Annotated[
+        bool, Opt("run the calibration data through each layer to report its output error (RTN needs no data)")
+    ] = False
 
     def run(self) -> Path:
         from slimlm.compress import rtn
 
         args = self.quant_args()
         kv = self.kv_steps()
-        return quantize(self, "rtn" + "+kv" * bool(kv), [rtn.RTN(args), *kv], args,
-                        report_error=self.report_error or bool(kv))  # fmt: skip
+        return quantize(
+            self, "rtn" + "+kv" * bool(kv), [rtn.RTN(args), *kv], args, report_error=self.report_error or bool(kv)
+        )
 
 
 class GPTQ(GPTQOptions, Weights):
@@ -144,17 +187,26 @@ class GPTQ(GPTQOptions, Weights):
 class AWQ(GPTQOptions, Weights):
     command = "awq"
     help = "AWQ: activation-aware scales folded into the previous op, clipping search"
-    sym: Annotated[bool, Opt("symmetric", flag="--sym", switches=(
-        Switch("--asym", False, "asymmetric, with zero points (default)"),))] = False  # fmt: skip
+    sym: Annotated[
+        bool,
+        Opt("symmetric", flag="--sym", switches=(Switch("--asym", False, "asymmetric, with zero points (default)"),)),
+    ] = False
     search_batches: Annotated[int, Opt("calibration batches used by the scale search", parse=integer)] = 2
     grid: Annotated[int, Opt("scale exponents tried per group of linears (α = i/grid)", parse=integer)] = 20
-    clip: Annotated[bool, Opt(flag=None, switches=(
-        Switch("--no-clip", False, "skip the weight-clipping search"),))] = True  # fmt: skip
-    search_dtype: Annotated[str, Opt(
-        "dtype the scale search runs the blocks in; auto: bf16 for an fp32 model where bf16 products are fast "
-        "(AVX-512 BF16/AMX CPUs, GPUs), else the model's", choices=DTYPE_CHOICE)] = "auto"  # fmt: skip
-    then: Annotated[str, Opt("how the AWQ-scaled weights are quantized: rtn (AWQ's own, default) or gptq",
-                             choices=("rtn", "gptq"))] = "rtn"  # fmt: skip
+    clip: Annotated[bool, Opt(flag=None, switches=(Switch("--no-clip", False, "skip the weight-clipping search"),))] = (
+        True
+    )
+    search_dtype: Annotated[
+        str,
+        Opt(
+            "dtype the scale search runs the blocks in; auto: bf16 for an fp32 model where bf16 products are fast "
+            "(AVX-512 BF16/AMX CPUs, GPUs), else the model's",
+            choices=DTYPE_CHOICE,
+        ),
+    ] = "auto"
+    then: Annotated[
+        str, Opt("how the AWQ-scaled weights are quantized: rtn (AWQ's own, default) or gptq", choices=("rtn", "gptq"))
+    ] = "rtn"
 
     def run(self) -> Path:
         from slimlm.compress import awq, rtn
@@ -162,18 +214,19 @@ class AWQ(GPTQOptions, Weights):
         args = self.quant_args()
         quantizer = self.gptq(args) if self.then == "gptq" else rtn.RTN(args)
         name = ("awq" if self.then == "rtn" else f"awq+{self.then}") + "+kv" * (self.kv_dtype is not None)
-        search = awq.AWQ(args, search_batches=self.search_batches, clip=self.clip, grid=self.grid,
-                         search_dtype=self.search_dtype)  # fmt: skip
+        search = awq.AWQ(
+            args, search_batches=self.search_batches, clip=self.clip, grid=self.grid, search_dtype=self.search_dtype
+        )
         return quantize(self, name, [search, quantizer, *self.kv_steps()], args)
 
 
 class KV(KVScales):
     command = "kv"
     help = "KV-cache quantization: static fp8/int8 K and V scales calibrated on data"
-    model: Annotated[str, Opt("asset name, local directory (float or compressed-tensors) or hub id",
-                              positional=True)]  # fmt: skip
-    kv_dtype: Annotated[str, Opt("KV-cache dtype the scales are calibrated for: fp8 (e4m3) or int8",
-                                 choices=("fp8", "int8"))]  # fmt: skip
+    model: Annotated[str, Opt("asset name, local directory (float or compressed-tensors) or hub id", positional=True)]
+    kv_dtype: Annotated[
+        str, Opt("KV-cache dtype the scales are calibrated for: fp8 (e4m3) or int8", choices=("fp8", "int8"))
+    ]
 
     def run(self) -> Path:
         return quantize(self, "kv", self.kv_steps(), None, report_error=False)  # the weights do not change
@@ -186,10 +239,19 @@ def quantize(job: Calibration, name: str, steps: list, args, report_error: bool 
 
     weights = isinstance(job, Weights)
     calib = CalibData(job.calib, job.num_samples, job.seq_len, job.seed, job.batch_size, job.device, job.compute_dtype)
-    run = Quantization(name, steps, args, job.model, job.out, calib, ignore=job.ignore if weights else (),
-                       fmt=job.format if weights else "compressed-tensors",
-                       lm_head_bits=job.lm_head_bits(args) if weights else None, overwrite=job.overwrite,
-                       report_error=report_error)  # fmt: skip
+    run = Quantization(
+        name,
+        steps,
+        args,
+        job.model,
+        job.out,
+        calib,
+        ignore=job.ignore if weights else (),
+        fmt=job.format if weights else "compressed-tensors",
+        lm_head_bits=job.lm_head_bits(args) if weights else None,
+        overwrite=job.overwrite,
+        report_error=report_error,
+    )
     out = quantize_weights(run, checks=[lambda: data.check_source(job.ppl)] if job.ppl else [])
     if not job.ppl:
         print(f"checkpoint: {out}")

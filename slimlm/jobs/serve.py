@@ -33,8 +33,14 @@ class Generate(EngineOptions):
         from slimlm.runtime.llm import LLM
         from slimlm.runtime.sampling import SamplingParams
 
-        params = SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                                top_k=self.top_k, seed=self.seed, stop=self.stop)  # fmt: skip
+        params = SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop,
+        )
         llm = LLM(self.model, **vars(self.engine_config()))
         streaming = self.stream and len(self.prompt) == 1  # several prompts would interleave: they print when done
         if streaming:
@@ -63,8 +69,11 @@ class Generate(EngineOptions):
         ttft = (c.first_token_time - out.arrival) * 1e3 if c.first_token_time else float("nan")
         rate = (len(c.token_times) - 1) / (c.token_times[-1] - c.token_times[0]) if len(c.token_times) > 1 else 0
         spec = f", {c.num_accepted}/{c.num_drafted} drafts accepted" if self.speculative else ""
-        print(f"[{len(c.token_ids)} tokens, finish: {c.finish_reason}, first token {ttft:.0f} ms, "
-              f"{rate:.1f} tokens/s after it{spec}]", file=sys.stderr)  # fmt: skip
+        print(
+            f"[{len(c.token_ids)} tokens, finish: {c.finish_reason}, first token {ttft:.0f} ms, "
+            f"{rate:.1f} tokens/s after it{spec}]",
+            file=sys.stderr,
+        )
 
 
 class Serve(EngineOptions):
@@ -73,15 +82,18 @@ class Serve(EngineOptions):
     model: Annotated[str, MODEL]
     host: Annotated[str, Opt("address to bind (default: loopback only)")] = "127.0.0.1"
     port: Annotated[int, Opt(parse=integer)] = 8000
-    api_key: Annotated[str | None, Opt(
-        "require 'Authorization: Bearer KEY' on /v1 (default: $SLIMLM_API_KEY, else none)")] = None
+    api_key: Annotated[
+        str | None, Opt("require 'Authorization: Bearer KEY' on /v1 (default: $SLIMLM_API_KEY, else none)")
+    ] = None
     served_model_name: Annotated[str | None, Opt("the model name clients send (default: the model argument)")] = None
     max_num_seqs: Annotated[int, Opt("sequences in the running batch", parse=positive_int)] = 64
     max_num_batched_tokens: Annotated[int, Opt("tokens per engine step", parse=positive_int)] = 512
-    max_waiting: Annotated[int, Opt("queued requests beyond which new ones get 503 with Retry-After",
-                                    parse=positive_int)] = 256  # fmt: skip
-    drain_timeout: Annotated[float, Opt("seconds SIGTERM waits for running requests before exiting",
-                                        parse=finite_float)] = 30.0  # fmt: skip
+    max_waiting: Annotated[
+        int, Opt("queued requests beyond which new ones get 503 with Retry-After", parse=positive_int)
+    ] = 256
+    drain_timeout: Annotated[
+        float, Opt("seconds SIGTERM waits for running requests before exiting", parse=finite_float)
+    ] = 30.0
 
     def run(self) -> None:
         from slimlm.runtime.engine import Engine
@@ -91,16 +103,24 @@ class Serve(EngineOptions):
             raise SlimlmError(f"--port {self.port} is not a TCP port (0..65535)")
         config = self.engine_config()  # its EngineConfig fields too: max_num_seqs, max_num_batched_tokens
         api_key = self.api_key if self.api_key is not None else os.environ.get("SLIMLM_API_KEY")
-        serve(Engine(self.model, config), self.served_model_name or self.model, self.host, self.port, api_key,
-              self.max_waiting, self.drain_timeout)  # fmt: skip
+        serve(
+            Engine(self.model, config),
+            self.served_model_name or self.model,
+            self.host,
+            self.port,
+            api_key,
+            self.max_waiting,
+            self.drain_timeout,
+        )
 
 
 class Assets(Job):
     command = "assets"
     help = "list or fetch the bundled models and texts"
     action: Annotated[Literal["list", "fetch"], Opt(positional=True, choices=("list", "fetch"))]
-    names: Annotated[list[str], Opt("assets to fetch (default: all but the large on-demand models)", positional=True,
-                                    nargs="*")] = []  # fmt: skip
+    names: Annotated[
+        list[str], Opt("assets to fetch (default: all but the large on-demand models)", positional=True, nargs="*")
+    ] = []
     force: Annotated[bool, Opt("fetch and rebuild even if cached and intact")] = False
 
     def run(self) -> None:

@@ -40,12 +40,19 @@ class Training(Job):
         if not 0 <= self.lm_weight <= 1 or self.temperature <= 0 or not 0 <= self.warmup < 1 or self.lr <= 0:
             raise SlimlmError("--lm-weight must be in [0, 1], --temperature and --lr > 0, --warmup in [0, 1)")
         return TrainConfig(
-            train_tokens=tokens, seq_len=self.seq_len, global_batch=self.global_batch, micro_batch=self.micro_batch,
-            lr=self.lr, warmup=self.warmup, temperature=self.temperature, lm_weight=self.lm_weight,
-            train=tuple(t for t in self.train.split(",") if t), checkpoint_every=self.checkpoint_every,
-            eval_every=self.eval_every, seed=self.seed,
-        )  # fmt: skip
-
+            train_tokens=tokens,
+            seq_len=self.seq_len,
+            global_batch=self.global_batch,
+            micro_batch=self.micro_batch,
+            lr=self.lr,
+            warmup=self.warmup,
+            temperature=self.temperature,
+            lm_weight=self.lm_weight,
+            train=tuple(t for t in self.train.split(",") if t),
+            checkpoint_every=self.checkpoint_every,
+            eval_every=self.eval_every,
+            seed=self.seed,
+        )
 
     def run_config(self, tokens: int):
         """The source, output and distillation of `tokens` (0: none) as the training job takes them."""
@@ -69,8 +76,13 @@ class GQA(Training):
     model: Annotated[str, FLOAT_MODEL] = assets.DEFAULT_MODEL
     kv_heads: Annotated[int, Opt("KV heads of the output", parse=positive_int)]
     expand: Annotated[bool, Opt("repeat KV heads up to --kv-heads (exact; no training)")] = False
-    grouping: Annotated[str, Opt("which heads merge: the most similar on --calib data (default), or contiguous ones",
-                                 choices=("similarity", "mean"))] = "similarity"  # fmt: skip
+    grouping: Annotated[
+        str,
+        Opt(
+            "which heads merge: the most similar on --calib data (default), or contiguous ones",
+            choices=("similarity", "mean"),
+        ),
+    ] = "similarity"
     calib: Annotated[str, Opt("text for --grouping similarity")] = "owt"
     num_samples: Annotated[int, Opt("calibration windows for the grouping", parse=positive_int)] = 16
     uptrain_tokens: Annotated[int, Opt("distillation budget (0: none)", parse=nonnegative_int)] = 0
@@ -78,8 +90,14 @@ class GQA(Training):
     def run(self) -> Path:
         from slimlm.train.job import convert_gqa
 
-        out = convert_gqa(self.run_config(self.uptrain_tokens), self.kv_heads, self.expand, self.grouping, self.calib,
-                          self.num_samples)  # fmt: skip
+        out = convert_gqa(
+            self.run_config(self.uptrain_tokens),
+            self.kv_heads,
+            self.expand,
+            self.grouping,
+            self.calib,
+            self.num_samples,
+        )
         return _say_checkpoint(out)
 
 
@@ -87,23 +105,38 @@ class Prune(Training):
     command = "prune"
     help = "structured pruning (layers, heads, MLP neurons, hidden channels), then distillation from the original"
     model: Annotated[str, FLOAT_MODEL] = assets.DEFAULT_MODEL
-    target_params: Annotated[float | None, Opt(
-        "fraction of the parameters to keep, e.g. 0.6: searches width and depth candidates and keeps the best "
-        "before distillation", parse=finite_float)] = None  # fmt: skip
-    candidate: Annotated[str | None, Opt(
-        "with --target-params: take this candidate (depth, width-mlp, width, width-heads, width+depth) instead "
-        "of the best one")] = None  # fmt: skip
+    target_params: Annotated[
+        float | None,
+        Opt(
+            "fraction of the parameters to keep, e.g. 0.6: searches width and depth candidates and keeps the best "
+            "before distillation",
+            parse=finite_float,
+        ),
+    ] = None
+    candidate: Annotated[
+        str | None,
+        Opt(
+            "with --target-params: take this candidate (depth, width-mlp, width, width-heads, width+depth) instead "
+            "of the best one"
+        ),
+    ] = None
     hidden: Annotated[int | None, Opt("hidden channels to keep", parse=positive_int)] = None
-    heads: Annotated[int | None, Opt("attention heads to keep (the KV grouping must allow it)",
-                                     parse=positive_int)] = None  # fmt: skip
+    heads: Annotated[int | None, Opt("attention heads to keep (the KV grouping must allow it)", parse=positive_int)] = (
+        None
+    )
     ffn: Annotated[int | None, Opt("MLP neurons to keep per layer", parse=positive_int)] = None
     layers: Annotated[int | None, Opt("decoder layers to keep", parse=positive_int)] = None
     calib: Annotated[str, Opt("text the importance is measured on")] = "owt"
     num_samples: Annotated[int, Opt("512-token calibration windows", parse=positive_int)] = 32
     distill_tokens: Annotated[int, Opt("distillation budget (0: none)", parse=nonnegative_int)] = 0
-    search_tokens: Annotated[int, Opt(
-        "with --target-params: distill every candidate this long and keep the best then (0: the best right after "
-        "pruning)", parse=nonnegative_int)] = 0  # fmt: skip
+    search_tokens: Annotated[
+        int,
+        Opt(
+            "with --target-params: distill every candidate this long and keep the best then (0: the best right after "
+            "pruning)",
+            parse=nonnegative_int,
+        ),
+    ] = 0
 
     def run(self) -> Path:
         from slimlm.train.job import prune_model
@@ -112,5 +145,14 @@ class Prune(Training):
         search = self.train_config(self.search_tokens)  # the candidates' short runs: the same settings, no checkpoints
         if search is not None:
             search = dataclasses.replace(search, checkpoint_every=10**9, eval_every=10**9)
-        return _say_checkpoint(prune_model(self.run_config(self.distill_tokens), self.target_params, sizes,
-                                           self.candidate, self.calib, self.num_samples, search))  # fmt: skip
+        return _say_checkpoint(
+            prune_model(
+                self.run_config(self.distill_tokens),
+                self.target_params,
+                sizes,
+                self.candidate,
+                self.calib,
+                self.num_samples,
+                search,
+            )
+        )

@@ -24,7 +24,14 @@ from slimlm.kernels.cpu_gemm import exact_activations
 from slimlm.kernels.packed import PackedWeight, pack
 
 __all__ = [
-    "Backend", "PackedWeight", "backend", "exact_activations", "pack", "paged_attention", "quant_matmul", "select",
+    "Backend",
+    "PackedWeight",
+    "backend",
+    "exact_activations",
+    "pack",
+    "paged_attention",
+    "quant_matmul",
+    "select",
 ]
 
 
@@ -32,8 +39,9 @@ __all__ = [
 def cpu_kernels_available() -> bool:
     if cpu_library.available():
         return True
-    warnings.warn("the CPU kernels (AVX-512, or AVX2 with FMA) could not be built here; using the PyTorch paths",
-                  stacklevel=3)  # fmt: skip
+    warnings.warn(
+        "the CPU kernels (AVX-512, or AVX2 with FMA) could not be built here; using the PyTorch paths", stacklevel=3
+    )
     return False
 
 
@@ -67,12 +75,19 @@ def select(device: torch.device | str) -> Backend:
     if chosen == "cpu" and cpu_kernels_available():
         from slimlm.kernels import cpu_gemm, cpu_layer
 
-        return Backend("cpu", cpu_gemm.quant_matmul, functools.partial(cpu_attention.paged_attention, native=True),
-                       cpu_layer.add_rms_norm, cpu_layer.rotary_kv_write, cpu_layer.silu_mul,
-                       cpu_layer.DecodeStack)  # fmt: skip
+        return Backend(
+            "cpu",
+            cpu_gemm.quant_matmul,
+            functools.partial(cpu_attention.paged_attention, native=True),
+            cpu_layer.add_rms_norm,
+            cpu_layer.rotary_kv_write,
+            cpu_layer.silu_mul,
+            cpu_layer.DecodeStack,
+        )
     if chosen == "cpu":
-        return Backend("cpu-pytorch", reference.quant_matmul,
-                       functools.partial(cpu_attention.paged_attention, native=False))  # fmt: skip
+        return Backend(
+            "cpu-pytorch", reference.quant_matmul, functools.partial(cpu_attention.paged_attention, native=False)
+        )
     return Backend("reference", reference.quant_matmul, reference.paged_attention)
 
 

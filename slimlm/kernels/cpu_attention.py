@@ -71,9 +71,13 @@ EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)
 
 
 def _native_applies(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
-    return (k_cache.dtype in KINDS and (k_scale is None or k_cache.dtype in EIGHT_BIT) and k_cache.is_contiguous()
-            and kernel_takes(q.shape[1], k_cache.shape[2], q.shape[2])
-            and (k_cache.dtype != torch.uint8 or q.shape[2] % 32 == 0))  # 4-bit: 16 code bytes a step  # fmt: skip
+    return (
+        k_cache.dtype in KINDS
+        and (k_scale is None or k_cache.dtype in EIGHT_BIT)
+        and k_cache.is_contiguous()
+        and kernel_takes(q.shape[1], k_cache.shape[2], q.shape[2])
+        and (k_cache.dtype != torch.uint8 or q.shape[2] % 32 == 0)
+    )  # 4-bit: 16 code bytes a step
 
 
 def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple:
@@ -92,47 +96,95 @@ def _decode_native(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, 
     out = torch.empty_like(qf)
     (ks, vs), _held = _scales(k_scale, v_scale)
     status = cpu_library.load().slimlm_paged_decode(
-        qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KINDS[k_cache.dtype], ks, vs, tables.data_ptr(),
-        tables.shape[1], lens.data_ptr(), q.shape[0], q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1],
-        scale, int(cpu_library.has_amx()), out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+        qf.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        KINDS[k_cache.dtype],
+        ks,
+        vs,
+        tables.data_ptr(),
+        tables.shape[1],
+        lens.data_ptr(),
+        q.shape[0],
+        q.shape[1],
+        k_cache.shape[2],
+        q.shape[2],
+        k_cache.shape[1],
+        scale,
+        int(cpu_library.has_amx()),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     if status != 0:
         raise MemoryError("paged decode attention could not allocate its score buffers")
     return (out if rotation is None else out @ rotation.T).to(q.dtype)
 
 
 def _prefill_native_applies(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> bool:
-    return (_native_applies(q, k_cache, k_scale) and q.dtype in (torch.float32, torch.bfloat16) and q.is_contiguous()
-            and hasattr(cpu_library.load(), "slimlm_paged_prefill"))  # fmt: skip
+    return (
+        _native_applies(q, k_cache, k_scale)
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and q.is_contiguous()
+        and hasattr(cpu_library.load(), "slimlm_paged_prefill")
+    )
 
 
-def _prefill_native(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, k_scale, v_scale,
-                    out) -> torch.Tensor:  # fmt: skip
+def _prefill_native(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, k_scale, v_scale, out
+) -> torch.Tensor:
     """The prompt chunks' rows of `out` (its decode rows already written) by the C flash kernel, one call. The
     sequences are query_start's (block_tables and seq_lens may hold more rows: they are not read). Over 4-bit
     rows the kernel attends in their rotated space, in fp32: queries rotated in, its rows rotated back out."""
     if k_cache.dtype != torch.uint8:
         return _prefill_call(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, k_scale, v_scale, out)
     rotation = kv_int4.rotation(q.shape[2])
-    rotated = _prefill_call((q.float() @ rotation).contiguous(), k_cache, v_cache, block_tables, seq_lens,
-                            query_start, scale, None, None, torch.empty(q.shape, dtype=torch.float32))  # fmt: skip
+    rotated = _prefill_call(
+        (q.float() @ rotation).contiguous(),
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start,
+        scale,
+        None,
+        None,
+        torch.empty(q.shape, dtype=torch.float32),
+    )
     lens, starts = (query_start[1:] - query_start[:-1]).tolist(), query_start.tolist()
     rows = [r for s, n in enumerate(lens) if n > VERIFY_MAX_ROWS for r in range(starts[s], starts[s] + n)]
     out[rows] = (rotated[rows] @ rotation.T).to(out.dtype)
     return out
 
 
-def _prefill_call(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, k_scale, v_scale,
-                  out) -> torch.Tensor:  # fmt: skip
+def _prefill_call(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, k_scale, v_scale, out
+) -> torch.Tensor:
     tables, lens = block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
     starts = query_start.to(torch.int32).contiguous()
     (ks, vs), _held = _scales(k_scale, v_scale)
     status = cpu_library.load().slimlm_paged_prefill(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(q.dtype == torch.bfloat16), KINDS[k_cache.dtype],
-        ks, vs, tables.data_ptr(), tables.shape[1], lens.data_ptr(), starts.data_ptr(), starts.numel() - 1,
-        q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, VERIFY_MAX_ROWS, int(cpu_library.has_amx()),
-        out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        int(q.dtype == torch.bfloat16),
+        KINDS[k_cache.dtype],
+        ks,
+        vs,
+        tables.data_ptr(),
+        tables.shape[1],
+        lens.data_ptr(),
+        starts.data_ptr(),
+        starts.numel() - 1,
+        q.shape[1],
+        k_cache.shape[2],
+        q.shape[2],
+        k_cache.shape[1],
+        scale,
+        VERIFY_MAX_ROWS,
+        int(cpu_library.has_amx()),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     if status != 0:
         raise MemoryError("paged prefill attention could not allocate its buffers")
     return out
@@ -183,9 +235,17 @@ def paged_attention(
     if decoding:
         rows_t = torch.tensor(rows, device=q.device)
         seqs = torch.tensor([s for s in decoding for _ in range(q_lens[s])], device=q.device)
-        out[rows_t] = _decode(q[rows_t], k_cache, v_cache, block_tables[seqs],
-                              torch.tensor(lens, dtype=seq_lens.dtype, device=q.device), scale, k_scale, v_scale,
-                              native)  # fmt: skip
+        out[rows_t] = _decode(
+            q[rows_t],
+            k_cache,
+            v_cache,
+            block_tables[seqs],
+            torch.tensor(lens, dtype=seq_lens.dtype, device=q.device),
+            scale,
+            k_scale,
+            v_scale,
+            native,
+        )
     if len(decoding) == len(q_lens):
         return out
     if native and _prefill_native_applies(q, k_cache, k_scale):

@@ -77,8 +77,9 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     elif kernel == "fp32-split":
         x = x.to(torch.float32).contiguous()
         y = torch.empty(m, w.out_features)
-        status = lib.slimlm_quant_matmul_f32_split(w.bits, x.data_ptr(), m, k, *blocks, y.data_ptr(),
-                                                   w.out_features, threads)  # fmt: skip
+        status = lib.slimlm_quant_matmul_f32_split(
+            w.bits, x.data_ptr(), m, k, *blocks, y.data_ptr(), w.out_features, threads
+        )
     else:  # "int8" or "fused": fp32 x, into the padded width
         x = x.to(torch.float32).contiguous()
         y = torch.empty(m, w.padded_out_features)
@@ -151,8 +152,16 @@ def _dequantized_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
             buffers[width] = torch.empty(k, width, dtype=x.dtype)
         wt = buffers[width]
         dequantize(
-            w.bits, k, w.codes.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(), b0, b1, w.group_size,
-            wt.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
+            w.bits,
+            k,
+            w.codes.data_ptr(),
+            w.scales.data_ptr(),
+            w.zeros.data_ptr(),
+            b0,
+            b1,
+            w.group_size,
+            wt.data_ptr(),
+            torch.get_num_threads(),
+        )
         out[:, b0 * BLOCK_N : b1 * BLOCK_N] = x @ wt
     return out[:, : w.out_features]

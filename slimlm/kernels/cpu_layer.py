@@ -31,9 +31,16 @@ def add_rms_norm(
     out = torch.empty_like(x)
     dim = x.shape[-1]
     cpu_library.load().slimlm_add_rms_norm(
-        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-        x.numel() // dim, dim, eps, int(x.dtype == torch.bfloat16), torch.get_num_threads(),
-    )  # fmt: skip
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.numel() // dim,
+        dim,
+        eps,
+        int(x.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
     return out, x if residual is None else residual
 
 
@@ -43,8 +50,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return reference.silu_mul(gate_up)
     width = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], width)
-    cpu_library.load().slimlm_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * width), width,
-                                       int(gate_up.dtype == torch.bfloat16), torch.get_num_threads())  # fmt: skip
+    cpu_library.load().slimlm_silu_mul(
+        gate_up.data_ptr(),
+        out.data_ptr(),
+        gate_up.numel() // (2 * width),
+        width,
+        int(gate_up.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -71,11 +84,25 @@ def rotary_kv_write(
     offset = None if k_offset is None else k_offset.to(torch.float32).contiguous()
     rotation = kv_int4.rotation(dim) if k_cache.dtype == torch.uint8 else None
     cpu_library.load().slimlm_rotary_kv_write(
-        qkv.data_ptr(), qkv.shape[0], heads, kv_heads, dim, cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(),
-        k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(), int(qkv.dtype == torch.bfloat16),
-        cpu_attention.KINDS[k_cache.dtype], ks, vs, 0 if offset is None else offset.data_ptr(),
-        0 if rotation is None else rotation.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+        qkv.data_ptr(),
+        qkv.shape[0],
+        heads,
+        kv_heads,
+        dim,
+        cos.data_ptr(),
+        signed_sin.data_ptr(),
+        slots.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        q.data_ptr(),
+        int(qkv.dtype == torch.bfloat16),
+        cpu_attention.KINDS[k_cache.dtype],
+        ks,
+        vs,
+        0 if offset is None else offset.data_ptr(),
+        0 if rotation is None else rotation.data_ptr(),
+        torch.get_num_threads(),
+    )
     return q
 
 
@@ -88,8 +115,14 @@ def _c_writes(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale, k
     flat = all(t.dtype == qkv.dtype and t.is_contiguous() for t in (qkv, cos, signed_sin))
     caches = k_cache.dtype == v_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
     if k_cache.dtype == torch.uint8:
-        caches = caches and k_scale is None and v_scale is None and cos.shape[-1] <= 256 and \
-            k_cache.shape[2] * cos.shape[-1] <= MAX_KV_VALUES and (k_offset is None or k_offset.is_contiguous())
+        caches = (
+            caches
+            and k_scale is None
+            and v_scale is None
+            and cos.shape[-1] <= 256
+            and k_cache.shape[2] * cos.shape[-1] <= MAX_KV_VALUES
+            and (k_offset is None or k_offset.is_contiguous())
+        )
     elif k_offset is not None:
         return False
     elif k_cache.dtype in cpu_attention.EIGHT_BIT:
@@ -102,8 +135,9 @@ def _c_writes(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale, k
 
 class _Linear(ctypes.Structure):  # cpu_layer.c's Linear
     _fields_ = [(name, ctypes.c_void_p) for name in ("codes", "scales", "zeros")] + [
-        (name, ctypes.c_int64) for name in ("blocks", "group", "bits", "in_features", "out_features", "code_rows",
-                                            "loop")]  # fmt: skip
+        (name, ctypes.c_int64)
+        for name in ("blocks", "group", "bits", "in_features", "out_features", "code_rows", "loop")
+    ]
 
 
 LOOPS = {"bf16-codes": 0, "bf16-weights": 0, "fp32-split": 1, "fused": 2, "bf16-amx": 3}  # cpu_gemm.path -> C loop
@@ -120,20 +154,31 @@ class DecodeStack:
     per sequence. kv_scales() gives each layer's (k_scale, v_scale) for an 8-bit KV cache; it is asked when a
     plan is first made (the scales are set after the model's backend)."""
 
-    def __init__(self, layers: list[tuple[tuple[torch.Tensor, torch.Tensor], list[PackedWeight]]], eps: float,
-                 heads: int, kv_heads: int, head_dim: int,
-                 kv_scales: Callable[[], list[tuple]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        layers: list[tuple[tuple[torch.Tensor, torch.Tensor], list[PackedWeight]]],
+        eps: float,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        kv_scales: Callable[[], list[tuple]] | None = None,
+    ) -> None:
         self.layers, self.eps, self.kv_scales = layers, eps, kv_scales
         self.heads, self.kv_heads, self.head_dim, self.scale = heads, kv_heads, head_dim, head_dim**-0.5
         self._plans: dict[tuple, tuple | None] = {}
 
     @staticmethod
-    def applies(dtype: torch.dtype, linears: list[PackedWeight | None], heads: int, kv_heads: int,
-                head_dim: int) -> bool:  # fmt: skip
+    def applies(
+        dtype: torch.dtype, linears: list[PackedWeight | None], heads: int, kv_heads: int, head_dim: int
+    ) -> bool:
         """Whether a layer of this dtype, these linears and this attention shape can run in the C call here."""
-        return (cpu_library.available() and hasattr(cpu_library.load(), "slimlm_decode_layers") and dtype in DTYPES
-                and all(w is not None and w.perm is None for w in linears)
-                and cpu_attention.kernel_takes(heads, kv_heads, head_dim))  # fmt: skip
+        return (
+            cpu_library.available()
+            and hasattr(cpu_library.load(), "slimlm_decode_layers")
+            and dtype in DTYPES
+            and all(w is not None and w.perm is None for w in linears)
+            and cpu_attention.kernel_takes(heads, kv_heads, head_dim)
+        )
 
     def _plan(self, rows: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple | None:
         """The layers as the C code takes them, with the GEMM loop cpu_gemm picks for this many rows, and the fp32
@@ -145,31 +190,45 @@ class DecodeStack:
             for (norms, linears), (k_scale, v_scale) in zip(self.layers, scales, strict=True):
                 loops = [LOOPS.get(cpu_gemm.path(rows, dtype, w)) for w in linears]
                 bf16 = dtype == torch.bfloat16  # bf16 x runs the bf16 loops only, fp32 x the others
-                if (not all(loop is not None and (loop in BF16_LOOPS) == bf16 for loop in loops)
-                        or (k_scale is None) != (v_scale is None)
-                        or (k_scale is not None and kv_dtype not in cpu_attention.EIGHT_BIT)):  # fmt: skip
+                if (
+                    not all(loop is not None and (loop in BF16_LOOPS) == bf16 for loop in loops)
+                    or (k_scale is None) != (v_scale is None)
+                    or (k_scale is not None and kv_dtype not in cpu_attention.EIGHT_BIT)
+                ):
                     layers = None
                     break
                 code_rows = [cpu_gemm.CODE_MAX_ROWS.get(w.bits, 0) for w in linears]  # dense fp32: none
-                linear = [_Linear(*w.kernel_args, w.bits, w.in_features, w.out_features, rows, loop)
-                          for w, rows, loop in zip(linears, code_rows, loops, strict=True)]  # fmt: skip
+                linear = [
+                    _Linear(*w.kernel_args, w.bits, w.in_features, w.out_features, rows, loop)
+                    for w, rows, loop in zip(linears, code_rows, loops, strict=True)
+                ]
                 pointers, tensors = cpu_attention._scales(k_scale, v_scale)
                 held.append(tensors)
                 layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *pointers, (_Linear * 4)(*linear)))
             self._plans[key] = None if layers is None else ((_Layer * len(layers))(*layers), held)
         return self._plans[key]
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
-                 kv_caches: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        slots: torch.Tensor,
+        kv_caches: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last layer's output, the residual stream) for the embeddings x [S, hidden], one token per
         sequence, x becoming the stream; kv_caches [layers, 2, blocks, block_size, kv_heads, head_dim]. None when
         these tensors are not what the C code takes (the caller runs the modules instead)."""
         indices = ((slots, torch.int64), (block_tables, torch.int32), (seq_lens, torch.int32))
         cache_ok = kv_caches.dtype in (x.dtype, *cpu_attention.EIGHT_BIT) and kv_caches.is_contiguous()
-        if (not cache_ok or any(t.dtype != x.dtype or not t.is_contiguous() for t in (x, cos, signed_sin))
-                or any(t.dtype != dtype or not t.is_contiguous() for t, dtype in indices)
-                or kv_caches.shape[-2] * kv_caches.shape[-1] > MAX_KV_VALUES):  # fmt: skip
+        if (
+            not cache_ok
+            or any(t.dtype != x.dtype or not t.is_contiguous() for t in (x, cos, signed_sin))
+            or any(t.dtype != dtype or not t.is_contiguous() for t, dtype in indices)
+            or kv_caches.shape[-2] * kv_caches.shape[-1] > MAX_KV_VALUES
+        ):
             return None
         plan = self._plan(x.shape[0], x.dtype, kv_caches.dtype)
         if plan is None:
@@ -177,12 +236,31 @@ class DecodeStack:
         plan = plan[0]
         out, tmp = torch.empty_like(x), torch.empty_like(x)
         status = cpu_library.load().slimlm_decode_layers(
-            plan, len(plan), x.data_ptr(), tmp.data_ptr(), out.data_ptr(), self.eps, cos.data_ptr(),
-            signed_sin.data_ptr(), slots.data_ptr(), kv_caches.data_ptr(), kv_caches[0].nbytes,
-            block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), x.shape[0], self.heads,
-            self.kv_heads, self.head_dim, kv_caches.shape[3], self.scale, int(x.dtype == torch.bfloat16),
-            cpu_attention.KINDS[kv_caches.dtype], int(cpu_library.has_amx()), torch.get_num_threads(),
-        )  # fmt: skip
+            plan,
+            len(plan),
+            x.data_ptr(),
+            tmp.data_ptr(),
+            out.data_ptr(),
+            self.eps,
+            cos.data_ptr(),
+            signed_sin.data_ptr(),
+            slots.data_ptr(),
+            kv_caches.data_ptr(),
+            kv_caches[0].nbytes,
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            seq_lens.data_ptr(),
+            x.shape[0],
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            kv_caches.shape[3],
+            self.scale,
+            int(x.dtype == torch.bfloat16),
+            cpu_attention.KINDS[kv_caches.dtype],
+            int(cpu_library.has_amx()),
+            torch.get_num_threads(),
+        )
         if status:
             raise MemoryError("the decode step could not allocate its buffers")
         return out, x

@@ -20,8 +20,14 @@ from pathlib import Path
 from slimlm.cache import cache_dir
 from slimlm.errors import SlimlmError
 
-SOURCES = [*(Path(__file__).with_name(f"{kernel}{isa}.c") for kernel in ("cpu_gemm", "cpu_attention")
-             for isa in ("", "_avx2")), Path(__file__).with_name("cpu_layer.c")]  # fmt: skip
+SOURCES = [
+    *(
+        Path(__file__).with_name(f"{kernel}{isa}.c")
+        for kernel in ("cpu_gemm", "cpu_attention")
+        for isa in ("", "_avx2")
+    ),
+    Path(__file__).with_name("cpu_layer.c"),
+]
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-mprefer-vector-width=512"]  # gcc picks 256 otherwise
 
 i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -32,13 +38,13 @@ SIGNATURES = {  # name: (argument types, return type)
     "slimlm_paged_decode": (
         [ptr, ptr, ptr, c_int, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, c_int, ptr, c_int],
         c_int,
-    ),  # fmt: skip
+    ),
     "slimlm_add_rms_norm": ([ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, c_int, c_int], None),
     "slimlm_silu_mul": ([ptr, ptr, i64, i64, c_int, c_int], None),
     "slimlm_rotary_kv_write": (
         [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, ptr, c_int],
         None,
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -88,17 +94,76 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.slimlm_quant_matmul_i8.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, c_int]
         lib.slimlm_quant_matmul_i8.restype = c_int
     if hasattr(lib, "slimlm_paged_prefill"):  # AVX-512 builds only
-        lib.slimlm_paged_prefill.argtypes = [ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64,
-                                             i64, i64, ctypes.c_float, c_int, c_int, ptr, c_int]  # fmt: skip
+        lib.slimlm_paged_prefill.argtypes = [
+            ptr,
+            ptr,
+            ptr,
+            c_int,
+            c_int,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            ctypes.c_float,
+            c_int,
+            c_int,
+            ptr,
+            c_int,
+        ]
         lib.slimlm_paged_prefill.restype = c_int
     if hasattr(lib, "slimlm_quant_matmul_bf16"):  # built only where the CPU has AVX-512 BF16
         f32 = ctypes.c_float
         if hasattr(lib, "slimlm_decode_layers"):  # not in revisions before it (kernels_ab.py builds those)
-            lib.slimlm_decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, f32, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr,
-                                                 i64, i64, i64, i64, i64, f32, c_int, c_int, c_int, c_int]  # fmt: skip
+            lib.slimlm_decode_layers.argtypes = [
+                ptr,
+                i64,
+                ptr,
+                ptr,
+                ptr,
+                f32,
+                ptr,
+                ptr,
+                ptr,
+                ptr,
+                i64,
+                ptr,
+                i64,
+                ptr,
+                i64,
+                i64,
+                i64,
+                i64,
+                i64,
+                f32,
+                c_int,
+                c_int,
+                c_int,
+                c_int,
+            ]
             lib.slimlm_decode_layers.restype = c_int
-        lib.slimlm_quant_matmul_bf16.argtypes = [c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, c_int,
-                                                 i64, c_int]  # fmt: skip
+        lib.slimlm_quant_matmul_bf16.argtypes = [
+            c_int,
+            ptr,
+            i64,
+            i64,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            ptr,
+            i64,
+            c_int,
+            i64,
+            c_int,
+        ]
         lib.slimlm_quant_matmul_f32_split.argtypes = [c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, c_int]
         lib.slimlm_quant_matmul_bf16.restype = lib.slimlm_quant_matmul_f32_split.restype = c_int
     if hasattr(lib, "slimlm_quant_matmul_amx"):  # built only where the CPU has AMX

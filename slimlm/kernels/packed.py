@@ -61,9 +61,14 @@ class PackedWeight:
     def to(self, device: torch.device | str) -> PackedWeight:
         perm = None if self.perm is None else self.perm.to(device)
         return PackedWeight(
-            self.codes.to(device), self.scales.to(device), self.zeros.to(device), self.bits, self.group_size,
-            self.out_features, perm,
-        )  # fmt: skip
+            self.codes.to(device),
+            self.scales.to(device),
+            self.zeros.to(device),
+            self.bits,
+            self.group_size,
+            self.out_features,
+            perm,
+        )
 
     def nbytes(self) -> int:
         """Bytes a matmul must read for the weight: what decode speed is decided by."""

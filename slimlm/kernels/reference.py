@@ -47,8 +47,9 @@ def dequantized(kv: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
     return kv if scale is None else kv * scale.to(dtype)[:, None]
 
 
-def quantized_kv(kv: torch.Tensor, scale: torch.Tensor | None, cache_dtype: torch.dtype,
-                 offset: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def quantized_kv(
+    kv: torch.Tensor, scale: torch.Tensor | None, cache_dtype: torch.dtype, offset: torch.Tensor | None = None
+) -> torch.Tensor:
     """K or V [..., Hkv, D] as a cache of `cache_dtype` stores it: kv / scale rounded to the nearest fp8
     (saturating at ±448) or integer (±127) with a per-head scale, or kv − offset ([Hkv, D], keys') to 4-bit rows; a
     float cache takes kv as it is."""
@@ -100,8 +101,7 @@ def rotary_kv_write(
     kv_heads, dim, row = k_cache.shape[2], cos.shape[-1], k_cache.shape[3]
     q, k, v = qkv.reshape(qkv.shape[0], -1, dim).split([qkv.shape[1] // dim - 2 * kv_heads, kv_heads, kv_heads], 1)
     cos, signed_sin = cos[:, None], signed_sin[:, None]
-    k_cache.view(-1, kv_heads, row)[slots] = quantized_kv(rotate(k, cos, signed_sin), k_scale, k_cache.dtype,
-                                                          k_offset)  # fmt: skip
+    k_cache.view(-1, kv_heads, row)[slots] = quantized_kv(rotate(k, cos, signed_sin), k_scale, k_cache.dtype, k_offset)
     v_cache.view(-1, kv_heads, row)[slots] = quantized_kv(v, v_scale, v_cache.dtype)
     return rotate(q, cos, signed_sin)
 

@@ -20,8 +20,9 @@ from slimlm.kernels import reference
 
 
 @triton.jit
-def _load_kv(cache, scale_ptr, block, kvh, offs_t, t_ok, offs_d, d_ok, stride_b, stride_t, stride_h,
-             HAS_SCALE: tl.constexpr):  # fmt: skip
+def _load_kv(
+    cache, scale_ptr, block, kvh, offs_t, t_ok, offs_d, d_ok, stride_b, stride_t, stride_h, HAS_SCALE: tl.constexpr
+):
     """One cache block's keys or values for one KV head, [BLOCK_SIZE, HEAD_PAD] in fp32."""
     ptr = cache + block * stride_b + offs_t[:, None] * stride_t + kvh * stride_h + offs_d[None, :]
     kv = tl.load(ptr, t_ok[:, None] & d_ok[None, :], 0.0).to(tl.float32)
@@ -50,9 +51,29 @@ def _attend_block(q, k, v, visible, m_i, l_i, acc, scale, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _attend_cached(q, pos, scale, k_cache, v_cache, k_scale, v_scale, table, length, end, kvh, offs_d, d_ok,
-                   stride_b, stride_t, stride_h, ROWS: tl.constexpr, HEAD_PAD: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+def _attend_cached(
+    q,
+    pos,
+    scale,
+    k_cache,
+    v_cache,
+    k_scale,
+    v_scale,
+    table,
+    length,
+    end,
+    kvh,
+    offs_d,
+    d_ok,
+    stride_b,
+    stride_t,
+    stride_h,
+    ROWS: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """Attention of q's ROWS rows over one sequence's cached keys 0..end−1, block by block through its block
     table; row i sees the keys up to its absolute position pos[i]. Returns the unnormalised output and sums."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -72,11 +93,31 @@ def _attend_cached(q, pos, scale, k_cache, v_cache, k_scale, v_scale, table, len
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, out_ptr, scale,
-    stride_qt, stride_qh, stride_b, stride_t, stride_h, stride_bt, stride_ot, stride_oh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    k_scale,
+    v_scale,
+    out_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_b,
+    stride_t,
+    stride_h,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     length = tl.load(seq_lens + seq)
@@ -88,20 +129,61 @@ def _decode_kernel(
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], g_ok[:, None] & d_ok[None, :])
     pos = tl.zeros([GROUP_PAD], tl.int32) + length - 1  # every head of the group queries the last position
     acc, l_i = _attend_cached(
-        q, pos, scale, k_cache, v_cache, k_scale, v_scale, block_tables + seq * stride_bt, length, length, kvh,
-        offs_d, d_ok, stride_b, stride_t, stride_h, GROUP_PAD, HEAD_PAD, BLOCK_SIZE, HAS_SCALE, IEEE,
-    )  # fmt: skip
+        q,
+        pos,
+        scale,
+        k_cache,
+        v_cache,
+        k_scale,
+        v_scale,
+        block_tables + seq * stride_bt,
+        length,
+        length,
+        kvh,
+        offs_d,
+        d_ok,
+        stride_b,
+        stride_t,
+        stride_h,
+        GROUP_PAD,
+        HEAD_PAD,
+        BLOCK_SIZE,
+        HAS_SCALE,
+        IEEE,
+    )
     out = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(out, acc / l_i[:, None], g_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache, v_cache, block_tables, seq_lens, query_start, tiles, k_scale, v_scale, out_ptr, scale,
-    stride_qt, stride_qh, stride_b, stride_t, stride_h, stride_bt, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_start,
+    tiles,
+    k_scale,
+    v_scale,
+    out_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_b,
+    stride_t,
+    stride_h,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kvh = head // GROUP
@@ -119,9 +201,28 @@ def _prefill_kernel(
     q = tl.load(q_rows, m_ok[:, None] & d_ok[None, :], 0.0)
     last = tl.minimum(length - q_len + first + BLOCK_M, length)  # keys past the tile's last query are unseen
     acc, l_i = _attend_cached(
-        q, pos, scale, k_cache, v_cache, k_scale, v_scale, block_tables + seq * stride_bt, length, last, kvh,
-        offs_d, d_ok, stride_b, stride_t, stride_h, BLOCK_M, HEAD_PAD, BLOCK_SIZE, HAS_SCALE, IEEE,
-    )  # fmt: skip
+        q,
+        pos,
+        scale,
+        k_cache,
+        v_cache,
+        k_scale,
+        v_scale,
+        block_tables + seq * stride_bt,
+        length,
+        last,
+        kvh,
+        offs_d,
+        d_ok,
+        stride_b,
+        stride_t,
+        stride_h,
+        BLOCK_M,
+        HEAD_PAD,
+        BLOCK_SIZE,
+        HAS_SCALE,
+        IEEE,
+    )
     l_i = tl.where(m_ok, l_i, 1.0)
     out = out_ptr + (q_begin + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(out, acc / l_i[:, None], m_ok[:, None] & d_ok[None, :])
@@ -155,8 +256,9 @@ def paged_attention(
     query_lens: list[int] | None = None,
 ) -> torch.Tensor:
     if k_cache.dtype == torch.uint8:  # 4-bit rows: not in these kernels yet; the PyTorch definition reads them
-        return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale,
-                                         query_lens=query_lens)  # fmt: skip
+        return reference.paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, query_lens=query_lens
+        )
     out = torch.empty_like(q)
     num_seqs = len(seq_lens)
     meta = _common(q, k_cache, k_scale)
@@ -165,16 +267,38 @@ def paged_attention(
     if q.shape[0] == num_seqs:  # one query per sequence: decode
         group = meta["GROUP"]
         _decode_kernel[(num_seqs, k_cache.shape[2])](
-            q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, out, scale, *strides,
-            GROUP_PAD=max(16, triton.next_power_of_2(group)), **meta,
-        )  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            k_scale,
+            v_scale,
+            out,
+            scale,
+            *strides,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)),
+            **meta,
+        )
         return out
     q_lens = query_lens if query_lens is not None else (query_start[1:] - query_start[:-1]).tolist()
     tiles = torch.tensor(
         [(s, first) for s, n in enumerate(q_lens) for first in range(0, n, block_m)], dtype=torch.int32
     ).to(q.device)
     _prefill_kernel[(tiles.shape[0], q.shape[1])](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start, tiles, k_scale, v_scale, out, scale, *strides,
-        BLOCK_M=block_m, **meta,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start,
+        tiles,
+        k_scale,
+        v_scale,
+        out,
+        scale,
+        *strides,
+        BLOCK_M=block_m,
+        **meta,
+    )
     return out

@@ -20,10 +20,23 @@ TARGET_PROGRAMS = 264  # ~2 waves on a 132-SM H100/H200
 
 @triton.jit
 def _quant_matmul_kernel(
-    x_ptr, codes_ptr, scales_ptr, zeros_ptr, out_ptr,
-    M, K, N_PAD, GROUPS, GROUP_SIZE, K_PER_SPLIT, stride_xm,
-    BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    zeros_ptr,
+    out_ptr,
+    M,
+    K,
+    N_PAD,
+    GROUPS,
+    GROUP_SIZE,
+    K_PER_SPLIT,
+    stride_xm,
+    BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     block = tl.program_id(1)
     split = tl.program_id(2)
@@ -89,9 +102,22 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight, launch: tuple[int, int, int] 
     partial = torch.empty(split, m, w.padded_out_features, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, block_m), blocks, split)
     _quant_matmul_kernel[grid](
-        x, w.codes, w.scales, w.zeros, partial,
-        m, k, w.padded_out_features, w.scales.shape[1], w.group_size, k_per_split, x.stride(0),
-        BITS=w.bits, BLOCK_M=block_m, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
-    )  # fmt: skip
+        x,
+        w.codes,
+        w.scales,
+        w.zeros,
+        partial,
+        m,
+        k,
+        w.padded_out_features,
+        w.scales.shape[1],
+        w.group_size,
+        k_per_split,
+        x.stride(0),
+        BITS=w.bits,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        IEEE=x.dtype == torch.float32,
+    )
     y = partial[0] if split == 1 else partial.sum(0)
     return y[:, : w.out_features].to(x.dtype)

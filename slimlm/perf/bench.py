@@ -27,8 +27,14 @@ def merged(rounds: list[dict]) -> dict:
     out["decode"] = []
     for i, first in enumerate(rounds[0]["decode"]):
         step_ms = statistics.median(r["decode"][i]["step_ms"] for r in rounds)
-        out["decode"].append({**first, "step_ms": step_ms, "tok_s": 1e3 * first["batch"] / step_ms,
-                              "floor_ratio": step_ms / first["floor_ms"]})  # fmt: skip
+        out["decode"].append(
+            {
+                **first,
+                "step_ms": step_ms,
+                "tok_s": 1e3 * first["batch"] / step_ms,
+                "floor_ratio": step_ms / first["floor_ms"],
+            }
+        )
     return out
 
 
@@ -69,23 +75,35 @@ def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool 
     systems = {"baseline": baseline, "model": model} if baseline else {"model": model}
     for path in systems.values():  # before anything loads: a length past a model's context is the user's flag
         context = models.context_length(models.read_config(models.resolve(path)))
-        for flag, tokens in (("--prefill-len", config.prefill_len), ("--context", config.context + 1),
-                             ("--prompt-len and --output-len", config.prompt_len[1] + config.output_len[1])):
+        for flag, tokens in (
+            ("--prefill-len", config.prefill_len),
+            ("--context", config.context + 1),
+            ("--prompt-len and --output-len", config.prompt_len[1] + config.output_len[1]),
+        ):
             if tokens > context:
                 raise SlimlmError(f"{flag}: {tokens} tokens are past {path}'s context of {context}; lower it")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     bandwidth, peak = plan.copy_bandwidth(device), plan.matmul_rate(config.dtype, device)
     log(f"[bench] copy bandwidth {bandwidth / 1e9:.1f} GB/s, {config.dtype} matmul {peak / 1e9:.0f} GFLOP/s")
-    result = {"config": asdict(config), "bandwidth_bytes_s": bandwidth, "matmul_flops": peak,
-              "threads": torch.get_num_threads(),
-              "systems": {name: {"path": path} for name, path in systems.items()}}  # fmt: skip
+    result = {
+        "config": asdict(config),
+        "bandwidth_bytes_s": bandwidth,
+        "matmul_flops": peak,
+        "threads": torch.get_num_threads(),
+        "systems": {name: {"path": path} for name, path in systems.items()},
+    }
     runs = in_turns(systems, config.rounds, lambda path: offline(path, config, bandwidth), "offline", log)
     for name, rounds in runs.items():
         result["systems"][name]["offline"] = merged(rounds)
     tokenizer = models.load_tokenizer(models.resolve(model))
     requests = workload(config, tokenizer)
-    online_runs = in_turns(systems, config.rounds, lambda path: online(path, config, requests),
-                           f"online ({config.requests} requests at {config.rate}/s)", log)  # fmt: skip
+    online_runs = in_turns(
+        systems,
+        config.rounds,
+        lambda path: online(path, config, requests),
+        f"online ({config.requests} requests at {config.rate}/s)",
+        log,
+    )
     for name, path in systems.items():
         on = result["systems"][name]["online"] = median_run(online_runs[name])
         off = result["systems"][name]["offline"]
@@ -95,8 +113,14 @@ def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool 
         # both systems. Their own prefill rate (the linears' FLOPs alone) is at least what they reach.
         flops = max(peak, off["prefill_tok_s"] * 2 * plan.linear_params(dims))
         on["roofline"] = plan.serving_roofline(
-            dims, [(r["arrival"], len(r["prompt"]), r["output_len"]) for r in requests], max_seqs(config),
-            off["weight_bytes"], off["kv_bytes_per_token"], flops, bandwidth)  # fmt: skip
+            dims,
+            [(r["arrival"], len(r["prompt"]), r["output_len"]) for r in requests],
+            max_seqs(config),
+            off["weight_bytes"],
+            off["kv_bytes_per_token"],
+            flops,
+            bandwidth,
+        )
         on["roofline"]["peak_flops"] = flops
         on["of_roofline"] = on["output_tok_s"] / on["roofline"]["output_tok_s"]
     for name, path in systems.items() if config.http else ():
@@ -115,17 +139,31 @@ def _rows(system: dict) -> dict[str, float | None]:
     for d in off["decode"]:
         rows[f"decode b{d['batch']} tok/s"] = d["tok_s"]
         rows[f"decode b{d['batch']} / floor"] = d["floor_ratio"]
-    rows.update({"weight MB": off["weight_bytes"] / 1e6, "KV bytes/token": off["kv_bytes_per_token"],
-                 "max batch at context": off["max_batch"],
-                 "peak RSS MB": off["peak_rss_bytes"] / 1e6 if off["peak_rss_bytes"] else None,
-                 "online output tok/s": on["output_tok_s"], "online / roofline": on.get("of_roofline"),
-                 "TTFT p50 s": on["ttft_s"]["p50"],
-                 "TTFT p99 s": on["ttft_s"]["p99"], "ITL p50 s": on["itl_s"]["p50"], "ITL p99 s": on["itl_s"]["p99"],
-                 "goodput req/s": on["goodput_req_s"]})  # fmt: skip
+    rows.update(
+        {
+            "weight MB": off["weight_bytes"] / 1e6,
+            "KV bytes/token": off["kv_bytes_per_token"],
+            "max batch at context": off["max_batch"],
+            "peak RSS MB": off["peak_rss_bytes"] / 1e6 if off["peak_rss_bytes"] else None,
+            "online output tok/s": on["output_tok_s"],
+            "online / roofline": on.get("of_roofline"),
+            "TTFT p50 s": on["ttft_s"]["p50"],
+            "TTFT p99 s": on["ttft_s"]["p99"],
+            "ITL p50 s": on["itl_s"]["p50"],
+            "ITL p99 s": on["itl_s"]["p99"],
+            "goodput req/s": on["goodput_req_s"],
+        }
+    )
     if "http" in system:
         http = system["http"]
-        rows.update({"HTTP output tok/s": http["output_tok_s"], "HTTP TTFT p50 s": http["ttft_s"]["p50"],
-                     "HTTP ITL p50 s": http["itl_s"]["p50"], "HTTP goodput req/s": http["goodput_req_s"]})  # fmt: skip
+        rows.update(
+            {
+                "HTTP output tok/s": http["output_tok_s"],
+                "HTTP TTFT p50 s": http["ttft_s"]["p50"],
+                "HTTP ITL p50 s": http["itl_s"]["p50"],
+                "HTTP goodput req/s": http["goodput_req_s"],
+            }
+        )
     return rows
 
 

@@ -58,6 +58,13 @@ def max_seqs(config: BenchConfig) -> int:
 def engine_for(model: str, config: BenchConfig, max_len: int):
     from slimlm.runtime.engine import Engine, EngineConfig
 
-    return Engine(model, EngineConfig(dtype=config.dtype, kv_cache_memory=pool_bytes(model, config),
-                                      max_model_len=max_len, max_num_seqs=max_seqs(config),
-                                      max_num_batched_tokens=max(512, config.prefill_len)))  # fmt: skip
+    return Engine(
+        model,
+        EngineConfig(
+            dtype=config.dtype,
+            kv_cache_memory=pool_bytes(model, config),
+            max_model_len=max_len,
+            max_num_seqs=max_seqs(config),
+            max_num_batched_tokens=max(512, config.prefill_len),
+        ),
+    )

@@ -37,8 +37,17 @@ def online_http(model: str, config: BenchConfig, requests: list[dict]) -> dict:
     """The same workload sent to `compress serve` (its own process) by an open-loop streaming client."""
     longest = max(len(r["prompt"]) + r["output_len"] for r in requests)
     pool = str(pool_bytes(model, config))
-    with served(model, "--dtype", config.dtype, "--max-num-seqs", str(max_seqs(config)),
-                "--max-model-len", str(longest), "--kv-cache-memory", pool) as url:  # fmt: skip
+    with served(
+        model,
+        "--dtype",
+        config.dtype,
+        "--max-num-seqs",
+        str(max_seqs(config)),
+        "--max-model-len",
+        str(longest),
+        "--kv-cache-memory",
+        pool,
+    ) as url:
         times, wall = http_client(url, requests)
     return latency_figures(requests, times, wall, config)
 
@@ -53,8 +62,14 @@ def http_client(url: str, requests: list[dict]) -> tuple[dict[str, list[float]],
 
     async def one(http, r: dict, start: float) -> list[float]:
         await asyncio.sleep(max(0.0, r["arrival"] - (time.perf_counter() - start)))
-        body = {"prompt": r["prompt"], "max_tokens": r["output_len"], "temperature": 0, "ignore_eos": True,
-                "stream": True, "logprobs": 0}  # fmt: skip
+        body = {
+            "prompt": r["prompt"],
+            "max_tokens": r["output_len"],
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "logprobs": 0,
+        }
         times = []
         async with http.stream("POST", "/v1/completions", json=body) as response:
             response.raise_for_status()

@@ -61,7 +61,9 @@ def busy_warnings(result: dict) -> list[str]:
         for part in ("offline", "online"):
             cores = system.get(part, {}).get("other_cores") or 0.0
             if cores >= BUSY_CORES:
-                lines.append(f"warning: other processes kept {cores:.1f} of {os.cpu_count()} cores busy during "
-                             f"the {name}'s {part} measurement: its figures and ratios may not hold on a quiet "
-                             "machine")  # fmt: skip
+                lines.append(
+                    f"warning: other processes kept {cores:.1f} of {os.cpu_count()} cores busy during "
+                    f"the {name}'s {part} measurement: its figures and ratios may not hold on a quiet "
+                    "machine"
+                )
     return lines

@@ -18,8 +18,9 @@ from slimlm.runtime.scheduler import Batch, ScheduledSeq
 from slimlm.runtime.sequence import Sequence
 
 
-def resident_batch(batch: int, context: int, block_size: int, new_tokens: int = 1, vocab: int = 100,
-                   seed: int = 0) -> Batch:  # fmt: skip
+def resident_batch(
+    batch: int, context: int, block_size: int, new_tokens: int = 1, vocab: int = 100, seed: int = 0
+) -> Batch:
     """`batch` sequences, each with `context` tokens already in the cache (in its own consecutive blocks) and
     `new_tokens` random ones to compute: the batch a decode step (or a prompt chunk) is scheduled as."""
     g = torch.Generator().manual_seed(seed)
@@ -27,14 +28,29 @@ def resident_batch(batch: int, context: int, block_size: int, new_tokens: int = 
     items = []
     for b in range(batch):
         ids = torch.randint(0, vocab, (context + new_tokens,), generator=g).tolist()
-        seq = Sequence(b, f"bench-{b}", ids, len(ids), SamplingParams(), g, num_computed=context,
-                       block_table=list(range(b * per_seq, (b + 1) * per_seq)))  # fmt: skip
+        seq = Sequence(
+            b,
+            f"bench-{b}",
+            ids,
+            len(ids),
+            SamplingParams(),
+            g,
+            num_computed=context,
+            block_table=list(range(b * per_seq, (b + 1) * per_seq)),
+        )
         items.append(ScheduledSeq(seq, new_tokens))
     return Batch(items)
 
 
-def decode_inputs(batch: int, context: int, block_size: int, new_tokens: int = 1, vocab: int = 100,
-                  device: torch.device | str = "cpu", seed: int = 0) -> tuple[torch.Tensor, StepInputs]:  # fmt: skip
+def decode_inputs(
+    batch: int,
+    context: int,
+    block_size: int,
+    new_tokens: int = 1,
+    vocab: int = 100,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> tuple[torch.Tensor, StepInputs]:
     """The token ids and step inputs of resident_batch(...), as the model runner builds them."""
     return step_inputs(resident_batch(batch, context, block_size, new_tokens, vocab, seed), block_size, device)
 
@@ -48,8 +64,10 @@ def offline(model: str, config: BenchConfig, bandwidth: float) -> dict:
     bs = engine.config.block_size
     largest = max(config.batches)
     if runner.num_blocks < largest * -(-(config.context + 1) // bs):
-        raise SlimlmError(f"the KV pool ({pool_bytes(model, config) >> 20} MiB) cannot hold batch {largest} at "
-                          f"context {config.context}; raise --kv-cache-memory or lower --batch")  # fmt: skip
+        raise SlimlmError(
+            f"the KV pool ({pool_bytes(model, config) >> 20} MiB) cannot hold batch {largest} at "
+            f"context {config.context}; raise --kv-cache-memory or lower --batch"
+        )
     cache = runner.kv_cache
     if cache.dtype.itemsize == 1:  # random finite bytes: fp8 codes below its NaN pattern, int8 anything
         cache.view(torch.uint8).random_(0, 120)
@@ -75,9 +93,21 @@ def offline(model: str, config: BenchConfig, bandwidth: float) -> dict:
         forward(batch, config.context, 1)
         step_s = statistics.median(forward(batch, config.context, 1) for _ in range(config.steps))
         floor = (weights + batch * config.context * per_token) / bandwidth
-        decode.append({"batch": batch, "step_ms": 1e3 * step_s, "tok_s": batch / step_s, "floor_ms": 1e3 * floor,
-                       "floor_ratio": step_s / floor})  # fmt: skip
-    result = {"prefill_tok_s": config.prefill_len / prefill_s, "decode": decode, "weight_bytes": weights,
-              "kv_bytes_per_token": per_token, "max_batch": runner.num_blocks * bs // config.context,
-              "peak_rss_bytes": max(0, status("VmHWM") - before) or None}  # fmt: skip
+        decode.append(
+            {
+                "batch": batch,
+                "step_ms": 1e3 * step_s,
+                "tok_s": batch / step_s,
+                "floor_ms": 1e3 * floor,
+                "floor_ratio": step_s / floor,
+            }
+        )
+    result = {
+        "prefill_tok_s": config.prefill_len / prefill_s,
+        "decode": decode,
+        "weight_bytes": weights,
+        "kv_bytes_per_token": per_token,
+        "max_batch": runner.num_blocks * bs // config.context,
+        "peak_rss_bytes": max(0, status("VmHWM") - before) or None,
+    }
     return result

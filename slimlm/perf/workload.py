@@ -23,8 +23,14 @@ def workload(config: BenchConfig, tokenizer) -> list[dict]:
         t += rng.expovariate(config.rate)
         n = rng.randint(*config.prompt_len)
         start = rng.randrange(0, len(stream) - n)
-        out.append({"id": f"r{i}", "arrival": t, "prompt": stream[start : start + n],
-                    "output_len": rng.randint(*config.output_len)})  # fmt: skip
+        out.append(
+            {
+                "id": f"r{i}",
+                "arrival": t,
+                "prompt": stream[start : start + n],
+                "output_len": rng.randint(*config.output_len),
+            }
+        )
     return out
 
 
@@ -50,8 +56,9 @@ def online(model: str, config: BenchConfig, requests: list[dict]) -> dict:
         now = time.perf_counter() - start
         while pending and pending[0]["arrival"] <= now:
             r = pending.pop(0)
-            engine.add_request(r["prompt"], SamplingParams(max_tokens=r["output_len"], temperature=0,
-                                                           ignore_eos=True), r["id"])  # fmt: skip
+            engine.add_request(
+                r["prompt"], SamplingParams(max_tokens=r["output_len"], temperature=0, ignore_eos=True), r["id"]
+            )
         if not engine.has_unfinished():
             time.sleep(max(0.0, pending[0]["arrival"] - (time.perf_counter() - start)))
             continue
@@ -73,5 +80,11 @@ def latency_figures(requests: list[dict], times: dict[str, list[float]], wall: f
         itl += gaps
         good += first <= config.slo_ttft_s and (not gaps or statistics.mean(gaps) <= config.slo_itl_s)
     tokens = sum(len(times[r["id"]]) for r in requests)
-    return {"output_tok_s": tokens / wall, "ttft_s": percentiles(ttft), "itl_s": percentiles(itl),
-            "goodput_req_s": good / wall, "slo_met": good / len(requests), "wall_s": wall}  # fmt: skip
+    return {
+        "output_tok_s": tokens / wall,
+        "ttft_s": percentiles(ttft),
+        "itl_s": percentiles(itl),
+        "goodput_req_s": good / wall,
+        "slo_met": good / len(requests),
+        "wall_s": wall,
+    }

@@ -32,16 +32,26 @@ class DraftProposer:
         models.check(model_dir)
         tokenizer = models.load_tokenizer(model_dir)
         if tokenizer.get_vocab() != engine.tokenizer.get_vocab():
-            raise SlimlmError(f"the draft model {model_dir} ({len(tokenizer)} tokens) does not share the target "
-                              f"{engine.model_dir}'s tokenizer ({len(engine.tokenizer)} tokens); speculative "
-                              "decoding needs the same vocabulary")  # fmt: skip
+            raise SlimlmError(
+                f"the draft model {model_dir} ({len(tokenizer)} tokens) does not share the target "
+                f"{engine.model_dir}'s tokenizer ({len(engine.tokenizer)} tokens); speculative "
+                "decoding needs the same vocabulary"
+            )
         config = engine.config
-        self.runner = ModelRunner(model_dir, DTYPES[config.dtype], str(engine.device), config.kv_cache_memory,
-                                  config.block_size, engine.max_model_len)  # fmt: skip
+        self.runner = ModelRunner(
+            model_dir,
+            DTYPES[config.dtype],
+            str(engine.device),
+            config.kv_cache_memory,
+            config.block_size,
+            engine.max_model_len,
+        )
         vocab = self.runner.model.config.vocab_size
         if vocab != engine.vocab_size:
-            raise SlimlmError(f"the draft model {model_dir} has {vocab} logits per token, the target "
-                              f"{engine.model_dir} {engine.vocab_size}; speculative decoding needs the same vocabulary")
+            raise SlimlmError(
+                f"the draft model {model_dir} has {vocab} logits per token, the target "
+                f"{engine.model_dir} {engine.vocab_size}; speculative decoding needs the same vocabulary"
+            )
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching)
         self.k = k
         self.shadows: dict[int, Sequence] = {}  # by the target sequence's seq_id
@@ -79,15 +89,18 @@ class DraftProposer:
                 shadow.token_ids.append(token)
                 drafts[shadow.seq_id].append(token)
                 probs[shadow.seq_id].append(dist[i])
-        return [Proposal(drafts[s.seq_id], torch.stack(probs[s.seq_id])) if drafts.get(s.seq_id) else Proposal([], None)
-                for s in seqs]  # fmt: skip
+        return [
+            Proposal(drafts[s.seq_id], torch.stack(probs[s.seq_id])) if drafts.get(s.seq_id) else Proposal([], None)
+            for s in seqs
+        ]
 
     def _sync(self, seq: Sequence) -> None:
         """The shadow keeps the KV of what it shares with the target's tokens and takes the rest of them."""
         shadow = self.shadows.get(seq.seq_id)
         if shadow is None:  # a shared prompt is computed by the draft once, too (its prefix cache)
-            shadow = Sequence(seq.seq_id, seq.request_id, list(seq.token_ids), seq.num_prompt_tokens, seq.params,
-                              seq.generator)  # fmt: skip
+            shadow = Sequence(
+                seq.seq_id, seq.request_id, list(seq.token_ids), seq.num_prompt_tokens, seq.params, seq.generator
+            )
             self.blocks.allocate_prefix(shadow)
             self.shadows[seq.seq_id] = shadow
         # the last token is always recomputed, even when its KV is there: its logits give the first draft

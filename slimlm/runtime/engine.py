@@ -66,8 +66,9 @@ class EngineConfig:
         k = self.num_speculative_tokens
         drafting = self.speculative is not None  # without speculation the default 4 must not bound block_size
         if not _positive_int(k) or (drafting and _positive_int(self.block_size) and k > self.block_size):
-            problems.append(f"num_speculative_tokens must be an integer in 1..block_size ({self.block_size}), "
-                            f"got {k!r}")  # fmt: skip
+            problems.append(
+                f"num_speculative_tokens must be an integer in 1..block_size ({self.block_size}), got {k!r}"
+            )
         if problems:
             raise SlimlmError("invalid engine config: " + "; ".join(problems))
 
@@ -105,22 +106,32 @@ class Engine:
         self.tokenizer = models.load_tokenizer(model_dir)
         context = models.context_length(hf)
         if (config.max_model_len or 0) > context:  # before the weights load: positions past it have no RoPE
-            raise SlimlmError(f"max_model_len {config.max_model_len} is past the model's context of {context} "
-                              f"tokens; give at most {context}")  # fmt: skip
+            raise SlimlmError(
+                f"max_model_len {config.max_model_len} is past the model's context of {context} "
+                f"tokens; give at most {context}"
+            )
         self.max_model_len = config.max_model_len or context
         self.runner = ModelRunner(
-            model_dir, DTYPES[config.dtype], str(self.device), config.kv_cache_memory, config.block_size,
-            self.max_model_len, config.kv_cache_dtype,
-        )  # fmt: skip
+            model_dir,
+            DTYPES[config.dtype],
+            str(self.device),
+            config.kv_cache_memory,
+            config.block_size,
+            self.max_model_len,
+            config.kv_cache_dtype,
+        )
         if self.runner.kv_cache.dtype == torch.uint8:  # a 4-bit cache: keys are stored less their mean
             self.runner.set_key_offsets(self.tokenizer.encode(KEY_OFFSET_TEXT)[: self.max_model_len])
         self.capacity = self.runner.num_blocks * config.block_size  # tokens the pool holds
         if self.capacity < self.max_model_len and config.max_model_len is None:
             # The model's own context would not fit one sequence (Qwen2.5's 32K in the default 512 MiB): serve
             # the context the pool holds, as vLLM does with the memory it is given, rather than refuse to start.
-            warnings.warn(f"max_model_len {self.capacity} of the model's {self.max_model_len}: that is what the KV "
-                          f"cache pool ({config.kv_cache_memory / 2**20:.1f} MiB) holds; raise --kv-cache-memory "
-                          "for more", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"max_model_len {self.capacity} of the model's {self.max_model_len}: that is what the KV "
+                f"cache pool ({config.kv_cache_memory / 2**20:.1f} MiB) holds; raise --kv-cache-memory "
+                "for more",
+                stacklevel=2,
+            )
             self.max_model_len = self.capacity
         if self.capacity < self.max_model_len:
             need = self.max_model_len * self.runner.kv_bytes_per_token
@@ -161,12 +172,16 @@ class Engine:
             raise SlimlmError(f"sampling parameters must be a SamplingParams, got {type(params).__name__}")
         ids = self.prompt_ids(prompt)
         if len(ids) >= self.max_model_len:
-            raise SlimlmError(f"the prompt has {len(ids)} tokens; the model's context holds {self.max_model_len}, "
-                              "and one must be generated")  # fmt: skip
+            raise SlimlmError(
+                f"the prompt has {len(ids)} tokens; the model's context holds {self.max_model_len}, "
+                "and one must be generated"
+            )
         # from 1 (the default) a one-token prompt simply has nothing to score: its only token is null in an echo
         if params.prompt_logprobs is not None and 1 < params.prompt_logprobs_from >= len(ids):
-            raise SlimlmError(f"prompt_logprobs_from {params.prompt_logprobs_from} is past the prompt's last token "
-                              f"(position {len(ids) - 1})")  # fmt: skip
+            raise SlimlmError(
+                f"prompt_logprobs_from {params.prompt_logprobs_from} is past the prompt's last token "
+                f"(position {len(ids) - 1})"
+            )
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise SlimlmError(f"request id '{request_id}' is already in use")
@@ -229,13 +244,16 @@ class Engine:
         s = self.scheduler
         seqs = [*s.waiting, *s.running]
         return EngineStats(
-            waiting=len(s.waiting), running=len(s.running),
+            waiting=len(s.waiting),
+            running=len(s.running),
             prefilling=sum(q.num_computed < q.num_tokens - 1 for q in seqs),
             mean_context=sum(q.num_tokens for q in s.running) / max(1, len(s.running)),
-            free_blocks=self.blocks.num_free, total_blocks=self.runner.num_blocks,
-            kv_bytes_per_token=self.runner.kv_bytes_per_token, weight_bytes=self._weight_bytes,
+            free_blocks=self.blocks.num_free,
+            total_blocks=self.runner.num_blocks,
+            kv_bytes_per_token=self.runner.kv_bytes_per_token,
+            weight_bytes=self._weight_bytes,
             preemptions=s.num_preemptions,
-        )  # fmt: skip
+        )
 
     @property
     def model(self) -> torch.nn.Module:
@@ -307,8 +325,11 @@ class Engine:
         """Drafts for the step's decoding sequences, scheduled with their last token from the budget the
         scheduler left: at most what the request may still emit, less the token verification always adds."""
         budget = self.scheduler.max_num_batched_tokens - sum(item.num_tokens for item in batch.items)
-        items = [item for item in batch.items  # decoding: one token, the last (not a recomputation's chunk)
-                 if item.num_tokens == 1 and item.seq.output_ids and item.seq.num_computed == item.seq.num_tokens - 1]
+        items = [
+            item
+            for item in batch.items  # decoding: one token, the last (not a recomputation's chunk)
+            if item.num_tokens == 1 and item.seq.output_ids and item.seq.num_computed == item.seq.num_tokens - 1
+        ]
         if budget <= 0 or not items:
             return {}
         seqs = [item.seq for item in items]

@@ -22,8 +22,9 @@ class LLM:
     def _check_idle(self) -> None:
         # generate() would step the stream's requests to completion and swallow their outputs
         if self._streaming:
-            raise SlimlmError("an LLM.stream() iterator is still open on this LLM; exhaust or close() it first "
-                              "(or use another LLM)")  # fmt: skip
+            raise SlimlmError(
+                "an LLM.stream() iterator is still open on this LLM; exhaust or close() it first (or use another LLM)"
+            )
 
     def _submit(self, prompts: Prompts, params: SamplingParams | Sequence[SamplingParams] | None) -> list:
         """Queue every prompt; a prompt that cannot be served becomes an error output, the rest still run."""

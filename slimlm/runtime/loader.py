@@ -118,20 +118,27 @@ def set_kv_cache(model: CausalLM, requested: str, scheme: dict | None, scales: l
         try:
             kv_int4.rotation(layers[0].head_dim)
         except ValueError:
-            raise SlimlmError(f"a 4-bit KV cache rotates each head by a Hadamard matrix, which needs a power-of-two "
-                              f"head dimension; this model's is {layers[0].head_dim} (use int8, calibrated by "
-                              "compress kv, or a float cache)") from None  # fmt: skip
+            raise SlimlmError(
+                f"a 4-bit KV cache rotates each head by a Hadamard matrix, which needs a power-of-two "
+                f"head dimension; this model's is {layers[0].head_dim} (use int8, calibrated by "
+                "compress kv, or a float cache)"
+            ) from None
         model.kv_cache_dtype = torch.uint8
         return
     if torch.device(device).type == "cuda" and chosen == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise SlimlmError(f"an fp8 KV cache needs a GPU of compute capability 8.9 or newer ({device} has "
-                          f"{torch.cuda.get_device_capability(device)}); use --kv-cache-dtype int8")  # fmt: skip
+        raise SlimlmError(
+            f"an fp8 KV cache needs a GPU of compute capability 8.9 or newer ({device} has "
+            f"{torch.cuda.get_device_capability(device)}); use --kv-cache-dtype int8"
+        )
     if scales is None:
         if chosen == "int8":
-            raise SlimlmError(f"{model.config.name_or_path or 'the checkpoint'} has no KV-cache scales, which "
-                              "an int8 KV cache needs; calibrate them: compress kv MODEL --kv-dtype int8 --out DIR")
-        warnings.warn("fp8 KV cache without calibrated scales: using scale 1.0 (compress kv calibrates them)",
-                      stacklevel=3)  # fmt: skip
+            raise SlimlmError(
+                f"{model.config.name_or_path or 'the checkpoint'} has no KV-cache scales, which "
+                "an int8 KV cache needs; calibrate them: compress kv MODEL --kv-dtype int8 --out DIR"
+            )
+        warnings.warn(
+            "fp8 KV cache without calibrated scales: using scale 1.0 (compress kv calibrates them)", stacklevel=3
+        )
         heads = layers[0].kv_heads
         scales = [(torch.ones(heads), torch.ones(heads)) for _ in layers]
     elif stored != chosen:  # the same calibrated range, mapped onto the other dtype's

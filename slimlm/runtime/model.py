@@ -61,13 +61,17 @@ def fuse(parts: list[Linear]) -> Linear | None:
         weight, packed = torch.cat([p.weight for p in parts]), None
     elif all(p.packed is not None for p in parts):
         ws = [p.packed for p in parts]
-        alike = all(w.bits == ws[0].bits and w.group_size == ws[0].group_size and _same(w.perm, ws[0].perm)
-                    for w in ws)  # fmt: skip
+        alike = all(w.bits == ws[0].bits and w.group_size == ws[0].group_size and _same(w.perm, ws[0].perm) for w in ws)
         if not alike or any(w.out_features % BLOCK_N for w in ws[:-1]):
             return None
         weight = None
-        packed = PackedWeight(*(torch.cat([getattr(w, key) for w in ws]) for key in ("codes", "scales", "zeros")),
-                              ws[0].bits, ws[0].group_size, sum(w.out_features for w in ws), ws[0].perm)  # fmt: skip
+        packed = PackedWeight(
+            *(torch.cat([getattr(w, key) for w in ws]) for key in ("codes", "scales", "zeros")),
+            ws[0].bits,
+            ws[0].group_size,
+            sum(w.out_features for w in ws),
+            ws[0].perm,
+        )
     else:
         return None
     out_features = weight.shape[0] if packed is None else packed.out_features
@@ -121,12 +125,21 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
         qkv = joined_outputs(self.qkv, x)
-        q = self.rotary_kv_write(qkv, cos, sin, step.slots, k_cache, v_cache, self.k_scale, self.v_scale,
-                                 k_offset=self.k_offset)  # fmt: skip
+        q = self.rotary_kv_write(
+            qkv, cos, sin, step.slots, k_cache, v_cache, self.k_scale, self.v_scale, k_offset=self.k_offset
+        )
         out = self.attention(
-            q, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start, self.scale,
-            self.k_scale, self.v_scale, query_lens=step.query_lens,
-        )  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+            step.block_tables,
+            step.seq_lens,
+            step.query_start,
+            self.scale,
+            self.k_scale,
+            self.v_scale,
+            query_lens=step.query_lens,
+        )
         return self.o_proj(out.reshape(x.shape[0], self.heads * self.head_dim))
 
 
@@ -185,8 +198,10 @@ class CausalLM(nn.Module):
         """Join q, k, v and gate, up into one Linear each where their weights allow (see fuse); the parts go.
         `after_layer` runs once a layer's parts are gone (the loader hands their memory back there)."""
         for layer in self.model.layers:
-            for owner, names, attr in ((layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv"),
-                                       (layer.mlp, ("gate_proj", "up_proj"), "gate_up")):  # fmt: skip
+            for owner, names, attr in (
+                (layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv"),
+                (layer.mlp, ("gate_proj", "up_proj"), "gate_up"),
+            ):
                 joined = fuse([getattr(owner, name) for name in names])
                 if joined is not None:
                     for name in names:
@@ -222,8 +237,14 @@ class CausalLM(nn.Module):
                 return None
             layers.append(((layer.input_layernorm.weight, layer.post_attention_layernorm.weight), linears))
         scales = [layer.self_attn for layer in self.model.layers]  # their KV scales come after (loader.set_kv_cache)
-        return factory(layers, self.model.norm.eps, attn.heads, attn.kv_heads, attn.head_dim,
-                       lambda: [(a.k_scale, a.v_scale) for a in scales])  # fmt: skip
+        return factory(
+            layers,
+            self.model.norm.eps,
+            attn.heads,
+            attn.kv_heads,
+            attn.head_dim,
+            lambda: [(a.k_scale, a.v_scale) for a in scales],
+        )
 
     def set_rope(self, max_positions: int, device: str) -> None:
         cos, sin = rope_tables(self.config, max_positions)

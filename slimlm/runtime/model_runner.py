@@ -58,18 +58,27 @@ def step_inputs(batch: Batch, block_size: int, device: torch.device | str) -> tu
         return torch.tensor(values, dtype=dtype, device=device)
 
     step = StepInputs(
-        positions=tensor(positions, torch.int64), slots=tensor(slots, torch.int64),
-        block_tables=tensor(tables, torch.int32), seq_lens=tensor(seq_lens, torch.int32),
-        query_start=tensor(query_start, torch.int32), query_lens=[item.num_tokens for item in batch.items],
-    )  # fmt: skip
+        positions=tensor(positions, torch.int64),
+        slots=tensor(slots, torch.int64),
+        block_tables=tensor(tables, torch.int32),
+        seq_lens=tensor(seq_lens, torch.int32),
+        query_start=tensor(query_start, torch.int32),
+        query_lens=[item.num_tokens for item in batch.items],
+    )
     return tensor(ids, torch.int64), step
 
 
 class ModelRunner:
     def __init__(
-        self, model_dir: Path, dtype: torch.dtype, device: str, kv_cache_bytes: int, block_size: int, max_len: int,
+        self,
+        model_dir: Path,
+        dtype: torch.dtype,
+        device: str,
+        kv_cache_bytes: int,
+        block_size: int,
+        max_len: int,
         kv_cache_dtype: str = "auto",
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.device = device
         self.block_size = block_size
         self.model = load_model(model_dir, dtype, device, max_len, kv_cache_dtype)
@@ -80,16 +89,20 @@ class ModelRunner:
         per_block = layers * 2 * block_size * attn.kv_heads * row * kv_dtype.itemsize
         self.num_blocks = kv_cache_bytes // per_block
         if self.num_blocks == 0:
-            raise SlimlmError(f"a KV cache pool of {kv_cache_bytes} bytes holds less than one block ({per_block} "
-                              f"bytes, {block_size} tokens); give it at least {per_block} bytes "
-                              "(--kv-cache-memory)")  # fmt: skip
+            raise SlimlmError(
+                f"a KV cache pool of {kv_cache_bytes} bytes holds less than one block ({per_block} "
+                f"bytes, {block_size} tokens); give it at least {per_block} bytes "
+                "(--kv-cache-memory)"
+            )
         # one preallocated pool: [layer, K/V, block, offset, kv_head, head_dim (a 4-bit cache: row bytes)]
         shape = (layers, 2, self.num_blocks, block_size, attn.kv_heads, row)
         pool = self.num_blocks * per_block
         available = _available_memory(device)
         if pool > available:
-            raise SlimlmError(f"a KV cache pool of {pool / 2**30:.2f} GiB does not fit in the "
-                              f"{available / 2**30:.2f} GiB free on {device}; lower --kv-cache-memory")  # fmt: skip
+            raise SlimlmError(
+                f"a KV cache pool of {pool / 2**30:.2f} GiB does not fit in the "
+                f"{available / 2**30:.2f} GiB free on {device}; lower --kv-cache-memory"
+            )
         self.kv_cache = torch.empty(shape, dtype=kv_dtype, device=device)
 
     @torch.inference_mode()
@@ -99,14 +112,17 @@ class ModelRunner:
         attns = [layer.self_attn for layer in self.model.model.layers]
         n, bs, dtype = len(ids), self.block_size, self.model.model.norm.weight.dtype
         blocks = -(-n // bs)
-        scratch = torch.zeros((len(attns), 2, blocks, bs, attns[0].kv_heads, attns[0].head_dim), dtype=dtype,
-                              device=self.device)  # fmt: skip
+        scratch = torch.zeros(
+            (len(attns), 2, blocks, bs, attns[0].kv_heads, attns[0].head_dim), dtype=dtype, device=self.device
+        )
         step = StepInputs(
-            positions=torch.arange(n, device=self.device), slots=torch.arange(n, device=self.device),
+            positions=torch.arange(n, device=self.device),
+            slots=torch.arange(n, device=self.device),
             block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
             seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            query_start=torch.tensor([0, n], dtype=torch.int32, device=self.device), query_lens=[n],
-        )  # fmt: skip
+            query_start=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            query_lens=[n],
+        )
         self.model(torch.tensor(ids, device=self.device), step, scratch)
         keys = scratch[:, 0].flatten(1, 2)[:, :n].float().mean(1)  # [layers, kv_heads, head_dim]
         for attn, offset in zip(attns, keys, strict=True):

@@ -107,20 +107,32 @@ class OutputProcessor:
         for i, seq in enumerate(request.seqs):
             text = self.text(seq, final=seq.is_finished) if (detokenize or finished) else ""
             want = seq.params.logprobs is not None
-            outputs.append(CompletionOutput(
-                index=i, text=text, token_ids=list(seq.output_ids), finish_reason=seq.finish_reason,
-                logprobs=list(seq.logprobs) if want else None,
-                first_token_time=seq.token_times[0] if seq.token_times else None, token_times=list(seq.token_times),
-                top_logprobs=list(seq.top_logprobs) if want and seq.params.logprobs else None,
-                num_drafted=seq.num_drafted, num_accepted=seq.num_accepted,
-            ))  # fmt: skip
+            outputs.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=list(seq.output_ids),
+                    finish_reason=seq.finish_reason,
+                    logprobs=list(seq.logprobs) if want else None,
+                    first_token_time=seq.token_times[0] if seq.token_times else None,
+                    token_times=list(seq.token_times),
+                    top_logprobs=list(seq.top_logprobs) if want and seq.params.logprobs else None,
+                    num_drafted=seq.num_drafted,
+                    num_accepted=seq.num_accepted,
+                )
+            )
         if finished:
             for seq in request.seqs:
                 self.detok.pop(seq.seq_id, None)
         prompt = first.params.prompt_logprobs is not None
         return RequestOutput(
-            request_id=request.request_id, prompt_token_ids=request.prompt_ids, outputs=outputs,
-            arrival=first.arrival, finished=finished, prompt_logprobs=list(first.prompt_logprobs) if prompt else None,
-            num_cached_tokens=first.num_cached_tokens, error=request.error,
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_ids,
+            outputs=outputs,
+            arrival=first.arrival,
+            finished=finished,
+            prompt_logprobs=list(first.prompt_logprobs) if prompt else None,
+            num_cached_tokens=first.num_cached_tokens,
+            error=request.error,
             prompt_top_logprobs=list(first.prompt_top_logprobs) if prompt and first.params.prompt_logprobs else None,
-        )  # fmt: skip
+        )

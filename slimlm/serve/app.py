@@ -70,13 +70,15 @@ async def metrics(request: Request) -> PlainTextResponse:
 @router.get("/v1/models", dependencies=[Depends(authorize)])
 async def models(request: Request) -> p.ModelList:
     serving = request.app.state.completions
-    card = p.ModelCard(id=serving.served_model_name, created=int(time.time()), owned_by="slimlm",
-                       max_model_len=serving.max_model_len)  # fmt: skip
+    card = p.ModelCard(
+        id=serving.served_model_name, created=int(time.time()), owned_by="slimlm", max_model_len=serving.max_model_len
+    )
     return p.ModelList(data=[card])
 
 
-def build_app(engine: Engine, served_model_name: str, api_key: str | None = None, max_waiting: int = 256,
-              own_thread: bool = True) -> FastAPI:  # fmt: skip
+def build_app(
+    engine: Engine, served_model_name: str, api_key: str | None = None, max_waiting: int = 256, own_thread: bool = True
+) -> FastAPI:
     """`own_thread`: the engine loop gets a thread of its own; else the caller runs app.state.engine.run()."""
     aengine = AsyncEngine(engine, max_waiting, own_thread)
 
@@ -86,8 +88,13 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None = None
         yield
         await aengine.stop()
 
-    app = FastAPI(title="slimlm", version="0.1.0", lifespan=lifespan, responses=ERRORS,
-                  description="OpenAI-compatible completions and chat over the slimlm runtime")  # fmt: skip
+    app = FastAPI(
+        title="slimlm",
+        version="0.1.0",
+        lifespan=lifespan,
+        responses=ERRORS,
+        description="OpenAI-compatible completions and chat over the slimlm runtime",
+    )
     app.state.engine, app.state.api_key = aengine, api_key
     app.state.completions = CompletionServing(aengine, served_model_name)
     app.state.chat = ChatServing(aengine, served_model_name)
@@ -134,8 +141,9 @@ class Server(uvicorn.Server):
     stops once the requests in flight are done or `drain_timeout` seconds have passed; a second signal
     stops at once. Exits normally (code 0) either way."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float,
-                 print_address: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float, print_address: bool = False
+    ) -> None:
         super().__init__(config)
         self.aengine = engine
         self.drain_timeout = drain_timeout
@@ -182,8 +190,15 @@ class Server(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(engine: Engine, served_model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, max_waiting: int = 256, drain_timeout: float = 30.0) -> None:  # fmt: skip
+def serve(
+    engine: Engine,
+    served_model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_waiting: int = 256,
+    drain_timeout: float = 30.0,
+) -> None:
     app = build_app(engine, served_model_name, api_key, max_waiting, own_thread=False)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     server = Server(config, app.state.engine, drain_timeout, print_address=True)

@@ -14,8 +14,9 @@ from slimlm.serve.serving import Serving, authorize, collect, disconnect_of, eve
 
 
 class ChatServing(Serving):
-    async def create(self, body: p.ChatRequest, disconnected: Callable[[], Awaitable[None]] | None = None
-                     ) -> p.ChatResponse | AsyncIterator[p.ChatChunk]:  # fmt: skip
+    async def create(
+        self, body: p.ChatRequest, disconnected: Callable[[], Awaitable[None]] | None = None
+    ) -> p.ChatResponse | AsyncIterator[p.ChatChunk]:
         """The response, or with body.stream the chunks as they come. Bad input raises SlimlmError before
         anything is queued; a full queue raises Overloaded."""
         self.check_model(body.model)
@@ -37,8 +38,14 @@ class ChatServing(Serving):
             if body.logprobs:
                 lps, tops = p.choice_logprobs(choice, 0, len(choice.token_ids), top)
                 logprobs = p.chat_logprobs(self.tokenizer, choice.token_ids, lps, tops)
-            choices.append(p.ChatChoice(index=choice.index, message=p.AssistantMessage(content=choice.text),
-                                        logprobs=logprobs, finish_reason=choice.finish_reason))  # fmt: skip
+            choices.append(
+                p.ChatChoice(
+                    index=choice.index,
+                    message=p.AssistantMessage(content=choice.text),
+                    logprobs=logprobs,
+                    finish_reason=choice.finish_reason,
+                )
+            )
         return p.ChatResponse(**header, object="chat.completion", choices=choices, usage=usage([out]))
 
     def _prompt(self, body: p.ChatRequest) -> list[int]:
@@ -62,8 +69,12 @@ class ChatServing(Serving):
             for choice in out.outputs:
                 if choice.index not in sent_text:
                     sent_text[choice.index] = 0
-                    first = p.ChatChunkChoice(index=choice.index, delta=p.ChatDelta(role="assistant", content=""),
-                                              logprobs=None, finish_reason=None)  # fmt: skip
+                    first = p.ChatChunkChoice(
+                        index=choice.index,
+                        delta=p.ChatDelta(role="assistant", content=""),
+                        logprobs=None,
+                        finish_reason=None,
+                    )
                     yield p.ChatChunk(**header, choices=[first])
                 text = streamable(choice, body, out.finished)
                 delta = text[sent_text[choice.index] :]
@@ -76,8 +87,14 @@ class ChatServing(Serving):
                     logprobs = p.chat_logprobs(self.tokenizer, choice.token_ids[start:end], lps, tops)
                 sent_text[choice.index], sent_tokens[choice.index] = len(text), end
                 message = p.ChatDelta(content=delta) if delta else p.ChatDelta()
-                yield p.ChatChunk(**header, choices=[p.ChatChunkChoice(index=choice.index, delta=message,
-                                  logprobs=logprobs, finish_reason=choice.finish_reason)])  # fmt: skip
+                yield p.ChatChunk(
+                    **header,
+                    choices=[
+                        p.ChatChunkChoice(
+                            index=choice.index, delta=message, logprobs=logprobs, finish_reason=choice.finish_reason
+                        )
+                    ],
+                )
         if body.include_usage and last is not None:
             yield p.ChatChunk(**header, choices=[], usage=usage([last]))
 
@@ -85,8 +102,12 @@ class ChatServing(Serving):
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions", dependencies=[Depends(authorize)], response_model=p.ChatResponse,
-             responses={200: {"content": {"text/event-stream": {}}}})  # fmt: skip
+@router.post(
+    "/v1/chat/completions",
+    dependencies=[Depends(authorize)],
+    response_model=p.ChatResponse,
+    responses={200: {"content": {"text/event-stream": {}}}},
+)
 async def chat(body: p.ChatRequest, request: Request):
     result = await request.app.state.chat.create(body, disconnect_of(request))
     return event_stream(result) if body.stream else result

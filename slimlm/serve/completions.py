@@ -19,13 +19,14 @@ from slimlm.serve.serving import (
     event_stream,
     merge,
     streamable,
-    usage,  # fmt: skip
+    usage,
 )
 
 
 class CompletionServing(Serving):
-    async def create(self, body: p.CompletionRequest, disconnected: Callable[[], Awaitable[None]] | None = None
-                     ) -> p.CompletionResponse | AsyncIterator[p.CompletionResponse]:  # fmt: skip
+    async def create(
+        self, body: p.CompletionRequest, disconnected: Callable[[], Awaitable[None]] | None = None
+    ) -> p.CompletionResponse | AsyncIterator[p.CompletionResponse]:
         """The response, or with body.stream the chunks as they come. Bad input raises SlimlmError before
         anything is queued; a full queue raises Overloaded."""
         self.check_model(body.model)
@@ -40,8 +41,7 @@ class CompletionServing(Serving):
         self.engine.admit()
         rid = f"cmpl-{uuid.uuid4().hex}"
         gens = [self.engine.generate(ids, params, f"{rid}-{i}", body.stream) for i, ids in enumerate(prompt_ids)]
-        header = {"id": rid, "object": "text_completion", "created": int(time.time()),
-                  "model": self.served_model_name}  # fmt: skip
+        header = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.served_model_name}
         if body.stream:
             return self._chunks(gens, body, header)
         outs = await collect(gens, disconnected)
@@ -51,14 +51,16 @@ class CompletionServing(Serving):
             choices += [self._choice(out, c, body, i * body.n + c.index, prompt_text) for c in out.outputs]
         return p.CompletionResponse(**header, choices=choices, usage=usage(outs))
 
-    def _choice(self, out: RequestOutput, choice, body: p.CompletionRequest, index: int,
-                prompt_text: str) -> p.CompletionChoice:  # fmt: skip
+    def _choice(
+        self, out: RequestOutput, choice, body: p.CompletionRequest, index: int, prompt_text: str
+    ) -> p.CompletionChoice:
         logprobs = None
         if body.logprobs is not None:
             ids, lps, tops = self._tokens(out, choice, body, 0, len(choice.token_ids), first=True)
             logprobs = p.completion_logprobs(self.tokenizer, ids, lps, tops, 0)
-        return p.CompletionChoice(index=index, text=prompt_text + choice.text, logprobs=logprobs,
-                                  finish_reason=choice.finish_reason)  # fmt: skip
+        return p.CompletionChoice(
+            index=index, text=prompt_text + choice.text, logprobs=logprobs, finish_reason=choice.finish_reason
+        )
 
     def _tokens(self, out, choice, body, start: int, end: int, first: bool):
         """Token ids, log-probabilities and top lists of a choice's tokens [start, end), and with echo in the
@@ -99,8 +101,9 @@ class CompletionServing(Serving):
                     offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs["tokens"]))
                     sent_tokens[index] = end
                 sent_text[index] = len(text)
-                choices = [p.CompletionChoice(index=index, text=delta, logprobs=logprobs,
-                                              finish_reason=choice.finish_reason)]  # fmt: skip
+                choices = [
+                    p.CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=choice.finish_reason)
+                ]
                 yield p.CompletionResponse(**header, choices=choices)
         if body.include_usage:
             yield p.CompletionResponse(**header, choices=[], usage=usage(finals))
@@ -109,8 +112,12 @@ class CompletionServing(Serving):
 router = APIRouter()
 
 
-@router.post("/v1/completions", dependencies=[Depends(authorize)], response_model=p.CompletionResponse,
-             responses={200: {"content": {"text/event-stream": {}}}})  # fmt: skip
+@router.post(
+    "/v1/completions",
+    dependencies=[Depends(authorize)],
+    response_model=p.CompletionResponse,
+    responses={200: {"content": {"text/event-stream": {}}}},
+)
 async def completions(body: p.CompletionRequest, request: Request):
     result = await request.app.state.completions.create(body, disconnect_of(request))
     return event_stream(result) if body.stream else result

@@ -72,14 +72,16 @@ class Metrics:
         def one(name: str, kind: str, help_: str, value) -> list[str]:
             return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
 
-        lines = ["# HELP slimlm_time_to_first_token_seconds Request arrival to its first token.",
-                 "# TYPE slimlm_time_to_first_token_seconds histogram",
-                 *self.ttft.lines("slimlm_time_to_first_token_seconds"),
-                 "# HELP slimlm_inter_token_latency_seconds Time between consecutive tokens of a sequence.",
-                 "# TYPE slimlm_inter_token_latency_seconds histogram",
-                 *self.itl.lines("slimlm_inter_token_latency_seconds"),
-                 "# HELP slimlm_requests_finished_total Finished sequences by finish reason.",
-                 "# TYPE slimlm_requests_finished_total counter"]  # fmt: skip
+        lines = [
+            "# HELP slimlm_time_to_first_token_seconds Request arrival to its first token.",
+            "# TYPE slimlm_time_to_first_token_seconds histogram",
+            *self.ttft.lines("slimlm_time_to_first_token_seconds"),
+            "# HELP slimlm_inter_token_latency_seconds Time between consecutive tokens of a sequence.",
+            "# TYPE slimlm_inter_token_latency_seconds histogram",
+            *self.itl.lines("slimlm_inter_token_latency_seconds"),
+            "# HELP slimlm_requests_finished_total Finished sequences by finish reason.",
+            "# TYPE slimlm_requests_finished_total counter",
+        ]
         for reason, n in sorted(self.finished.items()):
             lines.append(f'slimlm_requests_finished_total{{finish_reason="{reason}"}} {n}')
         hit_rate = self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
@@ -90,21 +92,37 @@ class Metrics:
             ("slimlm_num_requests_waiting", "gauge", "Sequences waiting to be scheduled.", engine.waiting),
             ("slimlm_kv_blocks_pool", "gauge", "KV cache blocks in the pool.", engine.total_blocks),
             ("slimlm_kv_blocks_free", "gauge", "KV cache blocks no sequence holds.", engine.free_blocks),
-            ("slimlm_kv_blocks_used", "gauge", "KV cache blocks held by sequences.",
-             engine.total_blocks - engine.free_blocks),
-            ("slimlm_requests_aborted_total", "counter", "Requests stopped because the client disconnected.",
-             engine.aborted),
+            (
+                "slimlm_kv_blocks_used",
+                "gauge",
+                "KV cache blocks held by sequences.",
+                engine.total_blocks - engine.free_blocks,
+            ),
+            (
+                "slimlm_requests_aborted_total",
+                "counter",
+                "Requests stopped because the client disconnected.",
+                engine.aborted,
+            ),
             ("slimlm_preemptions_total", "counter", "Sequences preempted for lack of KV blocks.", engine.preemptions),
             ("slimlm_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens),
-            ("slimlm_prefix_cache_hit_tokens_total", "counter", "Of those, served from the prefix cache.",
-             self.cached_prompt_tokens),
+            (
+                "slimlm_prefix_cache_hit_tokens_total",
+                "counter",
+                "Of those, served from the prefix cache.",
+                self.cached_prompt_tokens,
+            ),
             ("slimlm_prefix_cache_hit_rate", "gauge", "Prefix-cache hit tokens / prompt tokens.", hit_rate),
             ("slimlm_generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens),
-            ("slimlm_spec_decode_draft_tokens_total", "counter", "Speculative tokens drafted and verified.",
-             self.drafted_tokens),
+            (
+                "slimlm_spec_decode_draft_tokens_total",
+                "counter",
+                "Speculative tokens drafted and verified.",
+                self.drafted_tokens,
+            ),
             ("slimlm_spec_decode_accepted_tokens_total", "counter", "Of those, accepted.", self.accepted_tokens),
             ("slimlm_spec_decode_acceptance_rate", "gauge", "Accepted / drafted.", acceptance),
             ("slimlm_requests_rejected_total", "counter", "Requests answered 503.", self.rejected_overloaded),
-        ]:  # fmt: skip
+        ]:
             lines += one(*args)
         return "\n".join(lines) + "\n"

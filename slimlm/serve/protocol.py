@@ -53,11 +53,18 @@ class _Sampling(BaseModel):
         if unsupported:
             raise SlimlmError(f"{', '.join(unsupported)} is not supported by this server; leave it out")
         return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-            n=self.n, stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            n=self.n,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-        )  # fmt: skip
+        )
 
 
 class CompletionRequest(_Sampling):
@@ -106,8 +113,11 @@ def error_body(message: str, kind: str, status: int) -> dict:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def token_text(tokenizer, token_id: int) -> str:

@@ -48,9 +48,11 @@ class Serving:
     def check_length(self, ids: list[int], max_tokens: int) -> None:
         limit = self.max_model_len
         if len(ids) + max_tokens > limit:
-            raise SlimlmError(f"this model's maximum context length is {limit} tokens; the request asks for "
-                              f"{len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate): "
-                              "shorten the prompt or lower max_tokens")  # fmt: skip
+            raise SlimlmError(
+                f"this model's maximum context length is {limit} tokens; the request asks for "
+                f"{len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} to generate): "
+                "shorten the prompt or lower max_tokens"
+            )
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         return self.engine.engine.prompt_ids(prompt)

@@ -57,8 +57,9 @@ class TrainConfig:
         return self.train_tokens // (self.global_batch * self.seq_len)
 
 
-def distill_loss(student: torch.Tensor, teacher: torch.Tensor, ids: torch.Tensor, temperature: float,
-                 lm_weight: float) -> torch.Tensor:  # fmt: skip
+def distill_loss(
+    student: torch.Tensor, teacher: torch.Tensor, ids: torch.Tensor, temperature: float, lm_weight: float
+) -> torch.Tensor:
     """Mean over tokens of T²·KL(p_teacher ‖ p_student) at temperature T, mixed with next-token cross entropy."""
     t = temperature
     log_s = F.log_softmax(student.float() / t, dim=-1)
@@ -105,20 +106,27 @@ def check(config: TrainConfig, num_windows: int, num_processes: int = 1) -> None
     """One-line errors for a budget or batch shape that cannot run, before anything is loaded or trained."""
     per_process, rest = divmod(config.global_batch, num_processes)
     if rest or per_process % config.micro_batch:
-        raise SlimlmError(f"the global batch {config.global_batch} must split into {num_processes} process(es) "
-                          f"× micro-batches of {config.micro_batch}")  # fmt: skip
+        raise SlimlmError(
+            f"the global batch {config.global_batch} must split into {num_processes} process(es) "
+            f"× micro-batches of {config.micro_batch}"
+        )
     tokens_per_step = config.global_batch * config.seq_len
     if config.steps < 1:
-        raise SlimlmError(f"a training budget of {config.train_tokens} tokens is less than one global batch "
-                          f"({config.global_batch} × {config.seq_len} = {tokens_per_step} tokens)")  # fmt: skip
+        raise SlimlmError(
+            f"a training budget of {config.train_tokens} tokens is less than one global batch "
+            f"({config.global_batch} × {config.seq_len} = {tokens_per_step} tokens)"
+        )
     if config.steps * config.global_batch > num_windows:
         need = config.steps * config.global_batch
-        raise SlimlmError(f"{config.train_tokens} training tokens need {need} windows of {config.seq_len}, but the "
-                          f"text gives {num_windows}: lower the budget or add text")  # fmt: skip
+        raise SlimlmError(
+            f"{config.train_tokens} training tokens need {need} windows of {config.seq_len}, but the "
+            f"text gives {num_windows}: lower the budget or add text"
+        )
 
 
-def _backward(accelerator, student: nn.Module, teacher: nn.Module, mine: torch.Tensor, config: TrainConfig
-              ) -> torch.Tensor:  # fmt: skip
+def _backward(
+    accelerator, student: nn.Module, teacher: nn.Module, mine: torch.Tensor, config: TrainConfig
+) -> torch.Tensor:
     """One optimizer step's passes over this process's windows `mine`, micro-batch by micro-batch: the
     gradients accumulated in the student; returns the step's loss."""
     micro_steps = len(mine) // config.micro_batch
@@ -138,8 +146,30 @@ def _backward(accelerator, student: nn.Module, teacher: nn.Module, mine: torch.T
 def _diverged(step: int, start: int, config: TrainConfig, loss: float, grad_norm: float) -> SlimlmError:
     saved = max(start, step // config.checkpoint_every * config.checkpoint_every)
     resume = f"a rerun resumes from step {saved}" if saved else "no checkpoint was reached"
-    return SlimlmError(f"training diverged at step {step + 1} (loss {loss}, gradient norm {grad_norm}): stopped "
-                       f"before that update, nothing written; lower --lr ({resume})")
+    return SlimlmError(
+        f"training diverged at step {step + 1} (loss {loss}, gradient norm {grad_norm}): stopped "
+        f"before that update, nothing written; lower --lr ({resume})"
+    )
+
+
+def _optimizer(student: nn.Module, config: TrainConfig):
+    """The trained parameters, AdamW over them, and the warmup-then-cosine schedule."""
+    params = trainable(student, config.train)
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    warmup = max(1, round(config.warmup * config.steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config.steps, warmup))
+    return params, optimizer, scheduler
+
+
+def _evaluated(accelerator, student: nn.Module, evaluate: Callable[[nn.Module], dict]) -> dict:
+    """evaluate(student), in eval mode, on the main process while the others wait: {} on the others."""
+    figures = {}
+    if accelerator.is_main_process:
+        student.eval()
+        figures = evaluate(accelerator.unwrap_model(student))
+        student.train()
+    accelerator.wait_for_everyone()
+    return figures
 
 
 def train(
@@ -162,10 +192,7 @@ def train(
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16" if bf16 else "no")
     check(config, len(windows), accelerator.num_processes)
     run_dir = Path(run_dir)
-    params = trainable(student, config.train)
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    warmup = max(1, round(config.warmup * config.steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config.steps, warmup))
+    params, optimizer, scheduler = _optimizer(student, config)
     teacher.requires_grad_(False).eval().to(accelerator.device)
     student.train()
     student, optimizer = accelerator.prepare(student, optimizer)
@@ -173,17 +200,15 @@ def train(
     fingerprint = {**_fingerprint(config), "identity": identity or {}}
     start, log = _resume(run_dir, fingerprint, accelerator.unwrap_model(student), optimizer, scheduler, main)
     if start == 0 and evaluate is not None:  # where the curve starts: the changed model before training
+        figures = _evaluated(accelerator, student, evaluate)
         if main:
-            log.append({"step": 0, "tokens": 0, **evaluate(accelerator.unwrap_model(student).eval())})
+            log.append({"step": 0, "tokens": 0, **figures})
             _append_log(run_dir, log[-1])
-            student.train()
-        accelerator.wait_for_everyone()
 
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(config.seed))
     per_process = config.global_batch // accelerator.num_processes
     rank = accelerator.process_index
-    bar = tqdm(total=config.steps, initial=start, desc="training", unit="step",
-               disable=not (progress and accelerator.is_main_process))  # fmt: skip
+    bar = tqdm(total=config.steps, initial=start, desc="training", unit="step", disable=not (progress and main))
     clock = time.perf_counter()
     for step in range(start, config.steps):
         batch = order[step * config.global_batch : (step + 1) * config.global_batch]
@@ -198,14 +223,15 @@ def train(
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        entry = {"step": step + 1, "tokens": (step + 1) * config.global_batch * config.seq_len,
-                 "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm)}  # fmt: skip
+        entry = {
+            "step": step + 1,
+            "tokens": (step + 1) * config.global_batch * config.seq_len,
+            "loss": loss_value,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+        }
         if evaluate is not None and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
-            if main:
-                student.eval()
-                entry.update(evaluate(accelerator.unwrap_model(student)))
-                student.train()
-            accelerator.wait_for_everyone()
+            entry.update(_evaluated(accelerator, student, evaluate))
         log.append(entry)
         tokens_per_s = (step + 1 - start) * config.global_batch * config.seq_len / (time.perf_counter() - clock)
         bar.set_postfix(loss=f"{entry['loss']:.4f}", tok_s=f"{tokens_per_s:.0f}")
@@ -241,15 +267,20 @@ def _save(run_dir: Path, fingerprint: dict, model: nn.Module, optimizer, schedul
         for key, value in values.items():
             tensors[f"optim.{index}.{key}"] = value.detach().contiguous()
     tensors["rng.torch"] = torch.get_rng_state()
-    meta = {"step": step, "config": fingerprint, "param_groups": state["param_groups"],
-            "scheduler": scheduler.state_dict()}  # fmt: skip
+    meta = {
+        "step": step,
+        "config": fingerprint,
+        "param_groups": state["param_groups"],
+        "scheduler": scheduler.state_dict(),
+    }
     with staging(run_dir / "checkpoint") as tmp:
         save_file(tensors, tmp / "state.safetensors")
         (tmp / "state.json").write_text(json.dumps(meta))
 
 
-def _resume(run_dir: Path, fingerprint: dict, model: nn.Module, optimizer, scheduler,
-            main: bool) -> tuple[int, list[dict]]:  # fmt: skip
+def _resume(
+    run_dir: Path, fingerprint: dict, model: nn.Module, optimizer, scheduler, main: bool
+) -> tuple[int, list[dict]]:
     """The step to start from and the log so far (entries past the checkpoint dropped: they are redone;
     only the main process rewrites the log)."""
     checkpoint = run_dir / "checkpoint"
@@ -263,8 +294,10 @@ def _resume(run_dir: Path, fingerprint: dict, model: nn.Module, optimizer, sched
     if meta["config"] != fingerprint:
         stored, identity = meta["config"].get("identity", {}), fingerprint["identity"]
         differ = sorted({k for k in {*stored, *identity} if stored.get(k) != identity.get(k)} or {"training options"})
-        raise SlimlmError(f"{run_dir} holds a run with another {', '.join(differ)} than this one; delete it or "
-                          "rerun with the same ones")  # fmt: skip
+        raise SlimlmError(
+            f"{run_dir} holds a run with another {', '.join(differ)} than this one; delete it or "
+            "rerun with the same ones"
+        )
     tensors = load_file(checkpoint / "state.safetensors")
     names = dict(model.named_parameters())
     weights = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
@@ -315,8 +348,13 @@ def plot(log: list[dict], path: Path) -> None:
     evals = [e for e in log if "eval_ppl" in e]
     if evals:
         right = ax.twinx()
-        lines += right.plot([e["tokens"] for e in evals], [e["eval_ppl"] for e in evals], "o-", color="C1",
-                            label="evaluation perplexity")  # fmt: skip
+        lines += right.plot(
+            [e["tokens"] for e in evals],
+            [e["eval_ppl"] for e in evals],
+            "o-",
+            color="C1",
+            label="evaluation perplexity",
+        )
         right.set_yscale("log")  # a conversion can cost orders of magnitude: the recovery reads on a log scale
         right.set_ylabel("evaluation perplexity (log)")
     ax.legend(lines, [line.get_label() for line in lines], loc="upper right")

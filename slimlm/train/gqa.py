@@ -29,17 +29,21 @@ def check_kv_heads(config, kv_heads: int, expand: bool) -> None:
     heads, current = config.num_attention_heads, config.num_key_value_heads
     divisors = [d for d in range(1, heads + 1) if heads % d == 0]
     if kv_heads not in divisors:
-        raise SlimlmError(f"--kv-heads {kv_heads} does not divide the {heads} query heads; use one of "
-                          f"{', '.join(map(str, divisors))}")  # fmt: skip
+        raise SlimlmError(
+            f"--kv-heads {kv_heads} does not divide the {heads} query heads; use one of {', '.join(map(str, divisors))}"
+        )
     if expand:
         if kv_heads % current:
             raise SlimlmError(f"--expand needs a multiple of the current {current} KV heads, got {kv_heads}")
     elif kv_heads > current:
-        raise SlimlmError(f"--kv-heads {kv_heads} is more than the model's {current} KV heads: merging only "
-                          "removes heads (add --expand to repeat them)")  # fmt: skip
+        raise SlimlmError(
+            f"--kv-heads {kv_heads} is more than the model's {current} KV heads: merging only "
+            "removes heads (add --expand to repeat them)"
+        )
     elif current % kv_heads:
-        raise SlimlmError(f"--kv-heads {kv_heads} does not divide the current {current} KV heads, so the "
-                          "groups would be uneven")  # fmt: skip
+        raise SlimlmError(
+            f"--kv-heads {kv_heads} does not divide the current {current} KV heads, so the groups would be uneven"
+        )
 
 
 def contiguous_groups(current: int, kv_heads: int) -> Groups:
@@ -63,8 +67,7 @@ def _set_kv_heads(model: nn.Module, kv_heads: int) -> None:
 
 
 def _replace(linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    new = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype,
-                    device=weight.device)  # fmt: skip
+    new = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype, device=weight.device)
     with torch.no_grad():
         new.weight.copy_(weight)
         if bias is not None:
@@ -139,6 +142,7 @@ def best_partition(distance: torch.Tensor, size: int) -> list[list[int]]:
         return cost[group]
 
     if n <= 12:
+
         def partitions(free: tuple[int, ...]):
             if not free:
                 yield []
@@ -182,8 +186,10 @@ def similarity_groups(model: nn.Module, windows: torch.Tensor, kv_heads: int, ba
 
     handles = []
     for i, attention in enumerate(attentions):
-        handles += [attention.k_proj.register_forward_hook(observe(i, 0)),
-                    attention.v_proj.register_forward_hook(observe(i, 1))]  # fmt: skip
+        handles += [
+            attention.k_proj.register_forward_hook(observe(i, 0)),
+            attention.v_proj.register_forward_hook(observe(i, 1)),
+        ]
     try:
         for start in range(0, len(windows), batch_size):
             model(windows[start : start + batch_size])

@@ -70,8 +70,9 @@ def _start(command: str, run: Run) -> _Job:
     train_config = run.train_config
     model_dir = models.resolve(run.model)
     if "quantization_config" in models.read_config(model_dir):
-        raise SlimlmError(f"{model_dir} is quantized; {command} needs a float checkpoint ({command} first, "
-                          "then quantize)")  # fmt: skip
+        raise SlimlmError(
+            f"{model_dir} is quantized; {command} needs a float checkpoint ({command} first, then quantize)"
+        )
     state = PartialState(cpu=not torch.cuda.is_available())  # on CPU, several processes mean gloo
     out = Path(run.out).expanduser().resolve()
     if state.is_main_process:  # before any work: an --out that would lose data is refused now
@@ -91,8 +92,11 @@ def _finish(job: _Job, student: torch.nn.Module, meta: dict, run: Run, tag: str)
     """Distill `student` from the source (with a train_config), then write it with its manifest and curve."""
     log, state, out, progress = _logger(run.progress), job.state, job.out, run.progress
     train_config, train_data, eval_data = run.train_config, run.train_data, run.eval_data
-    meta["source_model"] = {"spec": job.model_spec, "path": str(job.model_dir),
-                            "sha256": shards.sha256(*shards.weight_files(job.model_dir))}  # fmt: skip
+    meta["source_model"] = {
+        "spec": job.model_spec,
+        "path": str(job.model_dir),
+        "sha256": shards.sha256(*shards.weight_files(job.model_dir)),
+    }
     run_dir = out.with_name(f".{out.name}.train")
     if train_config is not None:
         evaluation = text_windows(eval_data, job.tokenizer, train_config.seq_len, EVAL_TOKENS)
@@ -100,24 +104,45 @@ def _finish(job: _Job, student: torch.nn.Module, meta: dict, run: Run, tag: str)
         def evaluate(model) -> dict:
             return {"eval_ppl": math.exp(mean_nll(model, evaluation))}
 
-        log(f"[{tag}] distillation: {train_config.steps} steps of {train_config.global_batch}×"
+        log(
+            f"[{tag}] distillation: {train_config.steps} steps of {train_config.global_batch}×"
             f"{train_config.seq_len} tokens from '{train_data}' on {state.num_processes} process(es); "
-            f"checkpoints in {run_dir}")  # fmt: skip
+            f"checkpoints in {run_dir}"
+        )
         # what a checkpoint must share with this run to be resumed: the source's weights, the conversion or
         # pruning and its options, the text (json-normal, as the checkpoint stores it)
-        identity = json.loads(json.dumps({"source": meta["source_model"]["sha256"], "method": meta["method"],
-                                          "arguments": meta["arguments"], "train_data": train_data,
-                                          "eval_data": eval_data}, default=str))  # fmt: skip
+        identity = json.loads(
+            json.dumps(
+                {
+                    "source": meta["source_model"]["sha256"],
+                    "method": meta["method"],
+                    "arguments": meta["arguments"],
+                    "train_data": train_data,
+                    "eval_data": eval_data,
+                },
+                default=str,
+            )
+        )
         busy = f"another run is training in {run_dir} now (the same --out); wait for it or name another --out"
         with atomic.hold(run_dir, busy) if state.is_main_process else contextlib.nullcontext():
             history = train(student, job.teacher, job.windows, train_config, run_dir, evaluate, progress, identity)
-        meta["training"] = {**asdict(train_config), "data": train_data, "log": history,
-                            "eval": f"{eval_data}, first {EVAL_TOKENS} tokens"}  # fmt: skip
+        meta["training"] = {
+            **asdict(train_config),
+            "data": train_data,
+            "log": history,
+            "eval": f"{eval_data}, first {EVAL_TOKENS} tokens",
+        }
     if state.is_main_process:
         with atomic.atomic_dir(out, run.overwrite, sources=[job.model_dir]) as tmp:
             files = shards.write(tmp, writer.state_tensors(student))
-            writer.write_metadata(tmp, files, student.config, job.tokenizer, meta,
-                                  generation_config=getattr(student, "generation_config", None))  # fmt: skip
+            writer.write_metadata(
+                tmp,
+                files,
+                student.config,
+                job.tokenizer,
+                meta,
+                generation_config=getattr(student, "generation_config", None),
+            )
             if train_config is not None:
                 for name in ("log.jsonl", "curve.png"):
                     shutil.copy(run_dir / name, tmp / name)
@@ -128,8 +153,14 @@ def _finish(job: _Job, student: torch.nn.Module, meta: dict, run: Run, tag: str)
     return out
 
 
-def convert_gqa(run: Run, kv_heads: int, expand: bool = False, grouping: str = "similarity", calib: str = "owt",
-                num_samples: int = 16) -> Path:  # fmt: skip
+def convert_gqa(
+    run: Run,
+    kv_heads: int,
+    expand: bool = False,
+    grouping: str = "similarity",
+    calib: str = "owt",
+    num_samples: int = 16,
+) -> Path:
     """Convert (and, with run.train_config, uptrain) run.model to `kv_heads` KV heads; returns the output dir."""
     if grouping not in GROUPINGS:
         raise SlimlmError(f"--grouping {grouping} is not one of {', '.join(GROUPINGS)}")
@@ -150,11 +181,20 @@ def convert_gqa(run: Run, kv_heads: int, expand: bool = False, grouping: str = "
             samples = data.calibration_windows(calib, job.tokenizer, num_samples, 512)
             groups = gqa.similarity_groups(student, samples, kv_heads)
         gqa.merge(student, groups)
-    _logger(run.progress)(f"[gqa] {job.model_dir.name}: {before} -> {kv_heads} KV heads "
-                      f"({'expand' if expand else grouping})")  # fmt: skip
-    meta = {"method": "gqa", "arguments": {"kv_heads": kv_heads, "from_kv_heads": before, "expand": expand,
-            "grouping": None if expand else grouping, "groups": groups},
-            "convert_seconds": round(time.time() - start, 2)}  # fmt: skip
+    _logger(run.progress)(
+        f"[gqa] {job.model_dir.name}: {before} -> {kv_heads} KV heads ({'expand' if expand else grouping})"
+    )
+    meta = {
+        "method": "gqa",
+        "arguments": {
+            "kv_heads": kv_heads,
+            "from_kv_heads": before,
+            "expand": expand,
+            "grouping": None if expand else grouping,
+            "groups": groups,
+        },
+        "convert_seconds": round(time.time() - start, 2),
+    }
     return _finish(job, student, meta, run, "gqa")
 
 
@@ -177,8 +217,10 @@ def prune_shape(config, target: float | None, sizes: dict[str, int | None]) -> p
         shape = prune.Shape(**{**asdict(shape), "kv_heads": prune.kv_heads_for(config, shape.heads)})
     if shape.hidden % shape.heads:
         below = shape.hidden // shape.heads * shape.heads
-        raise SlimlmError(f"--hidden {shape.hidden} is not a multiple of the {shape.heads} attention heads "
-                          f"(transformers requires it); nearest: {below}, {below + shape.heads}")  # fmt: skip
+        raise SlimlmError(
+            f"--hidden {shape.hidden} is not a multiple of the {shape.heads} attention heads "
+            f"(transformers requires it); nearest: {below}, {below + shape.heads}"
+        )
     if shape == current:
         raise SlimlmError(f"the sizes given are the model's own ({asdict(current)}): nothing would be removed")
     return shape
@@ -202,10 +244,12 @@ def _removed(keep: prune.Keep, config, scores: prune.Importance) -> dict:
         "kv_heads": {i: gone(k, current.kv_heads) for i, k in zip(layers, keep.kv_heads, strict=True)},
         "ffn": {i: gone(f, current.ffn) for i, f in zip(layers, keep.ffn, strict=True)},
         "importance": {
-            "criteria": {"layers": "mean cosine distance between the layer's input and output",
-                         "heads": "RMS of the head's contribution to the attention output",
-                         "ffn": "RMS of the neuron's activation × its down_proj column norm",
-                         "hidden": "sum over the layers' RMSNorms of the channel's output RMS"},  # fmt: skip
+            "criteria": {
+                "layers": "mean cosine distance between the layer's input and output",
+                "heads": "RMS of the head's contribution to the attention output",
+                "ffn": "RMS of the neuron's activation × its down_proj column norm",
+                "hidden": "sum over the layers' RMSNorms of the channel's output RMS",
+            },
             "layers": [round(v, 5) for v in scores.layers.tolist()],
             "heads": [[round(v, 5) for v in h.tolist()] for h in scores.heads],
             "removed_share": {
@@ -224,23 +268,60 @@ def _shapes(teacher: torch.nn.Module, target: float | None, sizes: dict, candida
     fits = prune.fitting_group_sizes(teacher.config, current)
     if shape is not None and (left := prune.fitting_group_sizes(teacher.config, shape)) != fits:
         named = lambda sizes: ", ".join(map(str, sizes)) or "none of " + ", ".join(map(str, prune.GROUP_SIZES))  # noqa: E731
-        log(f"warning: pruned to {shape.hidden} hidden and {shape.ffn} MLP channels, quantization group sizes "
+        log(
+            f"warning: pruned to {shape.hidden} hidden and {shape.ffn} MLP channels, quantization group sizes "
             f"{named(left)} still fit (the model took {named(fits)}); later quantization needs a group size "
-            "that divides every width, or --group-size -1")  # fmt: skip
+            "that divides every width, or --group-size -1"
+        )
     total = prune.count_parameters(teacher, current)
     found = prune.candidates(teacher, target) if shape is None else {}
     if shape is None and not found:
         embeddings = teacher.config.vocab_size * current.hidden / total
-        raise SlimlmError(f"no candidate reaches {target:.0%} of the parameters (the embeddings alone are "
-                          f"{embeddings:.0%}); raise --target-params")  # fmt: skip
+        raise SlimlmError(
+            f"no candidate reaches {target:.0%} of the parameters (the embeddings alone are "
+            f"{embeddings:.0%}); raise --target-params"
+        )
     if candidate is not None and candidate not in found:
         raise SlimlmError(f"--candidate {candidate} cannot reach {target:.0%}; candidates: {', '.join(found)}")
     return shape, found, current, total
 
 
-def prune_model(run: Run, target: float | None = None, sizes: dict[str, int | None] | None = None,
-                candidate: str | None = None, calib: str = "owt", num_samples: int = 32,
-                search: TrainConfig | None = None) -> Path:  # fmt: skip
+def _candidate(
+    job: _Job,
+    name: str,
+    shape: prune.Shape,
+    scores: prune.Importance,
+    held_out: torch.Tensor,
+    search: TrainConfig | None,
+    windows: torch.Tensor | None,
+) -> dict:
+    """One candidate cut from the source: its shape, size and held-out perplexity; with `search`, also after
+    that short distillation on `windows` (Minitron's retraining of each candidate)."""
+    teacher = job.teacher
+    student = prune.prune(teacher, prune.select(scores, teacher.config, shape))
+    figures = {
+        **asdict(shape),
+        "parameters": prune.count_parameters(teacher, shape),
+        "ppl": math.exp(mean_nll(student, held_out)),
+    }
+    if search is not None:
+        run_dir = job.out.with_name(f".{job.out.name}.search-{name}")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        train(student, teacher, windows, search, run_dir, progress=False)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        figures["ppl_after_search"] = math.exp(mean_nll(student, held_out))
+    return figures
+
+
+def prune_model(
+    run: Run,
+    target: float | None = None,
+    sizes: dict[str, int | None] | None = None,
+    candidate: str | None = None,
+    calib: str = "owt",
+    num_samples: int = 32,
+    search: TrainConfig | None = None,
+) -> Path:
     """Prune run.model to `target` of its parameters (searching the candidate shapes: the best by perplexity
     right after pruning, or with `search`, after that short distillation of each) or to the explicit `sizes`
     (hidden, heads, ffn, layers), distill it with run.train_config, write it; returns the output dir."""
@@ -251,6 +332,7 @@ def prune_model(run: Run, target: float | None = None, sizes: dict[str, int | No
     teacher = job.teacher
     shape, found, current, total = _shapes(teacher, target, sizes or {}, candidate, log)
     searching = search is not None and len(found) > 1 and candidate is None
+    windows = None
     if searching:
         windows = text_windows(run.train_data, job.tokenizer, search.seq_len)
         check(search, len(windows), job.state.num_processes)
@@ -260,19 +342,16 @@ def prune_model(run: Run, target: float | None = None, sizes: dict[str, int | No
     scores = prune.importance(teacher, samples[:num_samples], progress=progress)
     searched = {}
     for name, s in found.items():
-        student = prune.prune(teacher, prune.select(scores, teacher.config, s))
-        searched[name] = {**asdict(s), "parameters": prune.count_parameters(teacher, s),
-                          "ppl": math.exp(mean_nll(student, samples[num_samples:]))}  # fmt: skip
-        if searching:  # Minitron's short retraining of each candidate
-            run_dir = job.out.with_name(f".{job.out.name}.search-{name}")
-            shutil.rmtree(run_dir, ignore_errors=True)
-            train(student, teacher, windows, search, run_dir, progress=False)
-            shutil.rmtree(run_dir, ignore_errors=True)
-            searched[name]["ppl_after_search"] = math.exp(mean_nll(student, samples[num_samples:]))
-        after = f", {searched[name]['ppl_after_search']:.2f} after {search.train_tokens} tokens" if (
-            "ppl_after_search" in searched[name]) else ""  # fmt: skip
-        log(f"[prune] candidate {name:12s} {s}: {searched[name]['parameters'] / total:.1%} of the parameters, "
-            f"perplexity {searched[name]['ppl']:.2f}{after} on {SCORE_SAMPLES} held-out '{calib}' windows")  # fmt: skip
+        searched[name] = _candidate(job, name, s, scores, samples[num_samples:], search if searching else None, windows)
+        after = (
+            f", {searched[name]['ppl_after_search']:.2f} after {search.train_tokens} tokens"
+            if ("ppl_after_search" in searched[name])
+            else ""
+        )
+        log(
+            f"[prune] candidate {name:12s} {s}: {searched[name]['parameters'] / total:.1%} of the parameters, "
+            f"perplexity {searched[name]['ppl']:.2f}{after} on {SCORE_SAMPLES} held-out '{calib}' windows"
+        )
     if found:
         key = "ppl_after_search" if searching else "ppl"
         candidate = candidate or min(searched, key=lambda n: searched[n][key])
@@ -280,19 +359,33 @@ def prune_model(run: Run, target: float | None = None, sizes: dict[str, int | No
     keep = prune.select(scores, teacher.config, shape)
     student = prune.prune(teacher, keep)
     params = prune.count_parameters(teacher, shape)
-    log(f"[prune] {job.model_dir.name}: {current} -> {shape}" + (f" ('{candidate}')" if candidate else "")
-        + f", {params:,} of {total:,} parameters ({params / total:.1%})")  # fmt: skip
+    log(
+        f"[prune] {job.model_dir.name}: {current} -> {shape}"
+        + (f" ('{candidate}')" if candidate else "")
+        + f", {params:,} of {total:,} parameters ({params / total:.1%})"
+    )
     if run.train_config is None:
         held_out = samples[num_samples:]
         before, after = math.exp(mean_nll(teacher, held_out)), math.exp(mean_nll(student, held_out))
-        log(f"warning: no --distill-tokens, so the pruned model is not distilled: perplexity {after:.1f} against "
+        log(
+            f"warning: no --distill-tokens, so the pruned model is not distilled: perplexity {after:.1f} against "
             f"the source's {before:.1f} on {SCORE_SAMPLES} held-out '{calib}' windows; distillation recovers most "
-            "of it (README, Measured)")  # fmt: skip
-    meta = {"method": "prune",
-            "arguments": {"target_params": target, "candidate": candidate, "from": asdict(current),
-                          "to": asdict(shape), "calib": calib, "num_samples": num_samples,
-                          "search_tokens": search.train_tokens if search else 0},
-            "parameters": {"before": total, "after": params}, "candidates": searched,
-            "removed": _removed(keep, teacher.config, scores),
-            "prune_seconds": round(time.time() - start, 2)}  # fmt: skip
+            "of it (README, Measured)"
+        )
+    meta = {
+        "method": "prune",
+        "arguments": {
+            "target_params": target,
+            "candidate": candidate,
+            "from": asdict(current),
+            "to": asdict(shape),
+            "calib": calib,
+            "num_samples": num_samples,
+            "search_tokens": search.train_tokens if search else 0,
+        },
+        "parameters": {"before": total, "after": params},
+        "candidates": searched,
+        "removed": _removed(keep, teacher.config, scores),
+        "prune_seconds": round(time.time() - start, 2),
+    }
     return _finish(job, student, meta, run, "prune")

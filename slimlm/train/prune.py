@@ -92,8 +92,14 @@ class _Observer:
         n, hd = self.heads, self.head_dim
         w_o = layer.self_attn.o_proj.weight.detach().double().view(-1, n, hd)  # [hidden, head, head_dim]
         gram = torch.einsum("dnh,dnk->nhk", w_o, w_o)  # |W_h x|² = xᵀ (W_hᵀ W_h) x, per head
-        s = {"heads": 0.0, "ffn": 0.0, "norms": [0.0, 0.0], "distance": 0.0, "tokens": 0,
-             "down_norm": layer.mlp.down_proj.weight.detach().double().norm(dim=0)}  # fmt: skip
+        s = {
+            "heads": 0.0,
+            "ffn": 0.0,
+            "norms": [0.0, 0.0],
+            "distance": 0.0,
+            "tokens": 0,
+            "down_norm": layer.mlp.down_proj.weight.detach().double().norm(dim=0),
+        }
         self.sums.append(s)
 
         def heads(module, args):
@@ -117,11 +123,13 @@ class _Observer:
             s["distance"] += (1 - F.cosine_similarity(x, y, dim=-1)).sum().item()
             s["tokens"] += x.shape[0]
 
-        return [layer.self_attn.o_proj.register_forward_pre_hook(heads),
-                layer.mlp.down_proj.register_forward_pre_hook(neurons),
-                layer.input_layernorm.register_forward_hook(channels(0)),
-                layer.post_attention_layernorm.register_forward_hook(channels(1)),
-                layer.register_forward_hook(turn, with_kwargs=True)]  # fmt: skip
+        return [
+            layer.self_attn.o_proj.register_forward_pre_hook(heads),
+            layer.mlp.down_proj.register_forward_pre_hook(neurons),
+            layer.input_layernorm.register_forward_hook(channels(0)),
+            layer.post_attention_layernorm.register_forward_hook(channels(1)),
+            layer.register_forward_hook(turn, with_kwargs=True),
+        ]
 
     def apply(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> pipeline.StepResult:
         return pipeline.StepResult()
@@ -152,8 +160,9 @@ def head_counts(config) -> list[int]:
     """Query-head counts the KV grouping allows: fewer heads in every group, or fewer whole groups."""
     shape = Shape.of(config)
     per_group = shape.heads // shape.kv_heads
-    return sorted({shape.kv_heads * i for i in range(1, per_group + 1)} |
-                  {per_group * i for i in range(1, shape.kv_heads + 1)})  # fmt: skip
+    return sorted(
+        {shape.kv_heads * i for i in range(1, per_group + 1)} | {per_group * i for i in range(1, shape.kv_heads + 1)}
+    )
 
 
 def kv_heads_for(config, heads: int) -> int:
@@ -166,8 +175,10 @@ def kv_heads_for(config, heads: int) -> int:
     if heads % per_group == 0 and 0 < heads // per_group <= shape.kv_heads:
         return heads // per_group
     valid = ", ".join(map(str, head_counts(config)))
-    raise SlimlmError(f"--heads {heads} breaks the grouping of {shape.heads} query heads over {shape.kv_heads} "
-                      f"KV heads ({per_group} per KV head); counts that work: {valid}")  # fmt: skip
+    raise SlimlmError(
+        f"--heads {heads} breaks the grouping of {shape.heads} query heads over {shape.kv_heads} "
+        f"KV heads ({per_group} per KV head); counts that work: {valid}"
+    )
 
 
 def _top(scores: torch.Tensor, count: int) -> list[int]:
@@ -221,11 +232,14 @@ def prune(model: nn.Module, keep: Keep) -> nn.Module:
     config, state = model.config, model.state_dict()
     hd = arch.head_dim(config.to_dict())
     shape = Shape(len(keep.hidden), len(keep.heads[0]), len(keep.kv_heads[0]), len(keep.ffn[0]), len(keep.layers))
-    known = set(arch.MODEL_AXES) | {f"{arch.LAYERS}.{i}.{n}" for i in range(config.num_hidden_layers)
-                                    for n in arch.LAYER_AXES}  # fmt: skip
+    known = set(arch.MODEL_AXES) | {
+        f"{arch.LAYERS}.{i}.{n}" for i in range(config.num_hidden_layers) for n in arch.LAYER_AXES
+    }
     if set(state) - known:
-        raise SlimlmError(f"cannot prune a {config.model_type} model: it has weights the pruner does not know "
-                          f"({', '.join(sorted(set(state) - known)[:3])})")  # fmt: skip
+        raise SlimlmError(
+            f"cannot prune a {config.model_type} model: it has weights the pruner does not know "
+            f"({', '.join(sorted(set(state) - known)[:3])})"
+        )
 
     def take(tensor: torch.Tensor, axes: tuple, index: dict[str, list[int]]) -> torch.Tensor:
         for axis, dim in enumerate(axes):
@@ -233,8 +247,11 @@ def prune(model: nn.Module, keep: Keep) -> nn.Module:
                 tensor = tensor.index_select(axis, _index(index[dim], dim, hd))
         return tensor.contiguous()
 
-    new = {name: take(state[name], axes, {"hidden": keep.hidden})
-           for name, axes in arch.MODEL_AXES.items() if name in state}  # fmt: skip
+    new = {
+        name: take(state[name], axes, {"hidden": keep.hidden})
+        for name, axes in arch.MODEL_AXES.items()
+        if name in state
+    }
     for j, i in enumerate(keep.layers):
         index = {"hidden": keep.hidden, "heads": keep.heads[j], "kv_heads": keep.kv_heads[j], "ffn": keep.ffn[j]}
         for local, axes in arch.LAYER_AXES.items():
@@ -252,8 +269,13 @@ def prune(model: nn.Module, keep: Keep) -> nn.Module:
 def count_parameters(model: nn.Module, shape: Shape) -> int:
     """The parameters `model` has once pruned to `shape` (exact: from the weight axes; tied weights once)."""
     hd = arch.head_dim(model.config.to_dict())
-    size = {None: model.config.vocab_size, "hidden": shape.hidden, "heads": shape.heads * hd,
-            "kv_heads": shape.kv_heads * hd, "ffn": shape.ffn}  # fmt: skip
+    size = {
+        None: model.config.vocab_size,
+        "hidden": shape.hidden,
+        "heads": shape.heads * hd,
+        "kv_heads": shape.kv_heads * hd,
+        "ffn": shape.ffn,
+    }
     names = {name for name, _ in model.named_parameters()}  # tied weights appear once
 
     def count(table: dict, prefix: str) -> int:

@@ -28,10 +28,19 @@ def write_random_llama(path: Path, hidden: int = 1024, intermediate: int = 4096,
     from slimlm.formats import shards
 
     tokenizer = make_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
-                         max_position_embeddings=256, tie_word_embeddings=False, dtype="bfloat16",
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     with torch.device("meta"):
         names = {n: p.shape for n, p in LlamaForCausalLM(config).named_parameters()}
     path.mkdir()
@@ -54,19 +63,49 @@ def test_calibration_and_w4_serving_fit_a_cap_the_fp32_model_does_not(tmp_path):
     model = write_random_llama(tmp_path / "bf16")
     calib = tmp_path / "calib.txt"
     calib.write_text(make_text(50))
-    whole = capped("-c", f"from transformers import AutoModelForCausalLM as A; A.from_pretrained('{model}', "
-                   "dtype='float32')")  # fmt: skip
+    whole = capped(
+        "-c", f"from transformers import AutoModelForCausalLM as A; A.from_pretrained('{model}', dtype='float32')"
+    )
     assert whole["returncode"] == -9 and whole["oom_kills"] >= 1  # the cap is below the fp32 model
 
     cli = ["-m", "slimlm.cli"]
-    kv = capped(*cli, "kv", str(model), "--kv-dtype", "fp8", "--compute-dtype", "float32", "--calib", str(calib),
-                "--num-samples", "2", "--seq-len", "64", "--out", str(tmp_path / "kv"))  # fmt: skip
+    kv = capped(
+        *cli,
+        "kv",
+        str(model),
+        "--kv-dtype",
+        "fp8",
+        "--compute-dtype",
+        "float32",
+        "--calib",
+        str(calib),
+        "--num-samples",
+        "2",
+        "--seq-len",
+        "64",
+        "--out",
+        str(tmp_path / "kv"),
+    )
     assert kv["returncode"] == 0 and kv["oom_kills"] == 0
 
     w4 = tmp_path / "w4"
-    rtn = ["rtn", "--model", str(model), "--calib", str(calib), "--num-samples", "2", "--seq-len", "64",
-           "--group-size", "128", "--out", str(w4)]  # fmt: skip
+    rtn = [
+        "rtn",
+        "--model",
+        str(model),
+        "--calib",
+        str(calib),
+        "--num-samples",
+        "2",
+        "--seq-len",
+        "64",
+        "--group-size",
+        "128",
+        "--out",
+        str(w4),
+    ]
     assert subprocess.run([sys.executable, *cli, *rtn], capture_output=True).returncode == 0
-    generate = capped(*cli, "generate", str(w4), "--prompt", "the city", "--max-tokens", "4",
-                      "--kv-cache-memory", "16M")  # fmt: skip
+    generate = capped(
+        *cli, "generate", str(w4), "--prompt", "the city", "--max-tokens", "4", "--kv-cache-memory", "16M"
+    )
     assert generate["returncode"] == 0 and generate["oom_kills"] == 0

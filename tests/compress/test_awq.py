@@ -15,9 +15,14 @@ from slimlm.formats.quantized import QuantArgs
 def tiny(kv_heads: int, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=kv_heads, max_position_embeddings=128,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
+    )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # LLM-like activations: a few input channels much larger than the rest
         for layer in model.model.layers:
@@ -61,9 +66,12 @@ def test_a_grid_of_one_tries_only_unit_scales():
     args = QuantArgs(4, 32, False)
     calib = torch.randint(0, 256, (8, 64))
     quantized = {}
-    for name, steps in [("rtn", [RTN(args)]), ("grid1", [AWQ(args, clip=False, grid=1), RTN(args)]),
-                        ("grid4", [AWQ(args, clip=False, grid=4), RTN(args)]),
-                        ("grid8", [AWQ(args, clip=False, grid=8), RTN(args)])]:  # fmt: skip
+    for name, steps in [
+        ("rtn", [RTN(args)]),
+        ("grid1", [AWQ(args, clip=False, grid=1), RTN(args)]),
+        ("grid4", [AWQ(args, clip=False, grid=4), RTN(args)]),
+        ("grid8", [AWQ(args, clip=False, grid=8), RTN(args)]),
+    ]:
         result = pipeline.run(tiny(4), steps, calib, pipeline.Passes(4, progress=False))
         quantized[name] = result
     for name, q in quantized["rtn"].quantized.items():
@@ -91,8 +99,11 @@ def test_awq_then_gptq_composes_and_beats_either_alone():
     args = QuantArgs(4, 32, False)
     calib = torch.randint(0, 256, (8, 64))
     errors = {}
-    for name, steps in [("awq+rtn", lambda: [AWQ(args), RTN(args)]), ("gptq", lambda: [GPTQ(args)]),
-                        ("awq+gptq", lambda: [AWQ(args), GPTQ(args)])]:  # fmt: skip
+    for name, steps in [
+        ("awq+rtn", lambda: [AWQ(args), RTN(args)]),
+        ("gptq", lambda: [GPTQ(args)]),
+        ("awq+gptq", lambda: [AWQ(args), GPTQ(args)]),
+    ]:
         result = pipeline.run(tiny(4), steps(), calib, pipeline.Passes(4, progress=False))
         assert len(result.quantized) == 14
         errors[name] = sum(r["relative_error"] for r in result.report)
@@ -146,8 +157,10 @@ def test_a_block_that_returns_a_tensor_is_compared_whole():
     assert torch.equal(out, block(x))
 
 
-@pytest.mark.parametrize(("dtype", "search"), [(torch.float32, "float32"), (torch.bfloat16, "auto"),
-                                               (torch.float32, "bfloat16"), (torch.bfloat16, "float32")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("dtype", "search"),
+    [(torch.float32, "float32"), (torch.bfloat16, "auto"), (torch.float32, "bfloat16"), (torch.bfloat16, "float32")],
+)
 def test_the_scale_is_the_grid_power_with_the_least_block_error(dtype, search):
     """The paper's search, written out: s = s_x^α normalised by √(max·min), α = i/grid, the α whose
     fake-quantized q/k/v give the smallest error of the attention block's output, the block run in the
@@ -166,8 +179,10 @@ def test_the_scale_is_the_grid_power_with_the_least_block_error(dtype, search):
     stats = awq.stats[mapping.linears[0]]
     x_mean = stats.abs_sum / stats.tokens
     assert (x_mean < 1).any()  # powers of small means stay small: no floor but 1e-4 may lift them
-    inputs = tree_map(lambda t: t.to(search_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-                      awq.block_inputs["self_attn"])  # fmt: skip
+    inputs = tree_map(
+        lambda t: t.to(search_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+        awq.block_inputs["self_attn"],
+    )
     with torch.no_grad():
         ref = [block(*a, **k)[0] for a, k in inputs]
         losses, scales = [], []
@@ -183,8 +198,9 @@ def test_the_scale_is_the_grid_power_with_the_least_block_error(dtype, search):
     assert found.dtype == dtype
     assert torch.equal(found, scales[losses.index(min(losses))].to(dtype))
     assert losses.index(min(losses)) > 0  # the outliers make some α > 0 win
-    assert all(torch.equal(layer.get_submodule(n).weight.data, w) for n, w in zip(mapping.linears, originals,
-                                                                                  strict=True))  # fmt: skip
+    assert all(
+        torch.equal(layer.get_submodule(n).weight.data, w) for n, w in zip(mapping.linears, originals, strict=True)
+    )
 
 
 def test_auto_searches_in_bf16_only_where_bf16_is_fast(monkeypatch):

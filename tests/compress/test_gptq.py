@@ -155,8 +155,17 @@ def test_act_order_checkpoint_loads_in_transformers(tiny_llama, calib_txt, tmp_p
     from slimlm.compress.job import CalibData, Quantization, quantize_weights
 
     args = QuantArgs(4, 32, True)
-    out = quantize_weights(Quantization("gptq", [GPTQ(args, act_order="weight")], args, str(tiny_llama), tmp_path / "q",
-                                        CalibData(str(calib_txt), 8, 32)), progress=False)  # fmt: skip
+    out = quantize_weights(
+        Quantization(
+            "gptq",
+            [GPTQ(args, act_order="weight")],
+            args,
+            str(tiny_llama),
+            tmp_path / "q",
+            CalibData(str(calib_txt), 8, 32),
+        ),
+        progress=False,
+    )
     assert (
         json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"][
             "actorder"
@@ -174,8 +183,17 @@ def test_group_act_order_checkpoint_round_trips_g_idx(tiny_llama, calib_txt, tmp
 
     args = QuantArgs(4, 32, False)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    out = quantize_weights(Quantization("gptq", [GPTQ(args, act_order="group")], args, str(tiny_llama), tmp_path / "q",
-                                        CalibData(str(calib_txt), 8, 32)), progress=False)  # fmt: skip
+    out = quantize_weights(
+        Quantization(
+            "gptq",
+            [GPTQ(args, act_order="group")],
+            args,
+            str(tiny_llama),
+            tmp_path / "q",
+            CalibData(str(calib_txt), 8, 32),
+        ),
+        progress=False,
+    )
     quantized, _ = reader.read_checkpoint(out)
     assert all(q.g_idx is not None for q in quantized.values())
     loaded = models.load(str(out))[0]
@@ -248,7 +266,7 @@ def columnwise_gptq(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, damp: flo
         (QuantArgs(4, 32, True), "group"),
         (QuantArgs(3, -1, False), None),
         (QuantArgs(4, -1, True), "weight"),
-    ],  # fmt: skip
+    ],
     ids=str,
 )
 def test_lazy_batches_equal_columnwise_gptq_across_blocks(in_features, args, act_order):
@@ -274,10 +292,12 @@ def test_lazy_batches_equal_columnwise_gptq_across_blocks(in_features, args, act
 
 @pytest.mark.parametrize(
     "kwargs,message",
-    [({"damp": 0}, "--damp 0 must be in (0, 1); 0.01 is the usual value"),
-     ({"damp": 1}, "--damp 1 must be in (0, 1); 0.01 is the usual value"),
-     ({"act_order": "columns"}, "--act-order columns is not supported; use one of weight, group")],
-)  # fmt: skip
+    [
+        ({"damp": 0}, "--damp 0 must be in (0, 1); 0.01 is the usual value"),
+        ({"damp": 1}, "--damp 1 must be in (0, 1); 0.01 is the usual value"),
+        ({"act_order": "columns"}, "--act-order columns is not supported; use one of weight, group"),
+    ],
+)
 def test_bad_step_settings_are_named(kwargs, message):
     with pytest.raises(SlimlmError) as caught:
         GPTQ(QuantArgs(4, 32), **kwargs)
@@ -305,8 +325,9 @@ def test_the_step_shares_hessians_warns_once_and_lets_go_of_activations(tiny_lla
     assert H["l.self_attn.q_proj"] is H["l.self_attn.k_proj"] is H["l.self_attn.v_proj"]
     assert H["l.mlp.gate_proj"] is H["l.mlp.up_proj"] and H["l.mlp.down_proj"] is not H["l.mlp.up_proj"]
     assert H["l.self_attn.o_proj"] is not H["l.self_attn.q_proj"] and H["l.self_attn.q_proj"].tokens == 4
-    expected = gptq_quantize(linears["l.mlp.down_proj"].weight.data.clone(), H["l.mlp.down_proj"].H,
-                             step.args, 0.05, "weight")  # fmt: skip
+    expected = gptq_quantize(
+        linears["l.mlp.down_proj"].weight.data.clone(), H["l.mlp.down_proj"].H, step.args, 0.05, "weight"
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = step.apply(layer, linears).quantized
@@ -321,9 +342,16 @@ def test_the_step_shares_hessians_warns_once_and_lets_go_of_activations(tiny_lla
     assert step.hessians == {} and step._last["x"] is None
 
 
-@pytest.mark.parametrize("args, act_order", [(QuantArgs(4, 32, False), None), (QuantArgs(4, 32, True), "weight"),
-                                             (QuantArgs(3, 32, False), "group"), (QuantArgs(8, -1, False), None)],
-                         ids=str)  # fmt: skip
+@pytest.mark.parametrize(
+    "args, act_order",
+    [
+        (QuantArgs(4, 32, False), None),
+        (QuantArgs(4, 32, True), "weight"),
+        (QuantArgs(3, 32, False), "group"),
+        (QuantArgs(8, -1, False), None),
+    ],
+    ids=str,
+)
 def test_outputs_have_the_types_the_formats_expect(args, act_order):
     """int8 codes and zero points, float scales, and a g_idx only where the groups no longer follow the
     columns (act-order "group"): a trivial g_idx would be written to the checkpoint as if it mattered."""
@@ -380,23 +408,30 @@ def test_a_linear_alone_warns_with_its_own_width(tiny_llama):
     down = {"l.mlp.down_proj": linears["l.mlp.down_proj"]}  # the first group the step sees has one linear
     with pytest.warns(UserWarning) as caught:
         step.apply(layer, down)
-    assert str(caught[0].message).startswith(f"GPTQ: 8 calibration tokens for {down['l.mlp.down_proj'].in_features} "
-                                             "input features")  # fmt: skip
+    assert str(caught[0].message).startswith(
+        f"GPTQ: 8 calibration tokens for {down['l.mlp.down_proj'].in_features} input features"
+    )
 
 
 def test_stacked_linears_are_named_together_when_gptq_fails(tiny_llama):
     step, layer, linears = one_layer_step(tiny_llama, 64)
     qkv = step.hessians["l.self_attn.q_proj"]
     qkv.H = -torch.eye(qkv.H.shape[0])  # no damping makes it positive definite
-    with pytest.raises(SlimlmError, match=r"^l\.self_attn\.q_proj, l\.self_attn\.k_proj, l\.self_attn\.v_proj: "
-                                          r"the Hessian stays singular"):  # fmt: skip
+    with pytest.raises(
+        SlimlmError,
+        match=r"^l\.self_attn\.q_proj, l\.self_attn\.k_proj, l\.self_attn\.v_proj: "
+        r"the Hessian stays singular",
+    ):
         step.apply(layer, linears)
 
 
 def test_as_many_tokens_as_input_features_do_not_warn(tiny_llama):
     """n tokens of width n can give a full-rank Hessian: the rank-deficiency warning starts below that."""
-    widest = max(m.in_features for m in AutoModelForCausalLM.from_pretrained(tiny_llama).modules()
-                 if isinstance(m, torch.nn.Linear))  # fmt: skip
+    widest = max(
+        m.in_features
+        for m in AutoModelForCausalLM.from_pretrained(tiny_llama).modules()
+        if isinstance(m, torch.nn.Linear)
+    )
     step, layer, linears = one_layer_step(tiny_llama, widest)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -415,8 +450,10 @@ def test_the_step_keeps_the_weight_dtype_and_names_the_failing_linear(tiny_llama
         step.apply(layer, linears)
 
 
-@pytest.mark.parametrize(("args", "act_order"), [(QuantArgs(4, 64, True), "weight"), (QuantArgs(3, 32, False), "group"),
-                                                 (QuantArgs(4, -1, True), None)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("args", "act_order"),
+    [(QuantArgs(4, 64, True), "weight"), (QuantArgs(3, 32, False), "group"), (QuantArgs(4, -1, True), None)],
+)
 def test_linears_sharing_a_hessian_get_the_codes_each_would_get_alone(args, act_order):
     """The step stacks linears that share a Hessian into one GPTQ run (rows are independent given H):
     each must come out as gptq_quantize would quantize it alone, across several column blocks."""
@@ -424,8 +461,11 @@ def test_linears_sharing_a_hessian_get_the_codes_each_would_get_alone(args, act_
     x = torch.randn(700, 320) @ torch.randn(320, 320)  # correlated inputs: the updates matter
     acc = HessianAccumulator(320, torch.device("cpu"))
     acc.add(x)
-    linears = {"a": torch.nn.Linear(320, 96, bias=False), "b": torch.nn.Linear(320, 40, bias=False),
-               "c": torch.nn.Linear(320, 24, bias=False)}  # fmt: skip
+    linears = {
+        "a": torch.nn.Linear(320, 96, bias=False),
+        "b": torch.nn.Linear(320, 40, bias=False),
+        "c": torch.nn.Linear(320, 24, bias=False),
+    }
     other = HessianAccumulator(320, torch.device("cpu"))
     other.add(torch.randn(700, 320))
     step = GPTQ(args, act_order=act_order)
@@ -439,8 +479,12 @@ def test_linears_sharing_a_hessian_get_the_codes_each_would_get_alone(args, act_
         assert (got.zero is None) == args.sym and (args.sym or torch.equal(got.zero, alone.zero))
         assert (got.g_idx is None) == (alone.g_idx is None)
         assert alone.g_idx is None or torch.equal(got.g_idx, alone.g_idx)
-    storages = {t.untyped_storage().data_ptr() for q in out.values() for t in (q.codes, q.scale, q.zero, q.g_idx)
-                if t is not None}  # fmt: skip
+    storages = {
+        t.untyped_storage().data_ptr()
+        for q in out.values()
+        for t in (q.codes, q.scale, q.zero, q.g_idx)
+        if t is not None
+    }
     assert len(storages) == sum(t is not None for q in out.values() for t in (q.codes, q.scale, q.zero, q.g_idx))
 
 

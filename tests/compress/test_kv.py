@@ -29,8 +29,12 @@ def _reference_amax(model_dir, calib) -> list[tuple[torch.Tensor, torch.Tensor]]
 @pytest.mark.parametrize("kv_dtype,strategy", [("fp8", "tensor"), ("int8", "attn_head")])
 def test_scales_are_the_cached_amax_over_the_dtype_range(tiny_llama, calib_txt, tmp_path, kv_dtype, strategy):
     calib = CalibData(str(calib_txt), 8, 64, batch_size=4, compute_dtype="float32")
-    out = quantize_weights(Quantization("kv", [KVCache(kv_dtype, strategy)], None, str(tiny_llama), tmp_path / "kv",
-                                        calib, report_error=False), progress=False)  # fmt: skip
+    out = quantize_weights(
+        Quantization(
+            "kv", [KVCache(kv_dtype, strategy)], None, str(tiny_llama), tmp_path / "kv", calib, report_error=False
+        ),
+        progress=False,
+    )
     tensors = load_file(out / "model.safetensors")
     limit = kv_cache.KV_DTYPES[kv_dtype][1]
     for i, (k_amax, v_amax) in enumerate(_reference_amax(tiny_llama, calib_txt)):
@@ -41,8 +45,10 @@ def test_scales_are_the_cached_amax_over_the_dtype_range(tiny_llama, calib_txt, 
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg["kv_cache_scheme"] == kv_cache.scheme(kv_dtype, strategy)
     assert qcfg["config_groups"] == {} and qcfg["format"] == "dense"
-    assert torch.equal(tensors["model.layers.0.mlp.up_proj.weight"],
-                       load_file(tiny_llama / "model.safetensors")["model.layers.0.mlp.up_proj.weight"])  # fmt: skip
+    assert torch.equal(
+        tensors["model.layers.0.mlp.up_proj.weight"],
+        load_file(tiny_llama / "model.safetensors")["model.layers.0.mlp.up_proj.weight"],
+    )
 
 
 def test_kv_alone_keeps_a_bf16_sources_weights_as_stored(tiny_llama, calib_txt, tmp_path):
@@ -56,8 +62,9 @@ def test_kv_alone_keeps_a_bf16_sources_weights_as_stored(tiny_llama, calib_txt, 
     for f in tiny_llama.glob("tokenizer*"):
         (source / f.name).write_bytes(f.read_bytes())
     calib = CalibData(str(calib_txt), 4, 64, compute_dtype="float32")
-    out = quantize_weights(Quantization("kv", [KVCache("fp8")], None, str(source), tmp_path / "kv", calib),
-                           progress=False)  # fmt: skip
+    out = quantize_weights(
+        Quantization("kv", [KVCache("fp8")], None, str(source), tmp_path / "kv", calib), progress=False
+    )
     before, after = load_file(source / "model.safetensors"), load_file(out / "model.safetensors")
     for name, t in before.items():
         assert after[name].dtype == torch.bfloat16 and torch.equal(after[name], t), name
@@ -68,8 +75,10 @@ def test_kv_alone_keeps_a_bf16_sources_weights_as_stored(tiny_llama, calib_txt, 
 def test_kv_composes_with_weight_quantization_in_one_run(tiny_llama, calib_txt, tmp_path):
     args = QuantArgs(4, 32, True)
     calib = CalibData(str(calib_txt), 8, 64)
-    out = quantize_weights(Quantization("rtn+kv", [RTN(args), KVCache("fp8")], args, str(tiny_llama),
-                                        tmp_path / "w4kv", calib), progress=False)  # fmt: skip
+    out = quantize_weights(
+        Quantization("rtn+kv", [RTN(args), KVCache("fp8")], args, str(tiny_llama), tmp_path / "w4kv", calib),
+        progress=False,
+    )
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg["format"] == "pack-quantized" and qcfg["kv_cache_scheme"]["type"] == "float"
     tensors = load_file(out / "model.safetensors")
@@ -79,10 +88,15 @@ def test_kv_composes_with_weight_quantization_in_one_run(tiny_llama, calib_txt, 
 
 def test_kv_on_a_quantized_checkpoint_keeps_its_packed_weights(tiny_llama, calib_txt, tmp_path):
     args = QuantArgs(4, 32, True)
-    w4 = quantize_weights(Quantization("rtn", [RTN(args)], args, str(tiny_llama), tmp_path / "w4", report_error=False),
-                          progress=False)  # fmt: skip
-    out = quantize_weights(Quantization("kv", [KVCache("int8", "attn_head")], None, str(w4), tmp_path / "w4-kv",
-                                        CalibData(str(calib_txt), 8, 64)), progress=False)  # fmt: skip
+    w4 = quantize_weights(
+        Quantization("rtn", [RTN(args)], args, str(tiny_llama), tmp_path / "w4", report_error=False), progress=False
+    )
+    out = quantize_weights(
+        Quantization(
+            "kv", [KVCache("int8", "attn_head")], None, str(w4), tmp_path / "w4-kv", CalibData(str(calib_txt), 8, 64)
+        ),
+        progress=False,
+    )
     before, after = load_file(w4 / "model.safetensors"), load_file(out / "model.safetensors")
     assert set(after) - set(before) == {n for i in range(2) for n in kv_cache.scale_names(i)}
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -93,12 +107,26 @@ def test_kv_on_a_quantized_checkpoint_keeps_its_packed_weights(tiny_llama, calib
 
 def test_kv_refuses_a_gptq_format_source_and_output(tiny_llama, calib_txt, tmp_path):
     args = QuantArgs(4, 32, True)
-    v1 = quantize_weights(Quantization("rtn", [RTN(args)], args, str(tiny_llama), tmp_path / "v1", report_error=False,
-                                       fmt="gptq"), progress=False)  # fmt: skip
+    v1 = quantize_weights(
+        Quantization("rtn", [RTN(args)], args, str(tiny_llama), tmp_path / "v1", report_error=False, fmt="gptq"),
+        progress=False,
+    )
     with pytest.raises(SlimlmError, match="gptq checkpoint, which has no place for KV-cache scales"):
-        quantize_weights(Quantization("kv", [KVCache("fp8")], None, str(v1), tmp_path / "x", CalibData(str(calib_txt))),
-                         progress=False)  # fmt: skip
+        quantize_weights(
+            Quantization("kv", [KVCache("fp8")], None, str(v1), tmp_path / "x", CalibData(str(calib_txt))),
+            progress=False,
+        )
     with pytest.raises(SlimlmError, match="--format gptq has no place for KV-cache scales"):
-        quantize_weights(Quantization("rtn+kv", [RTN(args), KVCache("fp8")], args, str(tiny_llama), tmp_path / "y",
-                                      CalibData(str(calib_txt)), fmt="gptq"), progress=False)  # fmt: skip
+        quantize_weights(
+            Quantization(
+                "rtn+kv",
+                [RTN(args), KVCache("fp8")],
+                args,
+                str(tiny_llama),
+                tmp_path / "y",
+                CalibData(str(calib_txt)),
+                fmt="gptq",
+            ),
+            progress=False,
+        )
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

@@ -43,9 +43,14 @@ def peak_growth(tmp_path, layers: int) -> tuple[int, int]:
 
     tokenizer = make_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
-        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=256,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     layer_bytes = sum(p.numel() * 4 for p in model.model.layers[0].parameters())

@@ -73,9 +73,19 @@ def test_rtn_quantizes_every_decoder_linear_and_reports_error(model):
 
 def test_ignore_keeps_linears_float(model):
     linears = pipeline.quantizable_linears(model, ["*.down_proj", "model.layers.0.*"])
-    assert sorted(linears) == [f"model.layers.1.{n}" for n in sorted(
-        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"]
-    )]  # fmt: skip
+    assert sorted(linears) == [
+        f"model.layers.1.{n}"
+        for n in sorted(
+            [
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "self_attn.o_proj",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+            ]
+        )
+    ]
 
 
 def test_group_size_that_does_not_divide_names_layers(model):
@@ -147,8 +157,9 @@ class Probe(Identity):
 def test_passes_run_in_the_compute_dtype_while_the_weights_stay_as_stored(model, tiny_llama):
     calib = torch.randint(0, model.config.vocab_size, (4, 16))
     probe = Probe()
-    result = pipeline.run(model, [probe, RTN(QuantArgs(4, 32))], calib, pipeline.Passes(compute_dtype=torch.bfloat16,
-                                                                                   progress=False))  # fmt: skip
+    result = pipeline.run(
+        model, [probe, RTN(QuantArgs(4, 32))], calib, pipeline.Passes(compute_dtype=torch.bfloat16, progress=False)
+    )
     # The hooks sit on the bf16 copy the batches run through; apply() gets the layer's own fp32 weights.
     assert probe.seen == {torch.bfloat16} and probe.weights == {torch.bfloat16, torch.float32}
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -170,6 +181,8 @@ def test_a_job_with_an_unknown_compute_dtype_stops_before_any_work(tiny_llama, t
 
     args = QuantArgs(4, 32)
     with pytest.raises(SlimlmError, match=r"^--compute-dtype 'fp16' is not one of auto, float32, bfloat16$"):
-        quantize_weights(Quantization("rtn", [RTN(args)], args, str(tiny_llama), tmp_path / "q",
-                                      CalibData(compute_dtype="fp16")), progress=False)  # fmt: skip
+        quantize_weights(
+            Quantization("rtn", [RTN(args)], args, str(tiny_llama), tmp_path / "q", CalibData(compute_dtype="fp16")),
+            progress=False,
+        )
     assert list(tmp_path.iterdir()) == []

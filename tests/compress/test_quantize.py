@@ -101,8 +101,9 @@ def test_unsupported_settings(kw, msg):
         QuantArgs(**kw)
 
 
-@pytest.mark.parametrize("args", [QuantArgs(4, 32, True), QuantArgs(3, 64, False), QuantArgs(2, -1, False),
-                                  QuantArgs(8, -1, True)], ids=str)  # fmt: skip
+@pytest.mark.parametrize(
+    "args", [QuantArgs(4, 32, True), QuantArgs(3, 64, False), QuantArgs(2, -1, False), QuantArgs(8, -1, True)], ids=str
+)
 def test_fake_quantize_is_rtn_then_dequantize_bit_for_bit(args):
     from slimlm.compress.quantize import fake_quantize
 

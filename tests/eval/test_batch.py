@@ -9,9 +9,15 @@ def test_outputs_in_input_order_and_followers_reuse_the_leaders_context(tiny_lla
     engine = Engine(str(tiny_llama), EngineConfig(max_num_seqs=2, block_size=16))
     context = list(range(3, 53))  # 3 full blocks of 16
     prompts = [context + [60 + i] for i in range(5)] + [list(range(100, 130))]
-    params = [SamplingParams(max_tokens=1 + 3 * (i % 2), temperature=0, prompt_logprobs=0,
-                             prompt_logprobs_from=min(len(context), len(p) - 1))
-              for i, p in enumerate(prompts)]  # fmt: skip
+    params = [
+        SamplingParams(
+            max_tokens=1 + 3 * (i % 2),
+            temperature=0,
+            prompt_logprobs=0,
+            prompt_logprobs_from=min(len(context), len(p) - 1),
+        )
+        for i, p in enumerate(prompts)
+    ]
     after = [0, 0, 0, 0, 0, 5]
     in_flight, peak = set(), 0
     add, finished = engine.add_request, []

@@ -27,8 +27,14 @@ def backends(tiny_llama):
 def test_loglikelihood_equals_the_hf_backend(backends):
     hf, ours = backends
     context = "the quick brown fox jumps over the lazy dog and then " * 3  # 2+ blocks, shared below
-    args = [(context, "runs away"), (context, "sleeps"), (context, " eats a very small apple"), ("", "alone"),
-            ("a question ", "with a trailing space"), ("short", " one")]  # fmt: skip
+    args = [
+        (context, "runs away"),
+        (context, "sleeps"),
+        (context, " eats a very small apple"),
+        ("", "alone"),
+        ("a question ", "with a trailing space"),
+        ("short", " one"),
+    ]
     mine = ours.loglikelihood(instances("loglikelihood", args))
     theirs = hf.loglikelihood(instances("loglikelihood", args))
     for (lp, greedy), (lp_hf, greedy_hf) in zip(mine, theirs, strict=True):
@@ -46,9 +52,11 @@ def test_rolling_loglikelihood_equals_the_hf_backend(backends):
 
 def test_generate_until_equals_the_hf_backend(backends):
     hf, ours = backends
-    args = [("the quick brown", {"until": ["\n\n"], "max_gen_toks": 12, "do_sample": False}),
-            ("over the lazy dog", {"until": ["the"], "max_gen_toks": 20}),
-            ("and then", {"max_gen_toks": 5})]  # fmt: skip
+    args = [
+        ("the quick brown", {"until": ["\n\n"], "max_gen_toks": 12, "do_sample": False}),
+        ("over the lazy dog", {"until": ["the"], "max_gen_toks": 20}),
+        ("and then", {"max_gen_toks": 5}),
+    ]
     mine = ours.generate_until(instances("generate_until", args))
     theirs = hf.generate_until(instances("generate_until", args))
     assert mine == theirs and any(mine)
@@ -64,10 +72,13 @@ def test_task_pack_outcomes_equal_the_hf_backend_on_the_default_model(smollm2):
     """Every document of a fixed subset of each task: same winner, near-identical log-likelihoods."""
     manager = harness.task_manager([taskpack.GROUP])
     runs = {}
-    for name, lm in [("slimlm", SlimlmLM(pretrained=str(smollm2), progress=False)),
-                     ("hf", HFLM(pretrained=str(smollm2), device="cpu", batch_size=16, dtype="float32"))]:  # fmt: skip
-        runs[name] = lm_eval.simple_evaluate(model=lm, tasks=[taskpack.GROUP], limit=6, task_manager=manager,
-                                             log_samples=True, verbosity="ERROR")  # fmt: skip
+    for name, lm in [
+        ("slimlm", SlimlmLM(pretrained=str(smollm2), progress=False)),
+        ("hf", HFLM(pretrained=str(smollm2), device="cpu", batch_size=16, dtype="float32")),
+    ]:
+        runs[name] = lm_eval.simple_evaluate(
+            model=lm, tasks=[taskpack.GROUP], limit=6, task_manager=manager, log_samples=True, verbosity="ERROR"
+        )
     for task, samples in runs["slimlm"]["samples"].items():
         theirs = runs["hf"]["samples"][task]
         assert [s["acc"] for s in samples] == [s["acc"] for s in theirs], task

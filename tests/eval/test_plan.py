@@ -19,10 +19,17 @@ DEVICE = plan.Device("test", peak_flops=1e12, bandwidth=1e9, memory=2e7)
 def test_the_exact_count_is_transformers_count(model_type, tied):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, vocab_size=300, hidden_size=96, intermediate_size=160,
-                                  num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
-                                  tie_word_embeddings=tied,
-                                  attention_bias=model_type == "llama" and not tied)  # fmt: skip
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=300,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        attention_bias=model_type == "llama" and not tied,
+    )
     model = AutoModelForCausalLM.from_config(config)  # tiny: real weights (meta ones would not tie)
     dims = plan.Dims.from_config(config.to_dict())
     assert plan.parameters(dims)["total"] == sum(p.numel() for p in model.parameters())
@@ -44,8 +51,7 @@ def test_weight_bytes_count_codes_scales_and_zero_points():
     # groups of 128 along the input: q 256 rows·2 groups, k/v 128·2, o 256·2, gate/up 512·2, down 256·4
     groups = 256 * 2 + 2 * 128 * 2 + 256 * 2 + 2 * 512 * 2 + 256 * 4
     assert plan.weight_bytes(SMALL, plan.WeightFormat.parse("w4g128")) == linear // 2 + 2 * groups + 2 * others
-    assert plan.weight_bytes(SMALL, plan.WeightFormat.parse("w4g128-asym")) == (linear // 2 + 2.5 * groups
-                                                                                + 2 * others)  # fmt: skip
+    assert plan.weight_bytes(SMALL, plan.WeightFormat.parse("w4g128-asym")) == (linear // 2 + 2.5 * groups + 2 * others)
     rows = 256 + 128 + 128 + 256 + 512 + 512 + 256  # per channel: one scale per output row
     assert plan.weight_bytes(SMALL, plan.WeightFormat.parse("w8g-1")) == linear + 2 * rows + 2 * others
 
@@ -76,8 +82,10 @@ def test_a_4bit_cache_is_half_a_byte_per_value_and_its_scales_per_head_vector(ti
     step = plan.decode_step(SMALL, plan.WeightFormat("bfloat16"), "int4", batch=1, context=10, device=DEVICE)
     assert step["attention_intensity"] == pytest.approx(2 * 2 * 128 / row)  # 2 FLOPs per value per query head
     engine = Engine(str(tiny_llama), EngineConfig(kv_cache_dtype="int4", max_model_len=64, kv_cache_memory=1 << 20))
-    assert plan.kv_bytes_per_token(plan.Dims.from_config(read_config(tiny_llama)), "int4") == \
-        engine.runner.kv_bytes_per_token  # what the runtime allocates
+    assert (
+        plan.kv_bytes_per_token(plan.Dims.from_config(read_config(tiny_llama)), "int4")
+        == engine.runner.kv_bytes_per_token
+    )  # what the runtime allocates
 
 
 def test_what_fits_and_the_crossover():
@@ -99,8 +107,10 @@ def test_the_command_prints_the_table_for_a_local_model_and_names_bad_input(tiny
     for args, fragment in [(["--kv-heads", "3"], "does not divide the 4"), (["--device", "tpu"], "--device tpu")]:
         assert main(["plan", str(tiny_llama), *args]) == 2
         assert fragment in capsys.readouterr().err
-    for args, fragment in [(["--weights", "w5"], "argument --weights: use a float dtype"),
-                           (["--batch", "0"], "argument --batch: '0'")]:  # fmt: skip
+    for args, fragment in [
+        (["--weights", "w5"], "argument --weights: use a float dtype"),
+        (["--batch", "0"], "argument --batch: '0'"),
+    ]:
         with pytest.raises(SystemExit) as e:
             main(["plan", str(tiny_llama), *args])
         assert e.value.code == 2 and fragment in capsys.readouterr().err
@@ -112,8 +122,9 @@ def test_the_serving_roofline_by_hand():
     tokens 4 and 2+3+4 (13, the KV tokens decode reads). Arithmetic 2·144·10 + 2·40·6 + 4·1·2·2·20 = 3680."""
     d = plan.Dims(vocab=10, hidden=4, heads=2, kv_heads=1, head_dim=2, ffn=8, layers=1)
     requests = [(0.0, 3, 2), (0.5, 1, 4)]
-    r = plan.serving_roofline(d, requests, max_seqs=2, read_bytes=100, kv_bytes_per_token=10, peak_flops=3680,
-                              bandwidth=265)  # fmt: skip
+    r = plan.serving_roofline(
+        d, requests, max_seqs=2, read_bytes=100, kv_bytes_per_token=10, peak_flops=3680, bandwidth=265
+    )
     assert r["flops"] == 3680 and r["steps"] == 4 and r["bytes"] == 4 * 100 + 13 * 10  # the longest output: 4 steps
     assert (r["compute_s"], r["memory_s"], r["arrivals_s"]) == (1.0, 2.0, 0.5)
     assert r["bound"] == "bandwidth" and r["time_s"] == 2.0 and r["output_tok_s"] == 3.0
@@ -141,27 +152,49 @@ def test_predicted_against_a_bench_run(tiny_llama, tmp_path, capsys):
     from slimlm.perf import bench
     from slimlm.perf.config import BenchConfig
 
-    config = BenchConfig(batches=[1, 2], context=32, prefill_len=16, steps=2, kv_cache_memory=4 << 20,
-                               requests=2, rate=50.0, prompt_len=(8, 12), output_len=(2, 3))  # fmt: skip
+    config = BenchConfig(
+        batches=[1, 2],
+        context=32,
+        prefill_len=16,
+        steps=2,
+        kv_cache_memory=4 << 20,
+        requests=2,
+        rate=50.0,
+        prompt_len=(8, 12),
+        output_len=(2, 3),
+    )
     result = bench.bench(str(tiny_llama), None, config, progress=False)
     path = tmp_path / "bench.json"
     path.write_text(__import__("json").dumps(result))
     rows = plan.against_bench(result, models.read_config(tiny_llama))
     dims = plan.Dims.from_config(models.read_config(tiny_llama))
-    expected = (plan.read_bytes(dims, plan.WeightFormat("float32")) + 2 * 32 * plan.kv_bytes_per_token(dims, "fp32"))
+    expected = plan.read_bytes(dims, plan.WeightFormat("float32")) + 2 * 32 * plan.kv_bytes_per_token(dims, "fp32")
     assert rows[1]["predicted_ms"] == pytest.approx(1e3 * expected / result["bandwidth_bytes_s"])
-    assert rows[1]["ratio"] == pytest.approx(result["systems"]["model"]["offline"]["decode"][1]["step_ms"]
-                                             / rows[1]["predicted_ms"])  # fmt: skip
+    assert rows[1]["ratio"] == pytest.approx(
+        result["systems"]["model"]["offline"]["decode"][1]["step_ms"] / rows[1]["predicted_ms"]
+    )
     assert main(["plan", str(tiny_llama), "--bench", str(path)]) == 0
     assert "measured/predicted" in capsys.readouterr().out
     assert main(["plan", str(tiny_llama), "--bench", str(tmp_path / "missing.json")]) == 2
 
 
 def test_the_format_a_checkpoint_config_describes():
-    ct = {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
-        "weights": {"num_bits": 4, "group_size": 64, "strategy": "group", "symmetric": False}}}}}  # fmt: skip
+    ct = {
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "config_groups": {
+                "group_0": {"weights": {"num_bits": 4, "group_size": 64, "strategy": "group", "symmetric": False}}
+            },
+        }
+    }
     assert plan.weight_format_of(ct, "bfloat16") == plan.WeightFormat("bfloat16", 4, 64, False)
-    channel = {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"group_0": {
-        "weights": {"num_bits": 8, "group_size": None, "strategy": "channel", "symmetric": True}}}}}  # fmt: skip
+    channel = {
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "config_groups": {
+                "group_0": {"weights": {"num_bits": 8, "group_size": None, "strategy": "channel", "symmetric": True}}
+            },
+        }
+    }
     assert plan.weight_format_of(channel, "float32") == plan.WeightFormat("float32", 8, -1, True)
     assert plan.weight_format_of({}, "float32") == plan.WeightFormat("float32")

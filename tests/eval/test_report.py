@@ -14,8 +14,24 @@ import pytest
 from slimlm.cli import main
 from slimlm.eval import report
 
-BENCH = ["--batch", "1,2", "--context", "32", "--prefill-len", "16", "--requests", "3", "--rate", "50",
-         "--prompt-len", "8,12", "--output-len", "2,4", "--kv-cache-memory", "4M"]  # fmt: skip
+BENCH = [
+    "--batch",
+    "1,2",
+    "--context",
+    "32",
+    "--prefill-len",
+    "16",
+    "--requests",
+    "3",
+    "--rate",
+    "50",
+    "--prompt-len",
+    "8,12",
+    "--output-len",
+    "2,4",
+    "--kv-cache-memory",
+    "4M",
+]
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +43,23 @@ def runs(tiny_llama, calib_txt, tmp_path_factory):
     assert main(["rtn", "--model", str(tiny_llama), "--group-size", "32", "--out", str(w4_run / "model")]) == 0
     (w4_run / "run.json").write_text(json.dumps({"name": "rtn-w4", "model": str(w4_run / "model")}))
     for run, model, baseline in ((float_run, tiny_llama, "none"), (w4_run, w4_run / "model", str(tiny_llama))):
-        assert main(["eval", str(model), "--ppl", str(calib_txt), "--max-tokens", "2048", "--seq-len", "128",
-                     "--output", str(run / "eval.json")]) == 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "eval",
+                    str(model),
+                    "--ppl",
+                    str(calib_txt),
+                    "--max-tokens",
+                    "2048",
+                    "--seq-len",
+                    "128",
+                    "--output",
+                    str(run / "eval.json"),
+                ]
+            )
+            == 0
+        )
         assert main(["bench", str(model), "--baseline", baseline, *BENCH, "--json", str(run / "bench.json")]) == 0
     return [float_run, w4_run]
 
@@ -54,8 +85,11 @@ def test_the_report_shows_each_runs_own_numbers(runs, tmp_path, capsys):
 def test_the_report_replaces_no_file_unless_asked_and_never_a_checkpoints(runs, tiny_llama, tmp_path, capsys):
     out = tmp_path / "report.html"
     out.write_text("mine")
-    for target, fragment in ((out, "exists; pass --overwrite to replace it"), (tmp_path, "is a directory; name a file"),
-                             (tiny_llama / "config.json", "is a checkpoint's own file")):  # fmt: skip
+    for target, fragment in (
+        (out, "exists; pass --overwrite to replace it"),
+        (tmp_path, "is a directory; name a file"),
+        (tiny_llama / "config.json", "is a checkpoint's own file"),
+    ):
         before = target.read_text() if target.is_file() else None
         asked = [] if target == out else ["--overwrite"]  # asking does not make the others writable
         assert main(["report", *map(str, runs), "--out", str(target), *asked]) == 2
@@ -103,8 +137,10 @@ def chromium() -> str:
     if shutil.which("apt-get") is None or os.geteuid() != 0:
         pytest.skip("chromium is not installed and this machine cannot install it (needs apt-get as root)")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends",
-                                                   "chromium"]):  # fmt: skip
+    for command in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"],
+    ):
         if subprocess.run(command, capture_output=True, env=env, timeout=900).returncode != 0:
             pytest.skip(f"chromium could not be installed ({' '.join(command)} failed)")
     return shutil.which("chromium")
@@ -127,11 +163,18 @@ def test_the_report_renders_in_headless_chromium(runs, tmp_path):
     report.render(runs, out)
     probe = tmp_path / "probe.html"
     probe.write_text(out.read_text().replace("</body>", CHECK))
-    flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-             "--virtual-time-budget=5000"]  # fmt: skip
+    flags = [
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--virtual-time-budget=5000",
+    ]
     dom = subprocess.run([*flags, "--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120)
     assert 'id="check">images=3 broken=0 tables=3<' in dom.stdout, dom.stderr[-2000:]
     shot = tmp_path / "report.png"
-    subprocess.run([*flags, f"--screenshot={shot}", "--window-size=1300,1800", out.as_uri()], capture_output=True,
-                   timeout=120)  # fmt: skip
+    subprocess.run(
+        [*flags, f"--screenshot={shot}", "--window-size=1300,1800", out.as_uri()], capture_output=True, timeout=120
+    )
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000

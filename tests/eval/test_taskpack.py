@@ -49,10 +49,16 @@ def requests(task: ConfigurableTask) -> list[tuple]:
 def test_the_pack_has_every_task_with_its_full_split(ours):
     sizes = {name: len(task.eval_docs) for name, task in ours.items()}
     assert sizes == {
-        "slimlm_hellaswag": 10042, "slimlm_piqa": 1838, "slimlm_winogrande": 1267, "slimlm_arc_easy": 570,
-        "slimlm_arc_challenge": 299, "slimlm_boolq": 3270, "slimlm_openbookqa": 500, "slimlm_sciq": 1000,
+        "slimlm_hellaswag": 10042,
+        "slimlm_piqa": 1838,
+        "slimlm_winogrande": 1267,
+        "slimlm_arc_easy": 570,
+        "slimlm_arc_challenge": 299,
+        "slimlm_boolq": 3270,
+        "slimlm_openbookqa": 500,
+        "slimlm_sciq": 1000,
         "slimlm_lambada_openai": 5153,
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize("name", list(taskpack.STANDARD))

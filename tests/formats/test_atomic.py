@@ -123,9 +123,11 @@ def test_out_refusals_name_the_directory_and_the_fix(tmp_path, monkeypatch):
     (ckpt / "sub").mkdir()
     assert refusal(ckpt, True) == (
         f"--out {ckpt} is a non-empty directory that is not a checkpoint (no config.json/slimlm.json, or it has "
-        "subdirectories); slimlm replaces only checkpoints: name another directory")  # fmt: skip
-    assert refusal(tmp_path / "file" / "x") == (f"cannot write --out {tmp_path / 'file' / 'x'}: {tmp_path / 'file'} "
-                                                "is not a writable directory")  # fmt: skip
+        "subdirectories); slimlm replaces only checkpoints: name another directory"
+    )
+    assert refusal(tmp_path / "file" / "x") == (
+        f"cannot write --out {tmp_path / 'file' / 'x'}: {tmp_path / 'file'} is not a writable directory"
+    )
 
 
 def test_a_temp_dir_another_run_holds_makes_out_busy_and_a_dead_runs_is_cleared(tmp_path):
@@ -135,8 +137,9 @@ def test_a_temp_dir_another_run_holds_makes_out_busy_and_a_dead_runs_is_cleared(
     fd = os.open(held, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        assert refusal(out) == (f"another slimlm run is writing {out} now (.q.tmp-held); wait for it or name another "
-                                "--out")  # fmt: skip
+        assert refusal(out) == (
+            f"another slimlm run is writing {out} now (.q.tmp-held); wait for it or name another --out"
+        )
     finally:
         os.close(fd)
     with atomic.atomic_dir(out) as tmp:  # the holder is gone: its temp dir is stale and removed
@@ -144,9 +147,16 @@ def test_a_temp_dir_another_run_holds_makes_out_busy_and_a_dead_runs_is_cleared(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
 
 
-@pytest.mark.parametrize(("entries", "expected"), [((), True), (("config.json",), True), (("slimlm.json", "w"), True),
-                                                   (("notes.txt",), False),
-                                                   (("config.json", "sub/"), False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("entries", "expected"),
+    [
+        ((), True),
+        (("config.json",), True),
+        (("slimlm.json", "w"), True),
+        (("notes.txt",), False),
+        (("config.json", "sub/"), False),
+    ],
+)
 def test_replaceable_means_empty_or_a_checkpoint_without_subdirectories(tmp_path, entries, expected):
     for e in entries:
         (tmp_path / e.rstrip("/")).mkdir() if e.endswith("/") else (tmp_path / e).write_text("")

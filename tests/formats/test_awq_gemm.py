@@ -57,14 +57,16 @@ def test_unpack_columns_undoes_the_interleave():
 @pytest.mark.parametrize(
     "qcfg, args",
     [
-        ({"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "GEMM"},
-         QuantArgs(4, 64, False)),
+        (
+            {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "GEMM"},
+            QuantArgs(4, 64, False),
+        ),
         ({"quant_method": "awq", "w_bit": 4, "q_group_size": 32}, QuantArgs(4, 32, False)),  # AutoAWQ's own keys
         ({"quant_method": "awq", "bits": 4}, QuantArgs(4, 128, False)),  # AutoAWQ's defaults: gemm, 128, zeros
         ({"bits": 4, "w_bit": 8, "group_size": 32, "q_group_size": 64}, QuantArgs(4, 32, False)),  # HF keys first
     ],
     ids=["explicit", "autoawq-keys", "defaults", "hf-keys-first"],
-)  # fmt: skip
+)
 def test_config_read_with_autoawq_defaults(qcfg, args):
     assert awq_gemm.args_from_config(qcfg) == args
 
@@ -72,9 +74,11 @@ def test_config_read_with_autoawq_defaults(qcfg, args):
 @pytest.mark.parametrize(
     "qcfg, message",
     [
-        ({"bits": 4, "version": "gemv"},
-         "AWQ checkpoint (version gemv, 4-bit, zero_point=None) is not supported; slimlm reads AWQ GEMM 4-bit "
-         "with zero points"),
+        (
+            {"bits": 4, "version": "gemv"},
+            "AWQ checkpoint (version gemv, 4-bit, zero_point=None) is not supported; slimlm reads AWQ GEMM 4-bit "
+            "with zero points",
+        ),
         ({"bits": 8}, "AWQ checkpoint (version gemm, 8-bit, zero_point=None) is not supported"),
         ({"bits": 4, "zero_point": False}, "AWQ checkpoint (version gemm, 4-bit, zero_point=False) is not supported"),
         ({"bits": 4, "group_size": 16}, "AWQ group_size=16: slimlm reads 32, 64 or 128"),
@@ -83,7 +87,7 @@ def test_config_read_with_autoawq_defaults(qcfg, args):
         ({"bits": 4, "q_group_size": 256}, "AWQ group_size=256: slimlm reads 32, 64 or 128"),
     ],
     ids=["gemv", "8-bit", "no-zero-point", "group-16", "group-str", "group-float", "q-group-256"],
-)  # fmt: skip
+)
 def test_config_refusals_say_what_is_read(qcfg, message):
     with pytest.raises(SlimlmError) as e:
         awq_gemm.args_from_config(qcfg)

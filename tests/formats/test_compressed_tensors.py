@@ -28,8 +28,9 @@ def quantize_tiny(tiny_llama, out, args, overwrite=False):
     from slimlm.compress.job import CalibData, Quantization, quantize_weights
 
     calib = CalibData(str(tiny_llama.parent.parent / "calib.txt"), 4, 32)
-    return quantize_weights(Quantization("rtn", [RTN(args)], args, str(tiny_llama), out, calib, overwrite=overwrite),
-                            progress=False)  # fmt: skip
+    return quantize_weights(
+        Quantization("rtn", [RTN(args)], args, str(tiny_llama), out, calib, overwrite=overwrite), progress=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +153,10 @@ def _config(**groups) -> dict:
 
 
 def _group(targets, bits: int) -> dict:
-    return {"targets": targets, "weights": {"num_bits": bits, "type": "int", "symmetric": True, "group_size": 32,
-                                            "strategy": "group"}}  # fmt: skip
+    return {
+        "targets": targets,
+        "weights": {"num_bits": bits, "type": "int", "symmetric": True, "group_size": 32, "strategy": "group"},
+    }
 
 
 def test_a_module_named_by_a_group_of_its_own_reads_with_that_scheme():
@@ -173,12 +176,16 @@ def test_a_module_named_by_a_group_of_its_own_reads_with_that_scheme():
 @pytest.mark.parametrize(
     "groups,fragment",
     [
-        (dict(a=_group(["lm_head"], 8), b=_group(["re:.*"], 4)),
-         '^with several config groups, exactly one must target "Linear"; slimlm reads the others as schemes for '
-         "the modules they name$"),
-        (dict(a=_group(["Linear"], 4), b=_group(["re:.*lm_head"], 8)),
-         """^config group target 're:.\\*lm_head': slimlm reads targets that are exact module names, besides the """
-         'one "Linear" group$'),
+        (
+            dict(a=_group(["lm_head"], 8), b=_group(["re:.*"], 4)),
+            '^with several config groups, exactly one must target "Linear"; slimlm reads the others as schemes for '
+            "the modules they name$",
+        ),
+        (
+            dict(a=_group(["Linear"], 4), b=_group(["re:.*lm_head"], 8)),
+            """^config group target 're:.\\*lm_head': slimlm reads targets that are exact module names, besides the """
+            'one "Linear" group$',
+        ),
         (dict(a=_group(["Linear"], 4), b=_group("lm_head", 8)), "expected a list of module names"),
         (dict(a=_group(["Linear"], 4), b=_group(["lm_head"], 5)), "weights.num_bits is 5"),
     ],
@@ -199,9 +206,16 @@ def test_the_config_we_write_is_the_scheme_compressed_tensors_documents():
     assert qcfg["format"] == "pack-quantized" and qcfg["ignore"] == ["lm_head"]
     assert qcfg["kv_cache_scheme"] == {"num_bits": 8} and qcfg["quant_method"] == "compressed-tensors"
     main, own = qcfg["config_groups"]["group_0"], qcfg["config_groups"]["group_1"]
-    assert main["weights"] == {"num_bits": 4, "type": "int", "symmetric": True, "group_size": None,
-                               "strategy": "channel", "dynamic": False, "actorder": "group",
-                               "observer": "minmax"}  # fmt: skip
+    assert main["weights"] == {
+        "num_bits": 4,
+        "type": "int",
+        "symmetric": True,
+        "group_size": None,
+        "strategy": "channel",
+        "dynamic": False,
+        "actorder": "group",
+        "observer": "minmax",
+    }
     assert own["targets"] == ["model.x"] and own["weights"]["actorder"] is None  # act-order is GPTQ's, not RTN's
     assert own["weights"]["group_size"] == 32 and own["weights"]["strategy"] == "group"
     kv_only = compressed_tensors.quantization_config(None, ["x"], kv_cache_scheme={"num_bits": 8})
@@ -214,11 +228,13 @@ def test_the_config_we_write_is_the_scheme_compressed_tensors_documents():
     [
         ({"num_bits": 4}, QuantArgs(4, -1, True)),  # type int, symmetric and per channel by default
         ({"num_bits": 8, "strategy": "channel", "group_size": 64}, QuantArgs(8, -1, True)),
-        ({"num_bits": 3, "strategy": "group", "group_size": 32, "symmetric": False, "type": "int"},
-         QuantArgs(3, 32, False)),
+        (
+            {"num_bits": 3, "strategy": "group", "group_size": 32, "symmetric": False, "type": "int"},
+            QuantArgs(3, 32, False),
+        ),
         ({"num_bits": 4, "input_activations": None}, QuantArgs(4, -1, True)),
     ],
-)  # fmt: skip
+)
 def test_weight_schemes_are_read_with_their_defaults(weights, expected):
     from slimlm.formats import compressed_tensors
 
@@ -229,15 +245,21 @@ def test_weight_schemes_are_read_with_their_defaults(weights, expected):
 @pytest.mark.parametrize(
     "group,fragment",
     [
-        ({"input_activations": {"num_bits": 8}},
-         r"^activation quantization \(W·A· schemes\) is not supported; slimlm serves weight-only schemes$"),
-        ({"weights": {"num_bits": 4, "type": "float"}},
-         "^weight scheme type=float strategy=None is not supported; slimlm serves integer per-group or "
-         "per-channel weights$"),
+        (
+            {"input_activations": {"num_bits": 8}},
+            r"^activation quantization \(W·A· schemes\) is not supported; slimlm serves weight-only schemes$",
+        ),
+        (
+            {"weights": {"num_bits": 4, "type": "float"}},
+            "^weight scheme type=float strategy=None is not supported; slimlm serves integer per-group or "
+            "per-channel weights$",
+        ),
         ({"weights": {"num_bits": 4, "strategy": "tensor"}}, "type=None strategy=tensor is not supported"),
         ({"weights": {"num_bits": True}}, r"weights.num_bits is True; slimlm reads integers \(2, 3, 4, 8\)"),
-        ({"weights": {"num_bits": 4, "strategy": "group", "group_size": 16}},
-         r"^weights.group_size is 16; slimlm reads \(32, 64, 128\) or null$"),
+        (
+            {"weights": {"num_bits": 4, "strategy": "group", "group_size": 16}},
+            r"^weights.group_size is 16; slimlm reads \(32, 64, 128\) or null$",
+        ),
         ({"weights": {"num_bits": 4, "strategy": "group", "group_size": 64.0}}, "weights.group_size is 64.0"),
         ({"weights": {"num_bits": 4, "symmetric": "yes"}}, "weights.symmetric is 'yes'; it must be true or false"),
         ({"weights": "int4"}, "^quantization_config must have config groups, each with a 'weights' scheme$"),
@@ -262,8 +284,11 @@ def test_a_config_with_groups_reads_them_even_beside_a_kv_scheme():
         compressed_tensors.args_from_config({**qcfg, "config_groups": ["x"]})
 
 
-@pytest.mark.parametrize("args,shape", [(QuantArgs(4, 32, False), (264, 64)), (QuantArgs(3, -1, True), (5, 264)),
-                                        (QuantArgs(8, 32, True), (1, 96))], ids=str)  # fmt: skip
+@pytest.mark.parametrize(
+    "args,shape",
+    [(QuantArgs(4, 32, False), (264, 64)), (QuantArgs(3, -1, True), (5, 264)), (QuantArgs(8, 32, True), (1, 96))],
+    ids=str,
+)
 def test_tensors_round_trip_with_their_dtypes(args, shape):
     """Sizes whose packed widths need ceil(·/32) (264 = 8.25 words of 4-bit codes) and one output row."""
     from slimlm.formats import compressed_tensors
@@ -271,7 +296,8 @@ def test_tensors_round_trip_with_their_dtypes(args, shape):
     q = quantize_rtn(torch.randn(*shape), args)
     g = torch.Generator().manual_seed(0)
     q.g_idx = (torch.arange(shape[1]) // (shape[1] if args.group_size == -1 else args.group_size))[
-        torch.randperm(shape[1], generator=g)]  # int64: written as int32  # fmt: skip
+        torch.randperm(shape[1], generator=g)
+    ]  # int64: written as int32
     t = compressed_tensors.to_tensors(q)
     assert t["weight_packed"].dtype == torch.int32 and t["weight_shape"].dtype == torch.int64
     assert t["weight_g_idx"].dtype == torch.int32 and torch.equal(t["weight_g_idx"].long(), q.g_idx)
@@ -295,26 +321,38 @@ def _tensors(args: QuantArgs | None = None) -> dict:
     [
         (lambda t: t.pop("weight_shape"), "the checkpoint has no w.weight_shape"),
         (lambda t: t.pop("weight_packed"), "the checkpoint has no w.weight_packed"),
-        (lambda t: t.update(weight_shape=torch.tensor([16, 64, 1])),
-         r"w.weight_shape is \[16, 64, 1\]; expected \[out, in\] with positive sizes"),
+        (
+            lambda t: t.update(weight_shape=torch.tensor([16, 64, 1])),
+            r"w.weight_shape is \[16, 64, 1\]; expected \[out, in\] with positive sizes",
+        ),
         (lambda t: t.update(weight_shape=torch.tensor([16.0, 64.0])), r"w.weight_shape is \[16.0, 64.0\]; expected"),
         (lambda t: t.update(weight_shape=torch.tensor([0, 64])), r"w.weight_shape is \[0, 64\]; expected"),
         (lambda t: t.update(weight_shape=torch.tensor([16, 48])), "w: group_size 32 does not divide its input dim 48"),
-        (lambda t: t.update(weight_packed=t["weight_packed"].long()),
-         r"w.weight_packed is \[16, 8\] torch.int64, the quantization_config implies \[16, 8\] torch.int32"),
-        (lambda t: t.update(weight_scale=t["weight_scale"][:, :1]),
-         r"w.weight_scale is \[16, 1\] torch.float32, the quantization_config implies \[16, 2\]$"),
-        (lambda t: t.update(weight_scale=t["weight_scale"].int()),
-         "w.weight_scale has dtype torch.int32; scales are floats"),
-        (lambda t: t.update(weight_zero_point=t["weight_zero_point"].long()),
-         r"w.weight_zero_point is \[2, 2\] torch.int64, the quantization_config implies \[2, 2\] torch.int32"),
+        (
+            lambda t: t.update(weight_packed=t["weight_packed"].long()),
+            r"w.weight_packed is \[16, 8\] torch.int64, the quantization_config implies \[16, 8\] torch.int32",
+        ),
+        (
+            lambda t: t.update(weight_scale=t["weight_scale"][:, :1]),
+            r"w.weight_scale is \[16, 1\] torch.float32, the quantization_config implies \[16, 2\]$",
+        ),
+        (
+            lambda t: t.update(weight_scale=t["weight_scale"].int()),
+            "w.weight_scale has dtype torch.int32; scales are floats",
+        ),
+        (
+            lambda t: t.update(weight_zero_point=t["weight_zero_point"].long()),
+            r"w.weight_zero_point is \[2, 2\] torch.int64, the quantization_config implies \[2, 2\] torch.int32",
+        ),
         (lambda t: t.update(weight_g_idx=t["weight_g_idx"].float()), r"w.weight_g_idx holds groups outside 0..1$"),
         (lambda t: t.update(weight_g_idx=t["weight_g_idx"] + 1), r"w.weight_g_idx holds groups outside 0..1$"),
         (lambda t: t.update(weight_g_idx=t["weight_g_idx"] - 1), r"w.weight_g_idx holds groups outside 0..1$"),
-        (lambda t: t.update(weight_g_idx=t["weight_g_idx"][:63]),
-         r"w.weight_g_idx is \[63\] torch.int32, the quantization_config implies \[64\]$"),
+        (
+            lambda t: t.update(weight_g_idx=t["weight_g_idx"][:63]),
+            r"w.weight_g_idx is \[63\] torch.int32, the quantization_config implies \[64\]$",
+        ),
     ],
-)  # fmt: skip
+)
 def test_broken_tensors_are_named(change, message):
     from slimlm.formats import compressed_tensors
 

@@ -63,10 +63,12 @@ def test_unexportable_settings(args):
 def test_gptq_v1_checkpoint_round_trip(tiny_llama, calib_txt, tmp_path):
     args = QuantArgs(4, 32, True)
     calib = CalibData(str(calib_txt), 8, 32)
-    ct = quantize_weights(Quantization("gptq", [GPTQ(args)], args, str(tiny_llama), tmp_path / "ct", calib),
-                          progress=False)  # fmt: skip
-    v1 = quantize_weights(Quantization("gptq", [GPTQ(args)], args, str(tiny_llama), tmp_path / "v1", calib,
-                                       fmt="gptq"), progress=False)  # fmt: skip
+    ct = quantize_weights(
+        Quantization("gptq", [GPTQ(args)], args, str(tiny_llama), tmp_path / "ct", calib), progress=False
+    )
+    v1 = quantize_weights(
+        Quantization("gptq", [GPTQ(args)], args, str(tiny_llama), tmp_path / "v1", calib, fmt="gptq"), progress=False
+    )
     qcfg = json.loads((v1 / "config.json").read_text())["quantization_config"]
     assert qcfg["quant_method"] == "gptq" and qcfg["bits"] == 4 and qcfg["group_size"] == 32
     a, _ = reader.read_checkpoint(ct)
@@ -79,8 +81,14 @@ def test_gptq_v1_checkpoint_round_trip(tiny_llama, calib_txt, tmp_path):
     assert torch.isfinite(m.model.layers[0].mlp.down_proj.weight).all()
 
 
-@pytest.mark.parametrize("args,got", [(QuantArgs(4, 32, False), "4-bit asym"), (QuantArgs(3, 32, True), "3-bit sym"),
-                                      (QuantArgs(2, 32, True), "2-bit sym")])  # fmt: skip
+@pytest.mark.parametrize(
+    "args,got",
+    [
+        (QuantArgs(4, 32, False), "4-bit asym"),
+        (QuantArgs(3, 32, True), "3-bit sym"),
+        (QuantArgs(2, 32, True), "2-bit sym"),
+    ],
+)
 def test_the_refusal_says_what_was_asked(args, got):
     with pytest.raises(SlimlmError, match=rf"\(got {got}\); use --sym with --bits 4 or 8, or the default"):
         gptq_v1.check_exportable(args)
@@ -90,16 +98,24 @@ def test_the_refusal_says_what_was_asked(args, got):
 @pytest.mark.parametrize("act_order,desc_act", [("group", True), (None, False), ("weight", False)])
 def test_the_config_is_autogptqs(act_order, desc_act):
     assert gptq_v1.quantization_config(QuantArgs(4, 128, True), act_order, 0.01) == {
-        "quant_method": "gptq", "checkpoint_format": "gptq", "bits": 4, "group_size": 128, "sym": True,
-        "desc_act": desc_act, "damp_percent": 0.01, "true_sequential": True,
-    }  # fmt: skip
+        "quant_method": "gptq",
+        "checkpoint_format": "gptq",
+        "bits": 4,
+        "group_size": 128,
+        "sym": True,
+        "desc_act": desc_act,
+        "damp_percent": 0.01,
+        "true_sequential": True,
+    }
 
 
 @pytest.mark.parametrize(
     "qcfg,expected",
-    [({"bits": 4, "group_size": 128}, QuantArgs(4, 128, True)),
-     ({"bits": 8, "group_size": -1, "sym": True, "checkpoint_format": "gptq"}, QuantArgs(8, -1, True))],
-)  # fmt: skip
+    [
+        ({"bits": 4, "group_size": 128}, QuantArgs(4, 128, True)),
+        ({"bits": 8, "group_size": -1, "sym": True, "checkpoint_format": "gptq"}, QuantArgs(8, -1, True)),
+    ],
+)
 def test_configs_are_read_with_their_defaults(qcfg, expected):
     assert gptq_v1.args_from_config(qcfg) == expected
 
@@ -107,17 +123,22 @@ def test_configs_are_read_with_their_defaults(qcfg, expected):
 @pytest.mark.parametrize(
     "qcfg,fragment",
     [
-        ({"bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"},
-         r"GPTQ checkpoint format gptq_v2 \(sym=None\) is not supported; slimlm reads symmetric GPTQ v1"),
+        (
+            {"bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"},
+            r"GPTQ checkpoint format gptq_v2 \(sym=None\) is not supported; slimlm reads symmetric GPTQ v1",
+        ),
         ({"bits": 4, "group_size": 128, "sym": False}, r"format None \(sym=False\) is not supported"),
-        ({"bits": "4", "group_size": 128}, r"GPTQ bits='4' group_size=128: slimlm reads bits 2/3/4/8, group sizes "
-                                           r"\(-1, 32, 64, 128\)"),
+        (
+            {"bits": "4", "group_size": 128},
+            r"GPTQ bits='4' group_size=128: slimlm reads bits 2/3/4/8, group sizes "
+            r"\(-1, 32, 64, 128\)",
+        ),
         ({"bits": 4, "group_size": 128.0}, "group_size=128.0: slimlm reads"),
         ({"bits": 5, "group_size": 128}, "GPTQ bits=5 group_size=128"),
         ({"bits": 4, "group_size": 16}, "GPTQ bits=4 group_size=16"),
         ({"group_size": 128}, "GPTQ bits=None group_size=128"),
     ],
-)  # fmt: skip
+)
 def test_configs_slimlm_cannot_read_are_named(qcfg, fragment):
     with pytest.raises(SlimlmError, match=fragment):
         gptq_v1.args_from_config(qcfg)
@@ -138,7 +159,6 @@ def test_broken_tensors_are_named():
         gptq_v1.from_tensors(asym, args, "w")
     with pytest.raises(SlimlmError, match=r"^w.qweight is \[8, 16\], the quantization_config implies \[8, 0\]$"):
         gptq_v1.from_tensors({**t, "scales": torch.tensor(1.0)}, args, "w")  # a scalar: named, not an IndexError
-    for bad in (torch.full((64,), 2, dtype=torch.int32), torch.full((64,), -1, dtype=torch.int32),
-                torch.zeros(64)):  # fmt: skip
+    for bad in (torch.full((64,), 2, dtype=torch.int32), torch.full((64,), -1, dtype=torch.int32), torch.zeros(64)):
         with pytest.raises(SlimlmError, match=r"^w.g_idx holds groups outside 0..1$"):
             gptq_v1.from_tensors({**t, "g_idx": bad}, args, "w")

@@ -20,24 +20,38 @@ def test_schemes_for_each_dtype_and_strategy_read_back():
     ("call", "message"),
     [
         (lambda: kv_cache.scheme("int4", "tensor"), "KV dtype 'int4' is not supported; use one of fp8, int8"),
-        (lambda: kv_cache.scheme("fp8", "channel"),
-         "KV scale strategy 'channel' is not supported; use one of tensor, attn_head"),
+        (
+            lambda: kv_cache.scheme("fp8", "channel"),
+            "KV scale strategy 'channel' is not supported; use one of tensor, attn_head",
+        ),
         (lambda: kv_cache.kv_dtype_of([8]), "kv_cache_scheme is [8], not an object"),
-        (lambda: kv_cache.kv_dtype_of({"num_bits": 4, "type": "int", "strategy": "tensor"}),
-         "kv_cache_scheme num_bits=4 type=int is not supported; slimlm serves 8-bit float (fp8 e4m3) or int KV caches"),
-        (lambda: kv_cache.kv_dtype_of({"num_bits": 8, "type": "mx", "strategy": "tensor"}),
-         "kv_cache_scheme num_bits=8 type=mx is not supported; slimlm serves 8-bit float (fp8 e4m3) or int KV caches"),
-        (lambda: kv_cache.kv_dtype_of({"num_bits": 8, "strategy": "token"}),
-         "kv_cache_scheme strategy=token dynamic=None symmetric=None is not supported; slimlm serves static "
-         "symmetric scales, strategy tensor or attn_head"),
-        (lambda: kv_cache.kv_dtype_of({"num_bits": 8, "strategy": "tensor", "dynamic": True}),
-         "kv_cache_scheme strategy=tensor dynamic=True symmetric=None is not supported; slimlm serves static "
-         "symmetric scales, strategy tensor or attn_head"),
-        (lambda: kv_cache.kv_dtype_of({"num_bits": 8, "strategy": "attn_head", "symmetric": False}),
-         "kv_cache_scheme strategy=attn_head dynamic=None symmetric=False is not supported; slimlm serves static "
-         "symmetric scales, strategy tensor or attn_head"),
+        (
+            lambda: kv_cache.kv_dtype_of({"num_bits": 4, "type": "int", "strategy": "tensor"}),
+            "kv_cache_scheme num_bits=4 type=int is not supported; slimlm serves 8-bit float (fp8 "
+            "e4m3) or int KV caches",
+        ),
+        (
+            lambda: kv_cache.kv_dtype_of({"num_bits": 8, "type": "mx", "strategy": "tensor"}),
+            "kv_cache_scheme num_bits=8 type=mx is not supported; slimlm serves 8-bit float (fp8 e4m3) "
+            "or int KV caches",
+        ),
+        (
+            lambda: kv_cache.kv_dtype_of({"num_bits": 8, "strategy": "token"}),
+            "kv_cache_scheme strategy=token dynamic=None symmetric=None is not supported; slimlm serves static "
+            "symmetric scales, strategy tensor or attn_head",
+        ),
+        (
+            lambda: kv_cache.kv_dtype_of({"num_bits": 8, "strategy": "tensor", "dynamic": True}),
+            "kv_cache_scheme strategy=tensor dynamic=True symmetric=None is not supported; slimlm serves static "
+            "symmetric scales, strategy tensor or attn_head",
+        ),
+        (
+            lambda: kv_cache.kv_dtype_of({"num_bits": 8, "strategy": "attn_head", "symmetric": False}),
+            "kv_cache_scheme strategy=attn_head dynamic=None symmetric=False is not supported; slimlm serves static "
+            "symmetric scales, strategy tensor or attn_head",
+        ),
     ],
-)  # fmt: skip
+)
 def test_unsupported_schemes_are_named(call, message):
     with pytest.raises(SlimlmError) as e:
         call()
@@ -88,26 +102,39 @@ def test_read_scales_pops_each_layers_pair_as_fp32_per_kv_head(strategy):
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda t: t.pop("model.layers.1.self_attn.v_scale"),
-         "ckpt: kv_cache_scheme is set but model.layers.1.self_attn.v_scale is missing; the checkpoint is incomplete "
-         "(re-run compress kv)"),
-        (lambda t: t.update({"model.layers.0.self_attn.k_scale": torch.ones(2)}),
-         "ckpt: model.layers.0.self_attn.k_scale is [2] torch.float32; strategy tensor with 2 KV heads implies a "
-         "float [1]"),
-        (lambda t: t.update({"model.layers.0.self_attn.k_scale": torch.ones(1, dtype=torch.int32)}),
-         "ckpt: model.layers.0.self_attn.k_scale is [1] torch.int32; strategy tensor with 2 KV heads implies a "
-         "float [1]"),
-        (lambda t: t.update({"model.layers.1.self_attn.k_scale": torch.tensor([0.0])}),
-         "ckpt: model.layers.1.self_attn.k_scale holds [0.0]; KV scales must be finite and positive "
-         "(re-run compress kv)"),
-        (lambda t: t.update({"model.layers.1.self_attn.k_scale": torch.tensor([-1.0])}),
-         "ckpt: model.layers.1.self_attn.k_scale holds [-1.0]; KV scales must be finite and positive "
-         "(re-run compress kv)"),
-        (lambda t: t.update({"model.layers.0.self_attn.v_scale": torch.tensor([float("inf")])}),
-         "ckpt: model.layers.0.self_attn.v_scale holds [inf]; KV scales must be finite and positive "
-         "(re-run compress kv)"),
+        (
+            lambda t: t.pop("model.layers.1.self_attn.v_scale"),
+            "ckpt: kv_cache_scheme is set but model.layers.1.self_attn.v_scale is missing; the "
+            "checkpoint is incomplete "
+            "(re-run compress kv)",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.k_scale": torch.ones(2)}),
+            "ckpt: model.layers.0.self_attn.k_scale is [2] torch.float32; strategy tensor with 2 KV heads implies a "
+            "float [1]",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.k_scale": torch.ones(1, dtype=torch.int32)}),
+            "ckpt: model.layers.0.self_attn.k_scale is [1] torch.int32; strategy tensor with 2 KV heads implies a "
+            "float [1]",
+        ),
+        (
+            lambda t: t.update({"model.layers.1.self_attn.k_scale": torch.tensor([0.0])}),
+            "ckpt: model.layers.1.self_attn.k_scale holds [0.0]; KV scales must be finite and positive "
+            "(re-run compress kv)",
+        ),
+        (
+            lambda t: t.update({"model.layers.1.self_attn.k_scale": torch.tensor([-1.0])}),
+            "ckpt: model.layers.1.self_attn.k_scale holds [-1.0]; KV scales must be finite and positive "
+            "(re-run compress kv)",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.v_scale": torch.tensor([float("inf")])}),
+            "ckpt: model.layers.0.self_attn.v_scale holds [inf]; KV scales must be finite and positive "
+            "(re-run compress kv)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_scales_are_named(edit, message):
     tensors = stored(2, "tensor")
     edit(tensors)
@@ -120,8 +147,10 @@ def test_per_head_scales_need_one_per_kv_head_and_show_at_most_four_values():
     tensors = stored(1, "attn_head", kv_heads=6)
     with pytest.raises(SlimlmError) as e:
         kv_cache.read_scales(dict(tensors), {"strategy": "attn_head"}, 1, 4, "ckpt")
-    assert str(e.value) == ("ckpt: model.layers.0.self_attn.k_scale is [6, 1, 1] torch.bfloat16; strategy attn_head "
-                            "with 4 KV heads implies a float [4, 1, 1]")  # fmt: skip
+    assert str(e.value) == (
+        "ckpt: model.layers.0.self_attn.k_scale is [6, 1, 1] torch.bfloat16; strategy attn_head "
+        "with 4 KV heads implies a float [4, 1, 1]"
+    )
     tensors["model.layers.0.self_attn.v_scale"][5] = 0
     with pytest.raises(SlimlmError, match=r"holds \[1\.0, 2\.0, 3\.0, 4\.0\]; KV scales must be finite"):
         kv_cache.read_scales(tensors, {"strategy": "attn_head"}, 1, 6, "ckpt")

@@ -12,7 +12,7 @@ def test_the_rotation_is_an_orthonormal_signed_hadamard_matrix(dim):
     assert torch.allclose(h @ h.T, torch.eye(dim), atol=1e-6)
     assert torch.equal(h.abs(), torch.full((dim, dim), dim**-0.5))
     sylvester = torch.tensor([[(-1) ** bin(i & j).count("1") for j in range(dim)] for i in range(dim)])
-    signs = (h * dim**0.5 / sylvester)  # each column of Sylvester's matrix times one sign
+    signs = h * dim**0.5 / sylvester  # each column of Sylvester's matrix times one sign
     assert torch.equal(signs, signs[:1].expand(dim, dim)) and 0 < (signs[0] < 0).sum() < dim
     assert torch.equal(h, kv_int4.rotation(dim))  # fixed: a cache is read with the H it was written with
     with pytest.raises(ValueError, match="power-of-two head dimension, not 48"):
@@ -39,8 +39,12 @@ def test_reading_a_row_back_is_codes_times_step_plus_minimum_rotated_back():
     x = torch.randn(7, dim) * 3
     rows = kv_int4.quantize(x)
     step, lo = rows[:, dim // 2 :].contiguous().view(torch.float16).float().unbind(-1)
-    codes = torch.stack([torch.tensor([(int(b) >> (4 * (j >= dim // 2))) & 15 for j, b in
-                                       enumerate(list(row[: dim // 2]) * 2)]) for row in rows]).float()  # fmt: skip
+    codes = torch.stack(
+        [
+            torch.tensor([(int(b) >> (4 * (j >= dim // 2))) & 15 for j, b in enumerate(list(row[: dim // 2]) * 2)])
+            for row in rows
+        ]
+    ).float()
     expected = (codes * step[:, None] + lo[:, None]) @ kv_int4.rotation(dim).T
     got = kv_int4.dequantize(rows, torch.float64)
     assert got.dtype == torch.float64 and torch.allclose(got, expected.double(), atol=1e-5)

@@ -37,12 +37,15 @@ def test_read_without_a_manifest_is_none(tmp_path):
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (b"\xff\xfe{", "is unreadable ('utf-8' codec can't decode byte 0xff in position 0: invalid start byte); "
-                       "re-create the checkpoint"),
+        (
+            b"\xff\xfe{",
+            "is unreadable ('utf-8' codec can't decode byte 0xff in position 0: invalid start byte); "
+            "re-create the checkpoint",
+        ),
         (b"[1, 2]", "is not a slimlm manifest; re-create the checkpoint"),
         (b'{"files": ["model.safetensors"]}', "is not a slimlm manifest; re-create the checkpoint"),
     ],
-)  # fmt: skip
+)
 def test_a_broken_manifest_is_named(tmp_path, content, message):
     (tmp_path / "slimlm.json").write_bytes(content)
     with pytest.raises(SlimlmError) as e:
@@ -55,8 +58,9 @@ def test_verify_names_a_missing_shard_a_missing_listed_file_and_a_changed_one(tm
     (tmp_path / shards.INDEX).write_text(json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}}))
     with pytest.raises(SlimlmError) as e:
         manifest.verify(tmp_path)
-    assert str(e.value) == (f"checkpoint {tmp_path} is missing model-00001-of-00001.safetensors; re-create or "
-                            "re-download it")  # fmt: skip
+    assert str(e.value) == (
+        f"checkpoint {tmp_path} is missing model-00001-of-00001.safetensors; re-create or re-download it"
+    )
     (tmp_path / shards.INDEX).unlink()
     data = json.loads((tmp_path / "slimlm.json").read_text())
     data["files"]["extra.safetensors"] = "0" * 64
@@ -67,5 +71,6 @@ def test_verify_names_a_missing_shard_a_missing_listed_file_and_a_changed_one(tm
     save_file({"w": torch.zeros(3)}, tmp_path / "extra.safetensors")
     with pytest.raises(SlimlmError) as e:
         manifest.verify(tmp_path)
-    assert str(e.value) == (f"{tmp_path / 'extra.safetensors'} does not match the sha256 in slimlm.json (corrupted); "
-                            "re-create it")  # fmt: skip
+    assert str(e.value) == (
+        f"{tmp_path / 'extra.safetensors'} does not match the sha256 in slimlm.json (corrupted); re-create it"
+    )

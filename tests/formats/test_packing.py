@@ -31,8 +31,10 @@ def test_4_and_8_bit_words_unpack_in_bytes_as_the_bit_stream_defines(bits, n):
     words = torch.randint(-(2**31), 2**31, (5, -(-n * bits // 32)), generator=g, dtype=torch.int64).to(torch.int32)
     bit = [(int(w) >> j) & 1 for row in words for w in row for j in range(32)]
     per_row = words.shape[1] * 32
-    expected = [[sum(bit[r * per_row + i * bits + j] << j for j in range(bits)) - 2 ** (bits - 1) for i in range(n)]
-                for r in range(5)]  # fmt: skip
+    expected = [
+        [sum(bit[r * per_row + i * bits + j] << j for j in range(bits)) - 2 ** (bits - 1) for i in range(n)]
+        for r in range(5)
+    ]
     assert unpack_int32(words, bits, n).tolist() == expected
     assert _unpack_rows(words, bits, n).tolist() == expected
     assert unpack_int32(words.T.contiguous(), bits, n, dim=0).T.tolist() == expected

@@ -26,8 +26,11 @@ def write(d, config, tensors):
 def quantized_checkpoint(d, kv=None):
     """Two 4-bit linears, an 8-bit lm_head in its own config group, float norm and embedding."""
     torch.manual_seed(0)
-    weights = {"layers.0.q_proj": (torch.randn(16, 64), W4), "layers.0.o_proj": (torch.randn(64, 32), W4),
-               "lm_head": (torch.randn(40, 64), W8)}  # fmt: skip
+    weights = {
+        "layers.0.q_proj": (torch.randn(16, 64), W4),
+        "layers.0.o_proj": (torch.randn(64, 32), W4),
+        "lm_head": (torch.randn(40, 64), W8),
+    }
     tensors = {"norm.weight": torch.ones(64), "embed.weight": torch.randn(40, 64)}
     qs = {}
     for name, (w, args) in weights.items():
@@ -41,8 +44,13 @@ def quantized_checkpoint(d, kv=None):
 
 
 def expected_shapes():
-    return {"norm.weight": (64,), "embed.weight": (40, 64), "layers.0.q_proj.weight": (16, 64),
-              "layers.0.o_proj.weight": (64, 32), "lm_head.weight": (40, 64)}  # fmt: skip
+    return {
+        "norm.weight": (64,),
+        "embed.weight": (40, 64),
+        "layers.0.q_proj.weight": (16, 64),
+        "layers.0.o_proj.weight": (64, 32),
+        "lm_head.weight": (40, 64),
+    }
 
 
 def refusal_after(d, change) -> str:
@@ -69,8 +77,11 @@ def test_read_config_returns_the_object_and_names_what_it_cannot_read(tmp_path):
     path.write_text('{"a": 1}')
     assert reader.read_config(tmp_path) == {"a": 1}
     not_object = f"{path} is not a JSON object; re-create or re-download the checkpoint"
-    for content, message in [(b"[1, 2]", not_object), (b"{", f"cannot read {path}: Expecting"),
-                             (b"\xff\xfe{", f"cannot read {path}: ")]:  # fmt: skip
+    for content, message in [
+        (b"[1, 2]", not_object),
+        (b"{", f"cannot read {path}: Expecting"),
+        (b"\xff\xfe{", f"cannot read {path}: "),
+    ]:
         path.write_bytes(content)
         with pytest.raises(SlimlmError) as e:
             reader.read_config(tmp_path)
@@ -93,15 +104,19 @@ def test_quantization_picks_the_reader_its_quant_method_names(tmp_path):
     "qcfg, message",
     [
         ([1], "{d}/config.json: quantization_config is [1], not an object"),
-        ({"quant_method": "bitsandbytes"},
-         "{d}: quant_method 'bitsandbytes' is not supported; slimlm reads compressed-tensors, gptq, awq"),
+        (
+            {"quant_method": "bitsandbytes"},
+            "{d}: quant_method 'bitsandbytes' is not supported; slimlm reads compressed-tensors, gptq, awq",
+        ),
         ({"bits": 4}, "{d}: quant_method 'None' is not supported; slimlm reads compressed-tensors, gptq, awq"),
-        ({"quant_method": "awq", "bits": 3},
-         "{d}/config.json quantization_config: AWQ checkpoint (version gemm, 3-bit, zero_point=None) is not "
-         "supported; slimlm reads AWQ GEMM 4-bit with zero points"),
+        (
+            {"quant_method": "awq", "bits": 3},
+            "{d}/config.json quantization_config: AWQ checkpoint (version gemm, 3-bit, zero_point=None) is not "
+            "supported; slimlm reads AWQ GEMM 4-bit with zero points",
+        ),
     ],
     ids=["not-an-object", "unknown-method", "no-method", "reader-refuses"],
-)  # fmt: skip
+)
 def test_quantization_refusals_name_the_directory(tmp_path, qcfg, message):
     with pytest.raises(SlimlmError) as e:
         reader.quantization({"quantization_config": qcfg}, tmp_path)
@@ -179,8 +194,10 @@ def test_missing_unexpected_and_misshapen_tensors_are_named(tmp_path):
     del shapes["norm.weight"], shapes["lm_head.weight"]
     with pytest.raises(SlimlmError) as e:
         reader.read_checkpoint(d, shapes)
-    assert one_line(e) == (f"{d} holds tensor lm_head.weight that its config.json does not describe "
-                           "(2 unexpected); the checkpoint does not match its config")  # fmt: skip
+    assert one_line(e) == (
+        f"{d} holds tensor lm_head.weight that its config.json does not describe "
+        "(2 unexpected); the checkpoint does not match its config"
+    )
     for name, shape in [("norm.weight", (65,)), ("layers.0.q_proj.weight", (64, 16))]:
         with pytest.raises(SlimlmError) as e:
             reader.read_checkpoint(d, {**expected_shapes(), name: shape})
@@ -194,8 +211,10 @@ def test_packed_tensors_without_a_quantization_config_get_a_hint(tmp_path, write
     d = write(tmp_path / "f", {"model_type": "llama"}, {f"proj.{k}": t for k, t in writer.to_tensors(q).items()})
     with pytest.raises(SlimlmError) as e:
         reader.read_checkpoint(d, {"proj.weight": (16, 64)})
-    assert one_line(e) == (f"{d} has no tensor proj.weight (1 missing) (a quantized checkpoint whose "
-                           "quantization_config was removed?); the checkpoint is incomplete")  # fmt: skip
+    assert one_line(e) == (
+        f"{d} has no tensor proj.weight (1 missing) (a quantized checkpoint whose "
+        "quantization_config was removed?); the checkpoint is incomplete"
+    )
 
 
 def test_kv_scales_are_expected_only_when_the_config_has_a_kv_scheme(tmp_path):

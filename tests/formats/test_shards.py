@@ -52,9 +52,15 @@ def test_each_tensor_is_on_disk_once_added_and_shards_split_before_the_limit(tmp
 
 def test_files_read_back_by_safetensors_in_every_dtype_and_shape(tmp_path):
     torch.manual_seed(0)
-    made = {"bf16": torch.randn(3, 5).bfloat16(), "i32": torch.randint(-9, 9, (7,), dtype=torch.int32),
-            "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "u8": torch.arange(9, dtype=torch.uint8),
-            "strided": torch.randn(4, 6).t(), "f8": torch.randn(5).to(torch.float8_e4m3fn)}  # fmt: skip
+    made = {
+        "bf16": torch.randn(3, 5).bfloat16(),
+        "i32": torch.randint(-9, 9, (7,), dtype=torch.int32),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "u8": torch.arange(9, dtype=torch.uint8),
+        "strided": torch.randn(4, 6).t(),
+        "f8": torch.randn(5).to(torch.float8_e4m3fn),
+    }
     writer = shards.ShardWriter(tmp_path)
     writer.add(made)
     assert writer.finish() == ["model.safetensors"]
@@ -123,8 +129,9 @@ def test_check_layout_accepts_an_intact_file_and_names_each_kind_of_damage(tmp_p
     assert layout_error(path) == f"{bad} (file is 5 bytes); re-create or re-download it"
     n = int.from_bytes(data[:8], "little")
     path.write_bytes(data[: 8 + n - 1])
-    assert layout_error(path) == (f"{bad} (header length {n} exceeds file size {8 + n - 1}); re-create or re-download "
-                                  "it")  # fmt: skip
+    assert layout_error(path) == (
+        f"{bad} (header length {n} exceeds file size {8 + n - 1}); re-create or re-download it"
+    )
     path.write_bytes(data[:8] + b"\xff" + data[9:])
     assert layout_error(path) == f"{bad} (unreadable header); re-create or re-download it"
     path.unlink()
@@ -146,10 +153,20 @@ def test_read_names_a_file_it_cannot_open_and_why(tmp_path):
 def test_read_gives_back_every_dtype_bit_for_bit(tmp_path):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, generator=g)
-    written = {"f32": x, "bf16": x.bfloat16(), "f16": x.half(), "f64": x.double(),
-               "fp8": x.to(torch.float8_e4m3fn), "i8": (x * 9).to(torch.int8), "u8": (x.abs() * 9).to(torch.uint8),
-               "i32": (x * 1e6).int(), "i64": torch.arange(7), "bool": x > 0, "scalar": torch.tensor(2.5),
-               "empty": torch.empty(0, 4)}  # fmt: skip
+    written = {
+        "f32": x,
+        "bf16": x.bfloat16(),
+        "f16": x.half(),
+        "f64": x.double(),
+        "fp8": x.to(torch.float8_e4m3fn),
+        "i8": (x * 9).to(torch.int8),
+        "u8": (x.abs() * 9).to(torch.uint8),
+        "i32": (x * 1e6).int(),
+        "i64": torch.arange(7),
+        "bool": x > 0,
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 4),
+    }
     shards.write(tmp_path, written)
     read = shards.read(tmp_path)
     assert set(read) == set(written)
@@ -202,5 +219,6 @@ def test_shards_carry_the_pt_format_tag_and_the_index_is_indented_json(tmp_path)
 def test_a_header_length_past_2_63_is_too_long_not_negative(tmp_path):
     path = tmp_path / "model.safetensors"
     path.write_bytes(b"\xff" * 8 + b"{}")
-    assert layout_error(path) == (f"{path} is truncated or corrupt (header length {2**64 - 1} exceeds file size 10); "
-                                  "re-create or re-download it")  # fmt: skip
+    assert layout_error(path) == (
+        f"{path} is truncated or corrupt (header length {2**64 - 1} exceeds file size 10); re-create or re-download it"
+    )

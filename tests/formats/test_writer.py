@@ -41,12 +41,14 @@ def test_gptq_format_refuses_kv_scales_and_a_second_scheme():
     args = QuantArgs(4, 128)
     with pytest.raises(SlimlmError) as e:
         writer.quantization_config("gptq", args, [], {"kv_cache_scheme": {"num_bits": 8}})
-    assert str(e.value) == ("--format gptq has no place for KV-cache scales; use --format compressed-tensors to "
-                            "quantize the KV cache too")  # fmt: skip
+    assert str(e.value) == (
+        "--format gptq has no place for KV-cache scales; use --format compressed-tensors to quantize the KV cache too"
+    )
     with pytest.raises(SlimlmError) as e:
         writer.quantization_config("gptq", args, [], {}, named={"lm_head": QuantArgs(8, -1)})
-    assert str(e.value) == ("--format gptq stores one scheme for every linear; use --format compressed-tensors for "
-                            "an lm_head of other bits")  # fmt: skip
+    assert str(e.value) == (
+        "--format gptq stores one scheme for every linear; use --format compressed-tensors for an lm_head of other bits"
+    )
     same = writer.quantization_config("gptq", args, [], {"act_order": "group", "damp": 0.05}, named={"x": args})
     assert same == gptq_v1.quantization_config(args, "group", 0.05) and same["desc_act"] is True
 
@@ -54,14 +56,16 @@ def test_gptq_format_refuses_kv_scales_and_a_second_scheme():
 def test_compressed_tensors_config_carries_act_order_kv_scheme_and_named_schemes():
     args, kv = QuantArgs(4, 64, False), {"num_bits": 8, "type": "float", "strategy": "tensor"}
     named = {"lm_head": QuantArgs(8, -1)}
-    got = writer.quantization_config("compressed-tensors", args, ["lm_head"],
-                                     {"act_order": "group", "kv_cache_scheme": kv}, named)  # fmt: skip
+    got = writer.quantization_config(
+        "compressed-tensors", args, ["lm_head"], {"act_order": "group", "kv_cache_scheme": kv}, named
+    )
     assert got == compressed_tensors.quantization_config(args, ["lm_head"], "group", kv, named)
     assert got != compressed_tensors.quantization_config(args, ["lm_head"], None, None, None)
 
 
-@pytest.mark.parametrize(("fmt", "per_linear"), [("gptq", gptq_v1.to_tensors),
-                                                 ("compressed-tensors", compressed_tensors.to_tensors)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fmt", "per_linear"), [("gptq", gptq_v1.to_tensors), ("compressed-tensors", compressed_tensors.to_tensors)]
+)
 def test_quantized_tensors_replace_each_weight_with_its_formats_tensors(fmt, per_linear):
     q = quantized(QuantArgs(4, 32))
     floats = {"a.weight": torch.ones(4, 64), "a.bias": torch.zeros(4), "norm.weight": torch.ones(64)}
@@ -77,8 +81,9 @@ def test_metadata_files_config_patch_generation_config_tokenizer_and_manifest(tm
     config = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_hidden_layers=1)
     patch = {"quantization_config": {"quant_method": "gptq"}, "num_key_value_heads": 2}
     meta = {"method": "gptq", "arguments": {"damp": 0.01}}
-    writer.write_metadata(tmp_path, ["model.safetensors"], config, make_tokenizer(), meta, patch,
-                          GenerationConfig(max_new_tokens=7))  # fmt: skip
+    writer.write_metadata(
+        tmp_path, ["model.safetensors"], config, make_tokenizer(), meta, patch, GenerationConfig(max_new_tokens=7)
+    )
     text = (tmp_path / "config.json").read_text()
     data = json.loads(text)
     assert data["quantization_config"] == {"quant_method": "gptq"} and data["num_key_value_heads"] == 2

@@ -14,8 +14,15 @@ from slimlm.jobs.engine import EngineMemory, EngineOptions
 from slimlm.jobs.options import OptionError, from_args, parse_size
 from slimlm.runtime.engine import EngineConfig
 
-REQUIRED = {"model": "m", "out": "o", "kv_heads": 2, "kv_dtype": "fp8", "prompt": ["p"], "action": "list",
-            "runs": ["r"]}  # fmt: skip
+REQUIRED = {
+    "model": "m",
+    "out": "o",
+    "kv_heads": 2,
+    "kv_dtype": "fp8",
+    "prompt": ["p"],
+    "action": "list",
+    "runs": ["r"],
+}
 
 
 def argv(command: str, values: dict) -> list[str]:
@@ -31,8 +38,11 @@ def argv(command: str, values: dict) -> list[str]:
 
 
 def required(command: str) -> dict:
-    return {k: v for k, v in REQUIRED.items() if k in JOBS[command].model_fields and
-            JOBS[command].model_fields[k].is_required()}  # fmt: skip
+    return {
+        k: v
+        for k, v in REQUIRED.items()
+        if k in JOBS[command].model_fields and JOBS[command].model_fields[k].is_required()
+    }
 
 
 @pytest.mark.parametrize("command", list(JOBS))
@@ -70,12 +80,15 @@ def test_a_bad_value_reads_the_same_from_every_front_end(capsys):
     """The same check and message; each front end says where: the flag, the recipe's field, the field."""
     with pytest.raises(SystemExit):
         build_parser().parse_args(["rtn", "--out", "o", "--bits", "5"])
-    assert capsys.readouterr().err.splitlines()[-1].endswith(
-        "argument --bits: invalid choice: 5 (choose from 2, 3, 4, 8)")  # fmt: skip
+    assert (
+        capsys.readouterr().err.splitlines()[-1].endswith("argument --bits: invalid choice: 5 (choose from 2, 3, 4, 8)")
+    )
     with pytest.raises(OptionError) as error:
         JOBS["rtn"].from_options({"out": "o", "bits": 5}, "stages.a.0.rtn")
     assert (str(error.value), error.value.field) == (
-        "stages.a.0.rtn.bits: invalid choice: 5 (choose from 2, 3, 4, 8)", "bits")  # fmt: skip
+        "stages.a.0.rtn.bits: invalid choice: 5 (choose from 2, 3, 4, 8)",
+        "bits",
+    )
     with pytest.raises(ValidationError, match="bits: invalid choice: 5 \\(choose from 2, 3, 4, 8\\)"):
         JOBS["rtn"](out="o", bits=5)
     with pytest.raises(SlimlmError, match="^kv_cache_memory: '0' must be a positive size$"):
@@ -84,12 +97,15 @@ def test_a_bad_value_reads_the_same_from_every_front_end(capsys):
         JOBS["gptq"].from_options({})
 
 
-@pytest.mark.parametrize("flag,options,field,value", [
-    ("--asym", {"asym": True}, "sym", False),
-    ("--float-lm-head", {"float_lm_head": True}, "quantize_lm_head", 0),
-    ("--no-clip", {"no_clip": True}, "clip", False),
-    ("--no-act-order", {"no_act_order": True}, "act_order", None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flag,options,field,value",
+    [
+        ("--asym", {"asym": True}, "sym", False),
+        ("--float-lm-head", {"float_lm_head": True}, "quantize_lm_head", 0),
+        ("--no-clip", {"no_clip": True}, "clip", False),
+        ("--no-act-order", {"no_act_order": True}, "act_order", None),
+    ],
+)
 def test_a_switch_is_the_same_in_a_recipe_as_on_the_command_line(flag, options, field, value):
     from_cli = from_args(JOBS["awq"], build_parser().parse_args(["awq", "--out", "o", flag]))
     from_recipe = JOBS["awq"].from_options({"out": "o", **options})
@@ -110,14 +126,21 @@ def test_engine_options_are_engine_config_fields_and_reach_it():
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.kv_cache_memory) == (3, 64, 1 << 30)
 
 
-@pytest.mark.parametrize("text,size", [("512M", 512 << 20), ("2G", 2 << 30), ("1.5GB", 3 << 29), ("4096", 4096),
-                                       ("1KiB", 1024)])  # fmt: skip
+@pytest.mark.parametrize(
+    "text,size", [("512M", 512 << 20), ("2G", 2 << 30), ("1.5GB", 3 << 29), ("4096", 4096), ("1KiB", 1024)]
+)
 def test_sizes(text, size):
     assert parse_size(text) == size
 
 
-@pytest.mark.parametrize("text,message", [("0", "'0' must be a positive size"), ("lots", "'lots' is not a size; write "
-                                          "e.g. 512M or 2G"), ("1e400G", "'1e400G' is not a size")])  # fmt: skip
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("0", "'0' must be a positive size"),
+        ("lots", "'lots' is not a size; write e.g. 512M or 2G"),
+        ("1e400G", "'1e400G' is not a size"),
+    ],
+)
 def test_bad_sizes(text, message):
     with pytest.raises(ValueError, match=f"^{message}"):
         parse_size(text)

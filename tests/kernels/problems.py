@@ -44,8 +44,17 @@ class PagedProblem:
     v_scale: torch.Tensor | None
 
     def args(self) -> tuple:
-        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.query_start, self.scale,
-                self.k_scale, self.v_scale)  # fmt: skip
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start,
+            self.scale,
+            self.k_scale,
+            self.v_scale,
+        )
 
     def kv_bytes(self) -> int:
         """Bytes of K and V a kernel must read: every cached token of every sequence, both caches."""
@@ -88,8 +97,9 @@ def paged_problem(
     if kv_dtype != torch.int8:  # every slot no sequence has written holds NaN: a kernel must never read it
         written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
         for s, n in enumerate(seq_lens):
-            written.view(-1)[(table[s, : blocks_per_seq[s]].long()[:, None] * block_size
-                              + torch.arange(block_size)).flatten()[:n]] = True  # fmt: skip
+            written.view(-1)[
+                (table[s, : blocks_per_seq[s]].long()[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
+            ] = True
         k[~written.to(device)] = float("nan")
         v[~written.to(device)] = float("nan")
     if kv_dtype == torch.uint8:  # 4-bit rows; an unwritten one's step is NaN (a NaN x̂ wherever it is read)
@@ -103,10 +113,16 @@ def paged_problem(
         return None if t is None else t.to(device=device, dtype=dtype or t.dtype)
 
     return PagedProblem(
-        q=put(q, q_dtype), k_cache=put(k, kv_dtype), v_cache=put(v, kv_dtype), block_tables=put(table),
-        seq_lens=put(torch.tensor(seq_lens, dtype=torch.int32)), query_start=put(query_start),
-        scale=head_dim**-0.5, k_scale=put(k_scale), v_scale=put(v_scale),
-    )  # fmt: skip
+        q=put(q, q_dtype),
+        k_cache=put(k, kv_dtype),
+        v_cache=put(v, kv_dtype),
+        block_tables=put(table),
+        seq_lens=put(torch.tensor(seq_lens, dtype=torch.int32)),
+        query_start=put(query_start),
+        scale=head_dim**-0.5,
+        k_scale=put(k_scale),
+        v_scale=put(v_scale),
+    )
 
 
 def x_as_multiplied(x: torch.Tensor, w) -> torch.Tensor:

@@ -71,8 +71,12 @@ def test_c_kernel_reads_4bit_rows_in_place(poisoned, head_dim, group, block_size
     assert cpu_attention._native_applies(p.q, p.k_cache, p.k_scale)
     for seqs, threads in ((slice(None), 1), (slice(0, 1), 2)):
         args = list(p.args())
-        args[0], args[3], args[4], args[5] = p.q[seqs], p.block_tables[seqs], p.seq_lens[seqs], \
-            torch.arange(len(p.seq_lens[seqs]) + 1, dtype=torch.int32)
+        args[0], args[3], args[4], args[5] = (
+            p.q[seqs],
+            p.block_tables[seqs],
+            p.seq_lens[seqs],
+            torch.arange(len(p.seq_lens[seqs]) + 1, dtype=torch.int32),
+        )
         with torch_threads(threads):
             out = cpu_attention.paged_attention(*args, native=True)
         # step·(q·codes) and lo·Σq are summed apart and partly cancel: fp32 rounding up to ~1.1e-5 measured
@@ -88,15 +92,25 @@ def test_c_kernel_takes_fp32_decodes():
     assert not cpu_attention._native_applies(p.q, p.k_cache, p.k_scale)  # head_dim not a multiple of 16
 
 
-@pytest.mark.skipif(not (cpu_library.available() and hasattr(cpu_library.load(), "slimlm_paged_prefill")),
-                    reason="needs the AVX-512 kernels")  # fmt: skip
+@pytest.mark.skipif(
+    not (cpu_library.available() and hasattr(cpu_library.load(), "slimlm_paged_prefill")),
+    reason="needs the AVX-512 kernels",
+)
 @pytest.mark.parametrize("block_size", [8, 32])
 @pytest.mark.parametrize(
     "head_dim,kv_dtype,dtype",
-    [(64, torch.bfloat16, torch.bfloat16), (128, torch.bfloat16, torch.bfloat16), (128, torch.float32, torch.float32),
-     (48, torch.bfloat16, torch.bfloat16), (64, torch.int8, torch.bfloat16), (64, torch.float8_e4m3fn, torch.bfloat16),
-     (64, torch.float8_e4m3fn, torch.float32), (64, torch.uint8, torch.float32), (128, torch.uint8, torch.bfloat16)],
-)  # fmt: skip
+    [
+        (64, torch.bfloat16, torch.bfloat16),
+        (128, torch.bfloat16, torch.bfloat16),
+        (128, torch.float32, torch.float32),
+        (48, torch.bfloat16, torch.bfloat16),
+        (64, torch.int8, torch.bfloat16),
+        (64, torch.float8_e4m3fn, torch.bfloat16),
+        (64, torch.float8_e4m3fn, torch.float32),
+        (64, torch.uint8, torch.float32),
+        (128, torch.uint8, torch.bfloat16),
+    ],
+)
 @pytest.mark.parametrize("amx", [True, False])
 def test_c_prompt_kernel_in_one_call(poisoned, monkeypatch, block_size, head_dim, kv_dtype, dtype, amx):
     """Prompt chunks go to the C flash kernel in one call on two threads: tiles of 16 queries with ragged
@@ -124,8 +138,9 @@ def test_prompt_chunks_are_query_starts_sequences(poisoned):
     args = list(p.args())
     args[5] = backing[:2]  # one sequence: the first 20 queries
     out = cpu_attention.paged_attention(p.q[:20], *args[1:], native=True)
-    first = reference.paged_attention(p.q[:20], p.k_cache, p.v_cache, p.block_tables[:1], p.seq_lens[:1],
-                                      backing[:2], p.scale, dtype=torch.float64)  # fmt: skip
+    first = reference.paged_attention(
+        p.q[:20], p.k_cache, p.v_cache, p.block_tables[:1], p.seq_lens[:1], backing[:2], p.scale, dtype=torch.float64
+    )
     assert relative_error(out, first) < TOLERANCE[torch.float32]
 
 
@@ -185,8 +200,12 @@ def test_a_drafts_verification_rows_get_the_bits_of_decode_steps(native, kv_dtyp
     p = paged_problem([length, 60], [n, 30], 6, 2, 64, 16, kv_dtype, torch.float32, seed=3)
     out = cpu_attention.paged_attention(*p.args(), native=native)
     for i in range(n):  # row i: position length - n + i, after length - n + i + 1 cached tokens
-        one = dataclasses.replace(p, q=p.q[i : i + 1].contiguous(), block_tables=p.block_tables[:1],
-                                  seq_lens=torch.tensor([length - n + i + 1], dtype=p.seq_lens.dtype),
-                                  query_start=torch.tensor([0, 1], dtype=p.query_start.dtype))  # fmt: skip
+        one = dataclasses.replace(
+            p,
+            q=p.q[i : i + 1].contiguous(),
+            block_tables=p.block_tables[:1],
+            seq_lens=torch.tensor([length - n + i + 1], dtype=p.seq_lens.dtype),
+            query_start=torch.tensor([0, 1], dtype=p.query_start.dtype),
+        )
         assert torch.equal(out[i], cpu_attention.paged_attention(*one.args(), native=native)[0]), i
     assert relative_error(out, reference.paged_attention(*p.args(), dtype=torch.float64)) < 1e-5

@@ -72,8 +72,20 @@ def test_amx_tiles_round_the_weights_as_torch(poisoned, bits, group_size, sym, a
         assert y.shape == (m, n) and y.dtype == torch.bfloat16
         assert relative_error(y.double(), ref) < 4e-3  # the output's own bf16 rounding
         fp32 = torch.empty(m, w.out_features)
-        assert cpu_library.load().slimlm_quant_matmul_amx(w.bits, x_perm.contiguous().data_ptr(), m, k, *w.kernel_args,
-                                                          fp32.data_ptr(), w.out_features, 0, threads) == 0  # fmt: skip
+        assert (
+            cpu_library.load().slimlm_quant_matmul_amx(
+                w.bits,
+                x_perm.contiguous().data_ptr(),
+                m,
+                k,
+                *w.kernel_args,
+                fp32.data_ptr(),
+                w.out_features,
+                0,
+                threads,
+            )
+            == 0
+        )
         assert relative_error(fp32.double(), ref) < 1e-5  # before that rounding: fp32 accumulation only
 
 
@@ -87,8 +99,12 @@ def test_amx_blocks_share_an_x_larger_than_l2(poisoned, threads):
     ref = x.double() @ dequantize(w).bfloat16().double()[: w.out_features].T
     with torch_threads(threads):
         fp32 = torch.empty(264, w.out_features)
-        assert cpu_library.load().slimlm_quant_matmul_amx(w.bits, x.data_ptr(), 264, 2176, *w.kernel_args,
-                                                          fp32.data_ptr(), w.out_features, 0, threads) == 0  # fmt: skip
+        assert (
+            cpu_library.load().slimlm_quant_matmul_amx(
+                w.bits, x.data_ptr(), 264, 2176, *w.kernel_args, fp32.data_ptr(), w.out_features, 0, threads
+            )
+            == 0
+        )
     assert relative_error(fp32.double(), ref) < 1e-5
 
 
@@ -166,10 +182,21 @@ def _fp32_result(x: torch.Tensor, w) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty(x.shape[0], w.out_features)
     cpu_library.load().slimlm_quant_matmul_bf16(
-        w.bits, x.data_ptr(), x.shape[0], x.shape[1], w.codes.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(),
-        w.codes.shape[0], w.group_size, y.data_ptr(), w.out_features, 0, cpu_gemm.CODE_MAX_ROWS[w.bits],
+        w.bits,
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        w.codes.data_ptr(),
+        w.scales.data_ptr(),
+        w.zeros.data_ptr(),
+        w.codes.shape[0],
+        w.group_size,
+        y.data_ptr(),
+        w.out_features,
+        0,
+        cpu_gemm.CODE_MAX_ROWS[w.bits],
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     return y.double()
 
 
@@ -212,15 +239,20 @@ def test_the_loop_for_each_row_count_on_cpus_without_bf16(other_isa):
         for dtype in (torch.float32, torch.bfloat16):
             assert [cpu_gemm.path(m, dtype, w) for m in (1, limit, limit + 1, 512)] == ["int8"] * 4  # decode steps
             with cpu_gemm.exact_activations():  # prompt tokens
-                assert [cpu_gemm.path(m, dtype, w) for m in (1, limit, limit + 1)] == ["fused", "fused",
-                                                                                       "dequant-slices"]  # fmt: skip
-            assert [cpu_gemm.path(m, dtype, w8) for m in (1, limit, limit + 1)] == ["fused", "fused",
-                                                                                    "dequant-slices"]  # fmt: skip
+                assert [cpu_gemm.path(m, dtype, w) for m in (1, limit, limit + 1)] == [
+                    "fused",
+                    "fused",
+                    "dequant-slices",
+                ]
+            assert [cpu_gemm.path(m, dtype, w8) for m in (1, limit, limit + 1)] == ["fused", "fused", "dequant-slices"]
             assert cpu_gemm.path(1, dtype, narrow) == "fused"
     else:  # AVX-512 without BF16: bf16 slices above FUSED_MAX_ROWS_BF16 bf16 rows; fp32 rows always fused
         limit = cpu_gemm.FUSED_MAX_ROWS_BF16
-        assert [cpu_gemm.path(m, torch.bfloat16, w) for m in (1, limit, limit + 1)] == ["fused", "fused",
-                                                                                         "dequant-slices"]  # fmt: skip
+        assert [cpu_gemm.path(m, torch.bfloat16, w) for m in (1, limit, limit + 1)] == [
+            "fused",
+            "fused",
+            "dequant-slices",
+        ]
         assert cpu_gemm.path(500, torch.float32, w) == "fused"
     _, odd = quantized_weight(64, 270, 4, -1, True)  # the bf16 dot products need even widths; these loops do not
     assert cpu_gemm.path(1, torch.float32, odd) == "fused"
@@ -256,8 +288,6 @@ def test_avx2_int8_loop_is_the_weights_times_x_hat(poisoned, monkeypatch, bits, 
     assert relative_error(out, reference.quant_matmul(x.double(), w)) < 2e-2
 
 
-
-
 @needs_bf16
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quant_matmul_runs_the_loop_path_names(monkeypatch, no_amx, bits):
@@ -273,7 +303,7 @@ def test_quant_matmul_runs_the_loop_path_names(monkeypatch, no_amx, bits):
         (1, torch.float32, "slimlm_quant_matmul_f32_split"),
         (limit, torch.float32, "slimlm_quant_matmul"),
     ]
-    for rows, dtype, called in cases:  # fmt: skip
+    for rows, dtype, called in cases:
         spy.calls = []
         cpu_gemm.quant_matmul(torch.randn(rows, 128).to(dtype), w)
         assert spy.calls == [called], (rows, dtype)

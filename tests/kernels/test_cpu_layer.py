@@ -150,8 +150,10 @@ def test_what_the_c_code_does_not_cover_runs_the_reference(reference_calls):
         assert all(a is b for a, b in zip(reference_calls[0][1], passed, strict=True)), name
     # a key offset over a float cache, or a 4-bit cache with scales, reaches the reference with it
     offset = torch.randn(1, 16)
-    for caches_, scales in ((caches, ()), ([torch.zeros(2, 4, 1, 12, dtype=torch.uint8) for _ in range(2)],
-                                           (scale, scale))):  # fmt: skip
+    for caches_, scales in (
+        (caches, ()),
+        ([torch.zeros(2, 4, 1, 12, dtype=torch.uint8) for _ in range(2)], (scale, scale)),
+    ):
         reference_calls.clear()
         cpu_layer.rotary_kv_write(qkv, cos, sin, slots, *caches_, *(scales or (None, None)), k_offset=offset)
         assert reference_calls[0][1][-1] is offset
@@ -161,14 +163,18 @@ def test_what_the_c_code_does_not_cover_runs_the_reference(reference_calls):
     cpu_layer.rotary_kv_write(qkv, cos, sin, slots, *int8, k_scale, v_scale)
     k = reference.rotate(qkv[:, 32:48].view(2, 1, 16), cos[:, None], sin[:, None])
     assert torch.equal(int8[0].view(-1, 1, 16)[slots], reference.quantized_kv(k, k_scale, torch.int8))
-    assert torch.equal(int8[1].view(-1, 1, 16)[slots], reference.quantized_kv(qkv[:, 48:].view(2, 1, 16), v_scale,
-                                                                                  torch.int8))  # fmt: skip
+    assert torch.equal(
+        int8[1].view(-1, 1, 16)[slots], reference.quantized_kv(qkv[:, 48:].view(2, 1, 16), v_scale, torch.int8)
+    )
     # the norm: a strided x, a strided residual, an fp16 stream, a weight of another dtype
     x, residual, weight = torch.randn(2, 8), torch.randn(2, 8), torch.rand(8) + 0.5
     strided = torch.randn(2, 16)[:, ::2]
-    for name, args in {"strided x": (strided, weight, 1e-6, residual), "strided residual": (x, weight, 1e-6, strided),
-                       "fp16": (x.half(), weight.half(), 1e-6, residual.half()),
-                       "bf16 weight": (x, weight.bfloat16(), 1e-6, None)}.items():  # fmt: skip
+    for name, args in {
+        "strided x": (strided, weight, 1e-6, residual),
+        "strided residual": (x, weight, 1e-6, strided),
+        "fp16": (x.half(), weight.half(), 1e-6, residual.half()),
+        "bf16 weight": (x, weight.bfloat16(), 1e-6, None),
+    }.items():
         reference_calls.clear()
         out, h = cpu_layer.add_rms_norm(*args)
         assert [call[0] for call in reference_calls] == ["add_rms_norm"], name

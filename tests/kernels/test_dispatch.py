@@ -39,7 +39,10 @@ def test_select_names_what_runs_for_each_device(monkeypatch):
 
     cuda = kernels.select("cuda")
     assert (cuda.name, cuda.quant_matmul, cuda.paged_attention) == (
-        "triton", triton_gemm.quant_matmul, triton_attention.paged_attention)  # fmt: skip
+        "triton",
+        triton_gemm.quant_matmul,
+        triton_attention.paged_attention,
+    )
     cpu = kernels.select(torch.device("cpu"))
     assert (cpu.name, cpu.quant_matmul) == ("cpu", cpu_gemm.quant_matmul)
     assert cpu.paged_attention.func is cpu_attention.paged_attention
@@ -51,7 +54,10 @@ def test_select_names_what_runs_for_each_device(monkeypatch):
     for device in ("cpu", "cuda"):
         ref = kernels.select(device)
         assert (ref.name, ref.quant_matmul, ref.paged_attention) == (
-            "reference", reference.quant_matmul, reference.paged_attention)  # fmt: skip
+            "reference",
+            reference.quant_matmul,
+            reference.paged_attention,
+        )
         assert (ref.add_rms_norm, ref.rotary_kv_write) == (reference.add_rms_norm, reference.rotary_kv_write)
     monkeypatch.setenv("SLIMLM_KERNELS", "triton")  # only "reference" overrides
     assert kernels.select("cpu").name == "cpu"

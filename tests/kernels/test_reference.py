@@ -19,8 +19,12 @@ def contiguous_attention(p, dtype=torch.float64) -> torch.Tensor:
     for s in range(len(p.seq_lens)):
         n, start, end = int(p.seq_lens[s]), int(p.query_start[s]), int(p.query_start[s + 1])
         slots = [int(p.block_tables[s, i // block_size]) * block_size + i % block_size for i in range(n)]
-        k, v = (kv_int4.dequantize(c.flatten(0, 1)[slots], dtype) if c.dtype == torch.uint8
-                else c.flatten(0, 1)[slots].to(dtype) for c in (p.k_cache, p.v_cache))  # fmt: skip
+        k, v = (
+            kv_int4.dequantize(c.flatten(0, 1)[slots], dtype)
+            if c.dtype == torch.uint8
+            else c.flatten(0, 1)[slots].to(dtype)
+            for c in (p.k_cache, p.v_cache)
+        )
         if p.k_scale is not None:
             k, v = k * p.k_scale.to(dtype)[:, None], v * p.v_scale.to(dtype)[:, None]
         for i in range(start, end):
@@ -33,17 +37,20 @@ def contiguous_attention(p, dtype=torch.float64) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "seq_lens, q_lens, heads, kv_heads, kv_dtype",
-    [([20, 7, 33], [4, 7, 1], 4, 2, torch.float32),  # a whole prompt, a chunk, a decode; GQA 2
-     ([16, 1], [16, 1], 3, 3, torch.float16),  # block-aligned, a one-token sequence, MHA
-     ([40, 9], [3, 2], 6, 2, torch.int8),  # scaled caches, GQA 3
-     ([17], [5], 2, 1, torch.float8_e4m3fn),
-     ([30, 12], [30, 1], 4, 2, torch.uint8),  # 4-bit rows
-     ([9, 5], [2, 5], 8, 4, torch.float32)],  # more KV heads than slots in a block (block_size 2 below)
-)  # fmt: skip
+    [
+        ([20, 7, 33], [4, 7, 1], 4, 2, torch.float32),  # a whole prompt, a chunk, a decode; GQA 2
+        ([16, 1], [16, 1], 3, 3, torch.float16),  # block-aligned, a one-token sequence, MHA
+        ([40, 9], [3, 2], 6, 2, torch.int8),  # scaled caches, GQA 3
+        ([17], [5], 2, 1, torch.float8_e4m3fn),
+        ([30, 12], [30, 1], 4, 2, torch.uint8),  # 4-bit rows
+        ([9, 5], [2, 5], 8, 4, torch.float32),
+    ],  # more KV heads than slots in a block (block_size 2 below)
+)
 def test_paged_attention_equals_attention_over_contiguous_kv(seq_lens, q_lens, heads, kv_heads, kv_dtype):
     block_size = 2 if kv_heads == 4 else 8
-    p = paged_problem(seq_lens, q_lens, heads, kv_heads, 16, block_size=block_size, kv_dtype=kv_dtype,
-                      q_dtype=torch.float32)  # fmt: skip
+    p = paged_problem(
+        seq_lens, q_lens, heads, kv_heads, 16, block_size=block_size, kv_dtype=kv_dtype, q_dtype=torch.float32
+    )
     expected = contiguous_attention(p)
     got = reference.paged_attention(*p.args(), dtype=torch.float64)
     assert got.dtype == torch.float64 and torch.allclose(got, expected, rtol=1e-10, atol=1e-12)
@@ -53,8 +60,9 @@ def test_paged_attention_equals_attention_over_contiguous_kv(seq_lens, q_lens, h
     assert reference.paged_attention(*p.args()).dtype == torch.float32
 
 
-@pytest.mark.parametrize("bits, group, sym, act_order", [(4, 32, True, False), (8, -1, False, False),
-                                                        (4, 32, False, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "bits, group, sym, act_order", [(4, 32, True, False), (8, -1, False, False), (4, 32, False, True)]
+)
 def test_quant_matmul_is_x_times_the_dequantized_weight(bits, group, sym, act_order):
     q, w = quantized_weight(72, 96, bits, group, sym, act_order=act_order)  # 72 outputs: the pack pads to 128
     q.scale = q.scale.half().float()  # the kernel layout keeps fp16 scales
@@ -78,8 +86,10 @@ def test_int8_cache_rounds_to_nearest_and_clamps_per_head():
     stored = reference.quantized_kv(kv, scale, torch.int8)
     assert stored.dtype == torch.int8
     assert stored[0].tolist() == [[1, -2, 127, -127], [0, -1, 127, 127]]  # x / s, rounded, within ±127
-    assert torch.equal(reference.dequantized(stored, scale, torch.float32)[0],
-                       torch.tensor([[0.5, -1.0, 63.5, -63.5], [0.0, -0.25, 31.75, 31.75]]))  # fmt: skip
+    assert torch.equal(
+        reference.dequantized(stored, scale, torch.float32)[0],
+        torch.tensor([[0.5, -1.0, 63.5, -63.5], [0.0, -0.25, 31.75, 31.75]]),
+    )
 
 
 def test_fp8_cache_rounds_to_nearest_fp8_and_saturates():

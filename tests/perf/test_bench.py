@@ -21,8 +21,17 @@ from slimlm.perf.load import busy_warnings, others_load
 from slimlm.perf.offline import offline, resident_batch
 from slimlm.perf.workload import online, percentiles, workload
 
-SMALL = BenchConfig(batches=[1, 3], context=40, prefill_len=32, steps=2, kv_cache_memory=4 << 20,
-                          requests=5, rate=50.0, prompt_len=(8, 16), output_len=(3, 6))  # fmt: skip
+SMALL = BenchConfig(
+    batches=[1, 3],
+    context=40,
+    prefill_len=32,
+    steps=2,
+    kv_cache_memory=4 << 20,
+    requests=5,
+    rate=50.0,
+    prompt_len=(8, 16),
+    output_len=(3, 6),
+)
 
 
 @torch.inference_mode()
@@ -76,16 +85,21 @@ def test_the_workload_is_seeded_and_the_online_run_serves_it_all(tiny_llama):
 
 def test_percentiles():
     values = [float(v) for v in range(1, 101)]
-    assert percentiles(values) == {"p50": pytest.approx(50.5), "p90": pytest.approx(90.1),
-                                          "p99": pytest.approx(99.01)}  # fmt: skip
+    assert percentiles(values) == {"p50": pytest.approx(50.5), "p90": pytest.approx(90.1), "p99": pytest.approx(99.01)}
     assert percentiles([2.0]) == {"p50": 2.0, "p90": 2.0, "p99": 2.0}
 
 
 def test_rounds_keep_the_median_of_each_figure():
     def run(prefill, steps, peak):
-        return {"prefill_tok_s": prefill, "peak_rss_bytes": peak, "weight_bytes": 10,
-                "decode": [{"batch": b, "step_ms": ms, "tok_s": 1e3 * b / ms, "floor_ms": 2.0, "floor_ratio": ms / 2}
-                           for b, ms in steps]}  # fmt: skip
+        return {
+            "prefill_tok_s": prefill,
+            "peak_rss_bytes": peak,
+            "weight_bytes": 10,
+            "decode": [
+                {"batch": b, "step_ms": ms, "tok_s": 1e3 * b / ms, "floor_ms": 2.0, "floor_ratio": ms / 2}
+                for b, ms in steps
+            ],
+        }
 
     disturbed = run(2.0, [(1, 400.0), (8, 900.0)], None)  # a neighbour's burst through one whole round
     merged = bench.merged([run(100.0, [(1, 4.0), (8, 10.0)], 50), disturbed, run(120.0, [(1, 5.0), (8, 12.0)], 70)])
@@ -96,8 +110,10 @@ def test_rounds_keep_the_median_of_each_figure():
 
 
 def test_online_rounds_keep_the_run_of_median_throughput_whole():
-    runs = [{"output_tok_s": tok_s, "ttft_s": {"p50": ttft}, "other_cores": load}
-            for tok_s, ttft, load in ((500.0, 1.0, 0.1), (90.0, 9.0, 1.2), (520.0, 0.9, None))]  # fmt: skip
+    runs = [
+        {"output_tok_s": tok_s, "ttft_s": {"p50": ttft}, "other_cores": load}
+        for tok_s, ttft, load in ((500.0, 1.0, 0.1), (90.0, 9.0, 1.2), (520.0, 0.9, None))
+    ]
     kept = bench.median_run(runs)
     assert kept["output_tok_s"] == 500.0 and kept["ttft_s"] == {"p50": 1.0}  # its own latencies, not a mix
     assert kept["rounds_output_tok_s"] == [500.0, 90.0, 520.0] and kept["other_cores"] == 1.2
@@ -122,8 +138,9 @@ def test_other_processes_load_is_measured_and_warned_about():
         subprocess.run([sys.executable, "-c", spin], check=True)  # another process, busy while we wait
     assert load["other_cores"] >= 0.5  # one spinning core (less what a startup in sleep costs), at least half
     quiet = {"offline": {"other_cores": 0.2}, "online": {"other_cores": None}}
-    result = {"systems": {"baseline": {"offline": {"other_cores": 1.6}, "online": {"other_cores": 0.1}},
-                          "model": quiet}}  # fmt: skip
+    result = {
+        "systems": {"baseline": {"offline": {"other_cores": 1.6}, "online": {"other_cores": 0.1}}, "model": quiet}
+    }
     (line,) = busy_warnings(result)
     assert line.startswith("warning: other processes kept 1.6 of") and "the baseline's offline measurement" in line
 
@@ -134,9 +151,30 @@ def test_the_command_measures_the_source_beside_a_checkpoint(tiny_llama, tmp_pat
     assert main(["rtn", "--model", str(tiny_llama), "--group-size", "32", "--out", str(out)]) == 0
     capsys.readouterr()
     assert baseline_of(out) == str(tiny_llama)
-    args = ["bench", str(out), "--batch", "1,2", "--context", "32", "--prefill-len", "16", "--requests", "3",
-            "--rate", "inf", "--prompt-len", "8,12", "--output-len", "2,4", "--kv-cache-memory", "4M",
-            "--rounds", "2", "--json", str(tmp_path / "bench.json")]  # fmt: skip
+    args = [
+        "bench",
+        str(out),
+        "--batch",
+        "1,2",
+        "--context",
+        "32",
+        "--prefill-len",
+        "16",
+        "--requests",
+        "3",
+        "--rate",
+        "inf",
+        "--prompt-len",
+        "8,12",
+        "--output-len",
+        "2,4",
+        "--kv-cache-memory",
+        "4M",
+        "--rounds",
+        "2",
+        "--json",
+        str(tmp_path / "bench.json"),
+    ]
     assert main(args) == 0
     table = capsys.readouterr().out
     assert "ratio" in table and "decode b2 / floor" in table and "goodput req/s" in table
@@ -161,25 +199,33 @@ def test_the_command_measures_the_source_beside_a_checkpoint(tiny_llama, tmp_pat
         assert on["roofline"]["peak_flops"] == pytest.approx(off["prefill_tok_s"] * 2 * plan.linear_params(dims))
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--prompt-len", "9,3"], "--prompt-len: '9,3': give LO,HI with LO <= HI"),
-    (["--batch", "1,x"], "--batch: '1,x'"),
-    (["--rate", "0"], "must be positive"),
-    (["--rate", "nan"], "must be positive"),
-    (["--slo-itl", "-1"], "must be positive"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--prompt-len", "9,3"], "--prompt-len: '9,3': give LO,HI with LO <= HI"),
+        (["--batch", "1,x"], "--batch: '1,x'"),
+        (["--rate", "0"], "must be positive"),
+        (["--rate", "nan"], "must be positive"),
+        (["--slo-itl", "-1"], "must be positive"),
+    ],
+)
 def test_bad_flags_are_refused_by_the_parser(tiny_llama, capsys, args, fragment):
     with pytest.raises(SystemExit) as e:
         main(["bench", str(tiny_llama), "--baseline", "none", *args])
     assert e.value.code == 2 and fragment in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--batch", "4096", "--context", "64", "--kv-cache-memory", "1M"], "cannot hold batch 4096"),
-    (["--context", "512"], "--context: 513 tokens are past"),
-    (["--context", "64", "--prompt-len", "300,400", "--output-len", "100,200"],
-     "--prompt-len and --output-len: 600 tokens are past"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--batch", "4096", "--context", "64", "--kv-cache-memory", "1M"], "cannot hold batch 4096"),
+        (["--context", "512"], "--context: 513 tokens are past"),
+        (
+            ["--context", "64", "--prompt-len", "300,400", "--output-len", "100,200"],
+            "--prompt-len and --output-len: 600 tokens are past",
+        ),
+    ],
+)
 def test_bad_input_is_one_line(tiny_llama, capsys, args, fragment):
     assert main(["bench", str(tiny_llama), "--baseline", "none", *args]) == 2
     err = capsys.readouterr().err

@@ -51,16 +51,18 @@ def test_greedy_equals_transformers_one_by_one_and_in_one_batch(tiny_llama, hf, 
     llm = LLM(str(tiny_llama))
     assert [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts] == expected
     # all at once, prompts cut into 16-token chunks, and a pool so small that sequences get preempted
-    small = LLM(str(tiny_llama), max_num_batched_tokens=16, kv_cache_memory=12 * 16 * 2 * 2 * 2 * 16 * 4,
-                max_model_len=192)
+    small = LLM(
+        str(tiny_llama), max_num_batched_tokens=16, kv_cache_memory=12 * 16 * 2 * 2 * 2 * 16 * 4, max_model_len=192
+    )
     outs = small.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert small.engine.blocks.num_free == small.engine.runner.num_blocks
 
 
 def test_preemption_really_happens_with_a_tiny_pool(tiny_llama, prompts):
-    llm = LLM(str(tiny_llama), max_num_batched_tokens=16, kv_cache_memory=12 * 16 * 2 * 2 * 2 * 16 * 4,
-              max_model_len=192)
+    llm = LLM(
+        str(tiny_llama), max_num_batched_tokens=16, kv_cache_memory=12 * 16 * 2 * 2 * 2 * 16 * 4, max_model_len=192
+    )
     engine = llm.engine
     for p in prompts:  # prompt log-probabilities too: a preempted prompt is recomputed, not scored again
         engine.add_request(p, SamplingParams(max_tokens=12, temperature=0, prompt_logprobs=0))
@@ -259,8 +261,9 @@ def test_incremental_text_equals_a_full_decode_and_stop_strings_cut_it(tiny_llam
         assert out.outputs[0].text == full
     text = next(iter(streamed.values())).outputs[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
-    cut = llm.generate([prompts[0]], SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True,
-                                                    stop=[stop]))[0].outputs[0]  # fmt: skip
+    cut = llm.generate(
+        [prompts[0]], SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True, stop=[stop])
+    )[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.text == text[: text.find(stop)]
 
 
@@ -338,10 +341,13 @@ def test_each_bad_request_is_refused_with_what_is_wrong(tiny_llama, prompts):
         (3, {}, "a prompt is a string or a list of token ids, got int"),
         ("caf\udce9", {}, "the prompt is not valid text (character 3 is not UTF-8)"),
         ([5] * 64, {}, "the prompt has 64 tokens; the model's context holds 64, and one must be generated"),
-        ([5] * 4, {"params": SamplingParams(prompt_logprobs=0, prompt_logprobs_from=4)},
-         "prompt_logprobs_from 4 is past the prompt's last token (position 3)"),
+        (
+            [5] * 4,
+            {"params": SamplingParams(prompt_logprobs=0, prompt_logprobs_from=4)},
+            "prompt_logprobs_from 4 is past the prompt's last token (position 3)",
+        ),
         ([5] * 4, {"params": {"temperature": 0}}, "sampling parameters must be a SamplingParams, got dict"),
-    ]  # fmt: skip
+    ]
     for prompt, kwargs, message in cases:
         with pytest.raises(SlimlmError) as e:
             engine.add_request(prompt, **kwargs)
@@ -381,18 +387,24 @@ def test_prompt_top_logprobs_gather_over_every_chunk(tiny_llama, hf, prompts):
     [
         (dict(dtype="fp64"), "dtype 'fp64' is not one of float32, bfloat16, float16"),
         (dict(kv_cache_dtype=8), "kv_cache_dtype 8 is not one of auto, fp8, int8, int4, float32, bfloat16, float16"),
-        (dict(kv_cache_dtype="fp4"),
-         "kv_cache_dtype 'fp4' is not one of auto, fp8, int8, int4, float32, bfloat16, float16"),
+        (
+            dict(kv_cache_dtype="fp4"),
+            "kv_cache_dtype 'fp4' is not one of auto, fp8, int8, int4, float32, bfloat16, float16",
+        ),
         (dict(block_size=24), "block_size must be a power of two, got 24"),
         (dict(block_size=0), "block_size must be a positive integer, got 0"),
         (dict(speculative=""), "speculative must be 'ngram', a draft model or None, got ''"),
         (dict(speculative=3), "speculative must be 'ngram', a draft model or None, got 3"),
-        (dict(num_speculative_tokens=17, speculative="ngram"),
-         "num_speculative_tokens must be an integer in 1..block_size (16), got 17"),
-        (dict(max_model_len=0, max_num_seqs=-1), "max_num_seqs must be a positive integer, got -1; "
-                                                 "max_model_len must be a positive integer or None, got 0"),
+        (
+            dict(num_speculative_tokens=17, speculative="ngram"),
+            "num_speculative_tokens must be an integer in 1..block_size (16), got 17",
+        ),
+        (
+            dict(max_model_len=0, max_num_seqs=-1),
+            "max_num_seqs must be a positive integer, got -1; max_model_len must be a positive integer or None, got 0",
+        ),
     ],
-)  # fmt: skip
+)
 def test_engine_config_refusals_name_every_problem(kwargs, message):
     with pytest.raises(SlimlmError) as e:
         EngineConfig(**kwargs)
@@ -433,8 +445,10 @@ def test_the_engine_reads_context_and_eos_from_the_config(tiny_llama, tmp_path):
 
 
 def test_the_engine_builds_what_its_config_asks(tiny_llama):
-    engine = Engine(str(tiny_llama), EngineConfig(dtype="bfloat16", prefix_caching=False, max_model_len=100,
-                                                  kv_cache_dtype="float32"))  # fmt: skip
+    engine = Engine(
+        str(tiny_llama),
+        EngineConfig(dtype="bfloat16", prefix_caching=False, max_model_len=100, kv_cache_dtype="float32"),
+    )
     assert engine.runner.model.model.norm.weight.dtype == torch.bfloat16
     assert engine.runner.kv_cache.dtype == torch.float32
     assert engine.blocks.prefix_caching is False and engine.max_model_len == 100
@@ -443,9 +457,12 @@ def test_the_engine_builds_what_its_config_asks(tiny_llama):
     with pytest.raises(SlimlmError) as e:
         Engine(str(tiny_llama), EngineConfig(kv_cache_memory=200_000, max_model_len=512))
     pool, need = 200_000 / 2**20, 512 * per_token / 2**20
-    assert re.fullmatch(rf"the KV cache pool \({pool:.1f} MiB\) holds \d+ tokens, fewer than one sequence of "
-                        rf"max_model_len 512; give it at least {need:.1f} MiB \(--kv-cache-memory\) or lower "
-                        "max_model_len", str(e.value)), str(e.value)  # fmt: skip
+    assert re.fullmatch(
+        rf"the KV cache pool \({pool:.1f} MiB\) holds \d+ tokens, fewer than one sequence of "
+        rf"max_model_len 512; give it at least {need:.1f} MiB \(--kv-cache-memory\) or lower "
+        "max_model_len",
+        str(e.value),
+    ), str(e.value)
 
 
 def test_each_sample_of_a_seeded_request_is_the_lone_request_of_seed_plus_its_index(tiny_llama, prompts):

@@ -72,8 +72,13 @@ def _exact_second_token(model_dir, prompt: list[int], params: SamplingParams) ->
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
 def test_sampled_second_tokens_follow_the_target(sharp_pair, proposer, top_p):
     target, other = sharp_pair
-    llm = LLM(str(target), speculative="ngram" if proposer == "ngram" else str(other), num_speculative_tokens=2,
-              max_num_seqs=256, max_num_batched_tokens=2048)  # fmt: skip
+    llm = LLM(
+        str(target),
+        speculative="ngram" if proposer == "ngram" else str(other),
+        num_speculative_tokens=2,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+    )
     prompt = llm.tokenizer.encode(make_text(3, seed=11))  # long enough that prompt lookup matches most tokens
     draws = 10_000  # 20,000 on the real model: benchmarks/speculative.py
     # max_tokens 3: the first token comes from the prompt's last position, the second from a verification
@@ -130,8 +135,11 @@ def test_drafts_respect_the_token_budget_max_tokens_and_the_context(sharp_pair, 
     base = LLM(target, max_model_len=40)
     step_tokens = []
     run = spec.engine.runner.run
-    monkeypatch.setattr(spec.engine.runner, "run", lambda batch, rows: step_tokens.append(
-        sum(item.num_tokens for item in batch.items)) or run(batch, rows))  # fmt: skip
+    monkeypatch.setattr(
+        spec.engine.runner,
+        "run",
+        lambda batch, rows: step_tokens.append(sum(item.num_tokens for item in batch.items)) or run(batch, rows),
+    )
     asked = spy_on_proposals(spec, monkeypatch)
     prompts = [p[:30] for p in _prompts(base, 4)]
     for max_tokens in (1, 5, 20):  # 20: the 40-token context ends generation first
@@ -160,8 +168,9 @@ def test_drafts_respect_the_token_budget_max_tokens_and_the_context(sharp_pair, 
     torch.manual_seed(0)
     first = spec.generate(prompts[:2], params)
     torch.manual_seed(1)
-    assert [o.outputs[0].token_ids for o in spec.generate(prompts[:2], params)] == [o.outputs[0].token_ids
-                                                                                    for o in first]  # fmt: skip
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts[:2], params)] == [
+        o.outputs[0].token_ids for o in first
+    ]
     # the target drafting for itself, sampled: min(1, q/p) = 1, so every draft is accepted (a rule that took
     # the drafts as certain would still be exact, but accept each with probability q only)
     assert all(o.outputs[0].num_accepted == o.outputs[0].num_drafted > 0 for o in first)
@@ -171,9 +180,14 @@ def spy_on_proposals(llm: LLM, monkeypatch) -> list[tuple[int, int, int, int, in
     """(tokens, computed tokens, outputs, max_tokens, tokens drafted) of every proposal, as it is asked."""
     asked = []
     propose = llm.engine.proposer.propose
-    monkeypatch.setattr(llm.engine.proposer, "propose", lambda seqs, room: [
-        asked.append((s.num_tokens, s.num_computed, len(s.output_ids), s.params.max_tokens, len(p.tokens))) or p
-        for s, p in zip(seqs, propose(seqs, room), strict=True)])  # fmt: skip
+    monkeypatch.setattr(
+        llm.engine.proposer,
+        "propose",
+        lambda seqs, room: [
+            asked.append((s.num_tokens, s.num_computed, len(s.output_ids), s.params.max_tokens, len(p.tokens))) or p
+            for s, p in zip(seqs, propose(seqs, room), strict=True)
+        ],
+    )
     return asked
 
 
@@ -200,8 +214,9 @@ def test_after_each_speculative_step_the_cache_holds_every_token_but_the_last(sh
     want, got = base.generate(prompts, params), spec.generate(prompts, params)
     for w, g in zip(want, got, strict=True):
         a, b = w.outputs[0], g.outputs[0]
-        assert a.token_ids == b.token_ids and torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
-                                                             atol=1e-4)  # fmt: skip
+        assert a.token_ids == b.token_ids and torch.allclose(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4
+        )
         assert [[t for t, _ in top] for top in a.top_logprobs] == [[t for t, _ in top] for top in b.top_logprobs]
         assert all(isinstance(t, float) for t in b.token_times) and b.token_times == sorted(b.token_times)
     assert sum(o.outputs[0].num_drafted for o in got) > 0

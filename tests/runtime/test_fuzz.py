@@ -11,14 +11,28 @@ from slimlm.runtime.llm import LLM
 from slimlm.runtime.sampling import SamplingParams
 
 ANY = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=4), st.lists(st.integers(-5, 300), max_size=3),
-)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=4),
+    st.lists(st.integers(-5, 300), max_size=3),
+)
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-SAMPLING_FIELDS = ["max_tokens", "temperature", "top_k", "top_p", "seed", "n", "stop", "stop_token_ids", "logprobs",
-                   "prompt_logprobs"]  # fmt: skip
+SAMPLING_FIELDS = [
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "n",
+    "stop",
+    "stop_token_ids",
+    "logprobs",
+    "prompt_logprobs",
+]
 
 
 @FUZZ
@@ -31,8 +45,15 @@ def test_sampling_params_validate_or_refuse(kwargs):
 
 
 @FUZZ
-@given(st.dictionaries(st.sampled_from(["dtype", "kv_cache_memory", "block_size", "max_num_seqs",
-                                        "max_num_batched_tokens", "max_model_len"]), ANY, max_size=3))  # fmt: skip
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            ["dtype", "kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"]
+        ),
+        ANY,
+        max_size=3,
+    )
+)
 def test_engine_config_validates_or_refuses(kwargs):
     try:
         EngineConfig(**kwargs)
@@ -48,7 +69,8 @@ def llm(tiny_llama):
 PROMPTS = st.one_of(
     st.text(max_size=12),  # includes lone surrogates
     st.lists(st.one_of(st.integers(-3, 400), st.booleans(), st.floats(), st.text(max_size=1)), max_size=6),
-    st.integers(), st.none(),
+    st.integers(),
+    st.none(),
 )
 
 

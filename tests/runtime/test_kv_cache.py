@@ -26,8 +26,18 @@ from tests.runtime.conftest import next_token_logprobs
 def kv_checkpoint(request, tiny_llama, calib_txt, tmp_path_factory):
     kv_dtype, strategy = request.param
     out = tmp_path_factory.mktemp("kv") / f"tiny-{kv_dtype}"
-    quantize_weights(Quantization("kv", [KVCache(kv_dtype, strategy)], None, str(tiny_llama), out,
-                                  CalibData(str(calib_txt), 8, 64), report_error=False), progress=False)  # fmt: skip
+    quantize_weights(
+        Quantization(
+            "kv",
+            [KVCache(kv_dtype, strategy)],
+            None,
+            str(tiny_llama),
+            out,
+            CalibData(str(calib_txt), 8, 64),
+            report_error=False,
+        ),
+        progress=False,
+    )
     return out, kv_dtype
 
 
@@ -48,8 +58,10 @@ def transformers_with_quantized_kv(model_dir, kv_dtype: str):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tensors = load_file(model_dir / "model.safetensors")
     heads = model.config.num_key_value_heads
-    scales = [[tensors[n].float().flatten().expand(heads) for n in kv_cache.scale_names(i)]
-              for i in range(model.config.num_hidden_layers)]  # fmt: skip
+    scales = [
+        [tensors[n].float().flatten().expand(heads) for n in kv_cache.scale_names(i)]
+        for i in range(model.config.num_hidden_layers)
+    ]
     layer = {}
     rotary = modeling_llama.apply_rotary_pos_emb
 
@@ -61,8 +73,9 @@ def transformers_with_quantized_kv(model_dir, kv_dtype: str):
         attn = block.self_attn
         attn.register_forward_pre_hook(lambda _m, _a, i=i: layer.update(i=i))
         attn.v_proj.register_forward_hook(
-            lambda _m, _x, out, i=i: _qdq(out.unflatten(-1, (heads, -1)).transpose(1, 2), scales[i][1], kv_dtype)
-            .transpose(1, 2).flatten(-2)  # fmt: skip
+            lambda _m, _x, out, i=i: (
+                _qdq(out.unflatten(-1, (heads, -1)).transpose(1, 2), scales[i][1], kv_dtype).transpose(1, 2).flatten(-2)
+            )
         )
     return model, rotary_then_quantize
 
@@ -99,8 +112,9 @@ def assert_greedy_matches(llm: LLM, reference, lengths: tuple[int, ...], tokens:
     outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
     for ids, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
-            want = reference.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False,
-                                      min_new_tokens=tokens)  # fmt: skip
+            want = reference.generate(
+                torch.tensor([ids]), max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens
+            )
         assert out.outputs[0].token_ids == want[0, len(ids) :].tolist()
 
 
@@ -161,12 +175,16 @@ def _broken(model_dir, tmp_path, edit) -> str:
     return str(bad)
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda t: t.pop("model.layers.1.self_attn.v_scale"), "model.layers.1.self_attn.v_scale is missing"),
-    (lambda t: t["model.layers.0.self_attn.k_scale"].fill_(float("nan")), "k_scale holds NaN or Inf"),
-    (lambda t: t["model.layers.0.self_attn.k_scale"].fill_(0), "finite and positive"),
-    (lambda t: t.update({"model.layers.0.self_attn.k_scale": torch.ones(3)}), "implies a float"),
-], ids=["missing", "nan", "zero", "shape"])  # fmt: skip
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda t: t.pop("model.layers.1.self_attn.v_scale"), "model.layers.1.self_attn.v_scale is missing"),
+        (lambda t: t["model.layers.0.self_attn.k_scale"].fill_(float("nan")), "k_scale holds NaN or Inf"),
+        (lambda t: t["model.layers.0.self_attn.k_scale"].fill_(0), "finite and positive"),
+        (lambda t: t.update({"model.layers.0.self_attn.k_scale": torch.ones(3)}), "implies a float"),
+    ],
+    ids=["missing", "nan", "zero", "shape"],
+)
 def test_bad_kv_scales_are_named(kv_checkpoint, tmp_path, edit, message):
     model_dir, _ = kv_checkpoint
     with pytest.raises(SlimlmError, match=message):
@@ -207,7 +225,8 @@ def int4_reference(tiny_llama, offsets: list[torch.Tensor]):
     for i, block in enumerate(model.model.layers):
         block.self_attn.register_forward_pre_hook(lambda _m, _a, i=i: layer.update(i=i))
         block.self_attn.v_proj.register_forward_hook(
-            lambda _m, _x, out: rounded(out.unflatten(-1, (heads, -1))).flatten(-2))
+            lambda _m, _x, out: rounded(out.unflatten(-1, (heads, -1))).flatten(-2)
+        )
     return model, rotary_then_quantize
 
 

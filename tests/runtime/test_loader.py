@@ -37,8 +37,15 @@ def tiny(path: Path, kind: str) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
     tok = make_tokenizer()
-    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     config = {
         "qwen2": lambda: Qwen2Config(**common, tie_word_embeddings=False),  # q/k/v biases, separate lm_head
         "mistral": lambda: MistralConfig(**common, sliding_window=128, head_dim=24),  # head_dim != hidden/heads
@@ -51,7 +58,7 @@ def tiny(path: Path, kind: str) -> Path:
                 "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64,
             },
-        ),  # fmt: skip
+        ),
     }[kind]()
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(config)
@@ -159,8 +166,10 @@ def test_avx2_w4_greedy_text_does_not_depend_on_the_batch(smollm2, tmp_path, mon
     from tests.kernels.problems import haswell_library
 
     args = QuantArgs(4, 64, True)
-    out = quantize_weights(Quantization("rtn", [RTN(args)], args, str(smollm2), tmp_path / "w4", lm_head_bits=8,
-                                        report_error=False), progress=False)  # fmt: skip
+    out = quantize_weights(
+        Quantization("rtn", [RTN(args)], args, str(smollm2), tmp_path / "w4", lm_head_bits=8, report_error=False),
+        progress=False,
+    )
     haswell_library(monkeypatch)
     g = torch.Generator().manual_seed(1)
     others = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (7, 19, 33, 50, 3, 28, 61)]
@@ -229,8 +238,13 @@ def test_awq_gemm_checkpoint_serves(calibrated, tmp_path):
             shutil.copy(f, awq / f.name)
     save_file(tensors, awq / "model.safetensors")
     config = json.loads((ct / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
-                                     "version": "gemm"}  # fmt: skip
+    config["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 32,
+        "zero_point": True,
+        "version": "gemm",
+    }
     (awq / "config.json").write_text(json.dumps(config))
     ids = ids_for(ct)
     expected = model_logprobs(models.load(str(ct))[0], ids)
@@ -254,7 +268,7 @@ def test_awq_gemm_checkpoint_serves(calibrated, tmp_path):
                 },
             },
             "activation quantization",
-        ),  # fmt: skip
+        ),
     ],
     ids=["unknown-method", "awq-gemv", "w8a8"],
 )
@@ -319,6 +333,7 @@ base = peak_reset()
 model = loader.load_model(d, torch.float32, "cpu", 64)
 print((status("VmHWM") - base) / (d / "model.safetensors").stat().st_size)
 """
-    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "w4")], capture_output=True, text=True,
-                         check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "w4")], capture_output=True, text=True, check=True
+    ).stdout
     assert float(out) <= 1.3

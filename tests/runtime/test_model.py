@@ -8,8 +8,10 @@ from slimlm.runtime.loader import load_model
 from slimlm.runtime.model import Linear, fuse
 from tests.kernels.problems import quantized_weight, torch_threads
 
-needs_bf16_gemm = pytest.mark.skipif(not (cpu_library.available() and cpu_library.has_bf16_gemm()),
-                                     reason="one call per layer runs on the AVX-512 BF16 GEMM")  # fmt: skip
+needs_bf16_gemm = pytest.mark.skipif(
+    not (cpu_library.available() and cpu_library.has_bf16_gemm()),
+    reason="one call per layer runs on the AVX-512 BF16 GEMM",
+)
 
 
 def packed_linear(n: int, k: int, bits: int = 4, group: int = 32, seed: int = 0, perm=None) -> Linear:
@@ -164,8 +166,12 @@ def test_a_bf16_float_model_runs_its_linears_as_dense_pairs(joinable, tiny_llama
     reference = load_model(joinable, torch.bfloat16, "cpu", 128, "auto")
     for module in reference.modules():
         if isinstance(module, Linear):  # torch's F.linear over the same bf16 weights
-            module.weight, module.packed = torch.nn.Parameter(dequantize(module.packed, torch.bfloat16)[
-                : module.packed.out_features], requires_grad=False), None  # fmt: skip
+            module.weight, module.packed = (
+                torch.nn.Parameter(
+                    dequantize(module.packed, torch.bfloat16)[: module.packed.out_features], requires_grad=False
+                ),
+                None,
+            )
     reference.decode_stack = None
     ids, step, cache = decode_step(model, rows, torch.bfloat16)
     with torch_threads(2):
@@ -189,8 +195,9 @@ def test_steps_the_one_call_stack_does_not_cover_run_the_modules(joinable_w4, ti
 
     stack, model.decode_stack = model.decode_stack, refuse
     ids, step, cache = decode_step(model, 2, torch.float32)
-    prefill = type(step)(step.positions, step.slots, step.block_tables, step.seq_lens,
-                         torch.tensor([0, 2], dtype=torch.int32), [2])  # fmt: skip
+    prefill = type(step)(
+        step.positions, step.slots, step.block_tables, step.seq_lens, torch.tensor([0, 2], dtype=torch.int32), [2]
+    )
     forward(model, ids, prefill, cache)  # a two-token chunk of one sequence: the modules
     model.decode_stack = stack
     cos, sin = torch.zeros(2, 32), torch.zeros(2, 32)

@@ -67,10 +67,15 @@ def transformers_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
 
 
 SETTINGS = [
-    SamplingParams(temperature=0.6), SamplingParams(top_k=5), SamplingParams(top_p=0.7),
-    SamplingParams(temperature=1.3, top_k=10, top_p=0.85), SamplingParams(top_k=1), SamplingParams(top_p=0.05),
-    SamplingParams(temperature=0.3, top_p=0.95), SamplingParams(top_k=200),  # top_k above the vocabulary
-]  # fmt: skip
+    SamplingParams(temperature=0.6),
+    SamplingParams(top_k=5),
+    SamplingParams(top_p=0.7),
+    SamplingParams(temperature=1.3, top_k=10, top_p=0.85),
+    SamplingParams(top_k=1),
+    SamplingParams(top_p=0.05),
+    SamplingParams(temperature=0.3, top_p=0.95),
+    SamplingParams(top_k=200),  # top_k above the vocabulary
+]
 
 
 @pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
@@ -151,10 +156,22 @@ def test_each_bad_parameter_is_named_exactly(field, value, message):
 def test_every_problem_is_reported_at_once_and_boundaries_are_accepted():
     with pytest.raises(SlimlmError) as e:
         SamplingParams(max_tokens=0, n=0)
-    assert str(e.value) == ("invalid sampling parameters: max_tokens must be a positive integer, got 0; "
-                            "n must be a positive integer, got 0")  # fmt: skip
-    ok = SamplingParams(max_tokens=1, temperature=0, top_p=1, top_k=-1, n=1, seed=2**63 - 1, stop="x",
-                        stop_token_ids=[0], logprobs=20, prompt_logprobs=0, prompt_logprobs_from=1)  # fmt: skip
+    assert str(e.value) == (
+        "invalid sampling parameters: max_tokens must be a positive integer, got 0; n must be a positive integer, got 0"
+    )
+    ok = SamplingParams(
+        max_tokens=1,
+        temperature=0,
+        top_p=1,
+        top_k=-1,
+        n=1,
+        seed=2**63 - 1,
+        stop="x",
+        stop_token_ids=[0],
+        logprobs=20,
+        prompt_logprobs=0,
+        prompt_logprobs_from=1,
+    )
     assert ok.stop == ["x"] and ok.greedy
     assert SamplingParams(top_k=0, seed=0, logprobs=0, prompt_logprobs=20, temperature=1e-5).greedy is False
     assert SamplingParams(temperature=0.99e-5).greedy
@@ -164,8 +181,12 @@ def test_sampled_outputs_report_the_unmodified_model():
     """Greedy rows take the argmax; every row's logprob is its token's log-softmax under the raw logits
     (not after temperature or filtering); top-N lists are the N most likely tokens, best first."""
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3)) * 2
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.5, top_k=5, logprobs=3),
-              SamplingParams(top_p=0.5, logprobs=0), SamplingParams(temperature=0, logprobs=1)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.5, top_k=5, logprobs=3),
+        SamplingParams(top_p=0.5, logprobs=0),
+        SamplingParams(temperature=0, logprobs=1),
+    ]
     out = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(4)])
     raw = torch.log_softmax(logits.double(), -1)
     assert out.tokens[0] == logits[0].argmax() and out.tokens[3] == logits[3].argmax()

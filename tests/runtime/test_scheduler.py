@@ -195,8 +195,9 @@ def test_random_workloads_keep_every_sequence_s_kv_its_own(seed):
                 bm.release_last(s, k)
                 del s.token_ids[s.num_computed + 1 :]
             elif rng.random() < 0.1 and next_id < 30 and len(sched.running) < sched.max_num_seqs:
-                child = Sequence(next_id, f"r{next_id}", list(s.token_ids), s.num_prompt_tokens, s.params,
-                                 torch.Generator())  # fmt: skip
+                child = Sequence(
+                    next_id, f"r{next_id}", list(s.token_ids), s.num_prompt_tokens, s.params, torch.Generator()
+                )
                 want[next_id], next_id = want[s.seq_id], next_id + 1
                 sched.fork(s, child)
                 live.append(child)

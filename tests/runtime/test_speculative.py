@@ -114,8 +114,12 @@ def test_distributions_are_what_sampling_draws_from():
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 50, generator=g) * 3
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.8),
-              SamplingParams(temperature=1.3, top_k=5), SamplingParams(temperature=0)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7, top_p=0.8),
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(temperature=0),
+    ]
     probs = speculative.distributions(logits, params)
     for i in (0, 3):
         assert probs[i].sum() == 1 and probs[i, logits[i].argmax()] == 1

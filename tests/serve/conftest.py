@@ -7,8 +7,10 @@ import re
 
 import pytest
 
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }} {{ m['content'] }}</s>{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant{% endif %}")  # fmt: skip
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }} {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant{% endif %}"
+)
 NAME = "tiny"
 
 

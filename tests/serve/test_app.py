@@ -32,7 +32,8 @@ def test_models_lists_the_served_name(client, offline):
 def test_greedy_completions_equal_the_offline_api_token_for_token(client, offline):
     r = client.completions.create(model=NAME, prompt=PROMPTS, max_tokens=12, temperature=0)
     assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == offline_texts(
-        offline, PROMPTS, max_tokens=12, temperature=0)  # fmt: skip
+        offline, PROMPTS, max_tokens=12, temperature=0
+    )
     ids = offline.tokenizer.encode(PROMPTS[0])
     by_ids = client.completions.create(model=NAME, prompt=ids, max_tokens=12, temperature=0)
     assert by_ids.choices[0].text == r.choices[0].text
@@ -42,8 +43,16 @@ def test_greedy_completions_equal_the_offline_api_token_for_token(client, offlin
 
 def test_streamed_completion_equals_the_whole_one_and_ends_with_usage(client):
     whole = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=20, temperature=0)
-    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=20, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model=NAME,
+            prompt=PROMPTS[1],
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
@@ -106,25 +115,34 @@ def test_echo_of_a_one_token_prompt_has_a_null_first_logprob(client, logprobs):
 
 
 def test_chat_logprobs(client):
-    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "war"}], max_tokens=4,
-                                       temperature=0, logprobs=True, top_logprobs=3)  # fmt: skip
+    r = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "war"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
     assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy
 
 
-@pytest.mark.parametrize("body,needle", [
-    ({"prompt": "x", "model": "other"}, "model 'other' is not served here"),
-    ({"prompt": "x", "temperature": -1}, "temperature"),
-    ({"prompt": "x", "n": 0}, "n:"),
-    ({"prompt": [10**9]}, "is not a token id"),
-    ({"prompt": ""}, "the prompt is empty"),
-    ({"prompt": "x", "max_tokens": 100000}, "maximum context length is 512"),
-    ({"prompt": "x", "stop": [""]}, "stop must be a list of non-empty strings"),
-    ({"prompt": "x", "logprobs": 99}, "logprobs"),
-    ({"max_tokens": 3}, "prompt: Field required"),
-    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty is not supported by this server"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ({"prompt": "x", "model": "other"}, "model 'other' is not served here"),
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "n": 0}, "n:"),
+        ({"prompt": [10**9]}, "is not a token id"),
+        ({"prompt": ""}, "the prompt is empty"),
+        ({"prompt": "x", "max_tokens": 100000}, "maximum context length is 512"),
+        ({"prompt": "x", "stop": [""]}, "stop must be a list of non-empty strings"),
+        ({"prompt": "x", "logprobs": 99}, "logprobs"),
+        ({"max_tokens": 3}, "prompt: Field required"),
+        ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty is not supported by this server"),
+    ],
+)
 def test_bad_requests_get_400_with_an_openai_error_body(server, body, needle):
     r = httpx.post(f"{server}/v1/completions", json=body)
     assert r.status_code == 400, r.text
@@ -187,8 +205,10 @@ def _wait_idle(server, aborted: float, seconds: float = 10.0) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         text = httpx.get(f"{server}/metrics").text
-        values = [metric(text, f"slimlm_{m}") for m in ("requests_in_flight", "requests_aborted_total",
-                                                        "kv_blocks_free", "kv_blocks_pool")]  # fmt: skip
+        values = [
+            metric(text, f"slimlm_{m}")
+            for m in ("requests_in_flight", "requests_aborted_total", "kv_blocks_free", "kv_blocks_pool")
+        ]
         if values[:2] == [0, aborted] and values[2] == values[3]:
             return
         time.sleep(0.02)

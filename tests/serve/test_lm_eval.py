@@ -18,13 +18,23 @@ def test_local_completions_over_http_equals_the_in_process_backend(server, chat_
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
     manager = harness.task_manager(TASKS)
-    remote = LocalCompletionsAPI(model=NAME, base_url=f"{server}/v1/completions", tokenizer=str(chat_llama),
-                                 tokenizer_backend="huggingface", tokenized_requests=True, batch_size=4,
-                                 max_length=512, num_concurrent=2)  # fmt: skip
+    remote = LocalCompletionsAPI(
+        model=NAME,
+        base_url=f"{server}/v1/completions",
+        tokenizer=str(chat_llama),
+        tokenizer_backend="huggingface",
+        tokenized_requests=True,
+        batch_size=4,
+        max_length=512,
+        num_concurrent=2,
+    )
     local = SlimlmLM(pretrained=str(chat_llama), progress=False, **ENGINE)
-    runs = {name: lm_eval.simple_evaluate(model=lm, tasks=TASKS, limit=6, task_manager=manager, log_samples=True,
-                                          verbosity="ERROR")  # fmt: skip
-            for name, lm in [("http", remote), ("local", local)]}
+    runs = {
+        name: lm_eval.simple_evaluate(
+            model=lm, tasks=TASKS, limit=6, task_manager=manager, log_samples=True, verbosity="ERROR"
+        )
+        for name, lm in [("http", remote), ("local", local)]
+    }
     for task in TASKS:
         mine, theirs = runs["http"]["samples"][task], runs["local"]["samples"][task]
         assert [s["doc_id"] for s in mine] == [s["doc_id"] for s in theirs]

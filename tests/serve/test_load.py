@@ -21,10 +21,13 @@ def test_many_concurrent_clients_get_the_offline_text_and_leak_nothing(server, o
     rng = random.Random(0)
     prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40))) for _ in range(24)]
     lengths = [rng.choice([4, 16, 40]) for _ in prompts]
-    expected = [o.outputs[0].text for o in offline.generate(
-        prompts, [SamplingParams(max_tokens=n, temperature=0) for n in lengths])]  # fmt: skip
-    jobs = [(i % len(prompts), ["plain", "stream", "stream", "plain", "hangup", "stream"][i % 6])
-            for i in range(REQUESTS)]  # fmt: skip
+    expected = [
+        o.outputs[0].text
+        for o in offline.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in lengths])
+    ]
+    jobs = [
+        (i % len(prompts), ["plain", "stream", "stream", "plain", "hangup", "stream"][i % 6]) for i in range(REQUESTS)
+    ]
     rng.shuffle(jobs)
     counts = {"completed": 0, "cancelled": 0, "5xx": 0, "wrong": 0}
 

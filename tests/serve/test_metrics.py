@@ -9,8 +9,13 @@ def test_histogram_buckets_are_cumulative_and_inclusive():
     h = Histogram((0.1, 1.0))
     for v in (0.05, 0.1, 0.5, 3.0):
         h.observe(v)
-    assert h.lines("x") == ['x_bucket{le="0.1"} 2', 'x_bucket{le="1.0"} 3', 'x_bucket{le="+Inf"} 4',
-                            "x_sum 3.65", "x_count 4"]  # fmt: skip
+    assert h.lines("x") == [
+        'x_bucket{le="0.1"} 2',
+        'x_bucket{le="1.0"} 3',
+        'x_bucket{le="+Inf"} 4',
+        "x_sum 3.65",
+        "x_count 4",
+    ]
 
 
 def test_finished_requests_and_the_engine_snapshot_are_reported():
@@ -18,10 +23,17 @@ def test_finished_requests_and_the_engine_snapshot_are_reported():
     choice = CompletionOutput(0, "ab", [5, 6, 7], "length", None, 1.0, [1.0, 1.5, 2.0], num_drafted=4, num_accepted=3)
     m.finish(RequestOutput("r", [1, 2, 3, 4], [choice], 0.0, True, num_cached_tokens=3))
     text = m.render(EngineSnapshot(waiting=2, running=1, free_blocks=7, total_blocks=10, preemptions=4), in_flight=3)
-    expected = {"slimlm_num_requests_waiting": 2, "slimlm_num_requests_running": 1, "slimlm_kv_blocks_used": 3,
-                "slimlm_kv_blocks_free": 7, "slimlm_preemptions_total": 4, "slimlm_requests_in_flight": 3,
-                "slimlm_prefix_cache_hit_rate": 0.75, "slimlm_generation_tokens_total": 3,
-                "slimlm_spec_decode_acceptance_rate": 0.75}  # fmt: skip
+    expected = {
+        "slimlm_num_requests_waiting": 2,
+        "slimlm_num_requests_running": 1,
+        "slimlm_kv_blocks_used": 3,
+        "slimlm_kv_blocks_free": 7,
+        "slimlm_preemptions_total": 4,
+        "slimlm_requests_in_flight": 3,
+        "slimlm_prefix_cache_hit_rate": 0.75,
+        "slimlm_generation_tokens_total": 3,
+        "slimlm_spec_decode_acceptance_rate": 0.75,
+    }
     assert {k: metric(text, k) for k in expected} == expected
     assert 'slimlm_requests_finished_total{finish_reason="length"} 1' in text
 
@@ -127,9 +139,17 @@ slimlm_requests_rejected_total 6
 
 
 def test_the_exposition_text_is_exactly_the_documented_one():
-    m = Metrics(ttft=Histogram((0.1,)), itl=Histogram((0.01,)), finished={"stop": 2, "length": 1}, prompt_tokens=8,
-                cached_prompt_tokens=2, generation_tokens=5, drafted_tokens=4, accepted_tokens=1,
-                rejected_overloaded=6)  # fmt: skip
+    m = Metrics(
+        ttft=Histogram((0.1,)),
+        itl=Histogram((0.01,)),
+        finished={"stop": 2, "length": 1},
+        prompt_tokens=8,
+        cached_prompt_tokens=2,
+        generation_tokens=5,
+        drafted_tokens=4,
+        accepted_tokens=1,
+        rejected_overloaded=6,
+    )
     m.ttft.observe(0.05)
     m.itl.observe(0.5)
     engine = EngineSnapshot(waiting=1, running=2, free_blocks=3, total_blocks=10, preemptions=4, aborted=7)

@@ -34,8 +34,12 @@ def test_completions_and_chat_answer_as_the_offline_api(chat_llama, offline):
 
     async def work(completions, chat):
         whole = await completions.create(p.CompletionRequest(prompt=["a b c", "d e"], **greedy))
-        chunks = [c async for c in await completions.create(p.CompletionRequest(
-            prompt="a b c", stream=True, stream_options={"include_usage": True}, **greedy))]  # fmt: skip
+        chunks = [
+            c
+            async for c in await completions.create(
+                p.CompletionRequest(prompt="a b c", stream=True, stream_options={"include_usage": True}, **greedy)
+            )
+        ]
         answer = await chat.create(p.ChatRequest(messages=[{"role": "user", "content": "hi"}], **greedy))
         return whole, chunks, answer
 
@@ -54,8 +58,10 @@ def test_completions_and_chat_answer_as_the_offline_api(chat_llama, offline):
 def test_bad_input_is_refused_before_anything_is_queued(chat_llama):
     async def work(completions, chat):
         errors = []
-        for call in (completions.create(p.CompletionRequest(prompt="x", model="other")),
-                     completions.create(p.CompletionRequest(prompt="x", max_tokens=10**6))):  # fmt: skip
+        for call in (
+            completions.create(p.CompletionRequest(prompt="x", model="other")),
+            completions.create(p.CompletionRequest(prompt="x", max_tokens=10**6)),
+        ):
             with pytest.raises(SlimlmError) as e:
                 await call
             errors.append(str(e.value))
@@ -70,8 +76,9 @@ def test_bad_input_is_refused_before_anything_is_queued(chat_llama):
 def test_a_client_that_leaves_aborts_its_requests(chat_llama):
     async def work(completions, chat):
         with pytest.raises(ClientGone):
-            await completions.create(p.CompletionRequest(prompt="a", max_tokens=200, ignore_eos=True),
-                                     disconnected=lambda: asyncio.sleep(0))  # fmt: skip
+            await completions.create(
+                p.CompletionRequest(prompt="a", max_tokens=200, ignore_eos=True), disconnected=lambda: asyncio.sleep(0)
+            )
         for _ in range(200):  # the abort reaches the engine thread
             if completions.engine.in_flight == 0:
                 break

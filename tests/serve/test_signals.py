@@ -20,10 +20,26 @@ def test_sigterm_lets_running_requests_finish_then_exits_0(smollm2):
     # and each wait below is for an event the server shows (a token streamed, /health turning 503, the exit);
     # their limits only catch a hang.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "slimlm.cli", "serve", str(smollm2), "--port", "0", "--kv-cache-memory", "64M",
-         "--max-model-len", "512", "--drain-timeout", "600"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "slimlm.cli",
+            "serve",
+            str(smollm2),
+            "--port",
+            "0",
+            "--kv-cache-memory",
+            "64M",
+            "--max-model-len",
+            "512",
+            "--drain-timeout",
+            "600",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         line = ""
         while "serving on" not in line:
@@ -64,8 +80,11 @@ def test_sigterm_at_any_point_of_start_up_stops_the_server(tiny_llama, after):
     handler is in place) and nothing answers on its port afterwards."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "slimlm.cli", "serve", str(tiny_llama), "--port", "0", "--kv-cache-memory", "8M"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         line = ""
         while after != "spawn" and after not in line:

@@ -34,8 +34,17 @@ def test_one_step_equals_a_hand_written_distillation_step(pair, tmp_path):
     student, teacher = pair
     reference = copy.deepcopy(student)
     windows = torch.randint(0, teacher.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    config = TrainConfig(train_tokens=48, seq_len=24, global_batch=2, micro_batch=1, lr=1e-3, warmup=0.0,
-                         weight_decay=5.0, max_grad_norm=0.05, temperature=2.0)  # fmt: skip
+    config = TrainConfig(
+        train_tokens=48,
+        seq_len=24,
+        global_batch=2,
+        micro_batch=1,
+        lr=1e-3,
+        warmup=0.0,
+        weight_decay=5.0,
+        max_grad_norm=0.05,
+        temperature=2.0,
+    )
     log = train(student, teacher, windows, config, tmp_path / "run", progress=False)
 
     t = config.temperature
@@ -78,21 +87,53 @@ def test_the_learning_rate_warms_up_then_decays_to_zero():
     assert all(a >= b for a, b in zip(factors[1:], factors[2:], strict=False))
 
 
-@pytest.mark.parametrize("config,windows,fragment", [
-    (TrainConfig(train_tokens=100, seq_len=64, global_batch=8), 100, "less than one global batch (8 × 64 = 512"),
-    (TrainConfig(train_tokens=10_000, seq_len=64, global_batch=8), 20, "need 152 windows of 64, but the text gives 20"),
-    (TrainConfig(train_tokens=10_000, seq_len=64, global_batch=6, micro_batch=4), 200, "must split into 1 process"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "config,windows,fragment",
+    [
+        (TrainConfig(train_tokens=100, seq_len=64, global_batch=8), 100, "less than one global batch (8 × 64 = 512"),
+        (
+            TrainConfig(train_tokens=10_000, seq_len=64, global_batch=8),
+            20,
+            "need 152 windows of 64, but the text gives 20",
+        ),
+        (TrainConfig(train_tokens=10_000, seq_len=64, global_batch=6, micro_batch=4), 200, "must split into 1 process"),
+    ],
+)
 def test_budgets_and_batches_that_cannot_run_are_named(config, windows, fragment):
     with pytest.raises(SlimlmError, match=fragment.replace("(", r"\(")):
         check(config, windows)
 
 
 def gqa_command(model, text, out, steps: int = 24) -> list[str]:
-    return ["gqa", "--model", str(model), "--kv-heads", "1", "--calib", str(text), "--train-data", str(text),
-            "--eval-data", str(text), "--uptrain-tokens", str(steps * 4 * 32), "--seq-len", "32", "--global-batch",
-            "4", "--micro-batch", "2", "--checkpoint-every", "4", "--eval-every", "8", "--num-samples", "4",
-            "--out", str(out)]  # fmt: skip
+    return [
+        "gqa",
+        "--model",
+        str(model),
+        "--kv-heads",
+        "1",
+        "--calib",
+        str(text),
+        "--train-data",
+        str(text),
+        "--eval-data",
+        str(text),
+        "--uptrain-tokens",
+        str(steps * 4 * 32),
+        "--seq-len",
+        "32",
+        "--global-batch",
+        "4",
+        "--micro-batch",
+        "2",
+        "--checkpoint-every",
+        "4",
+        "--eval-every",
+        "8",
+        "--num-samples",
+        "4",
+        "--out",
+        str(out),
+    ]
 
 
 def losses(out) -> list[float]:
@@ -102,8 +143,12 @@ def losses(out) -> list[float]:
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_llama, calib_txt, tmp_path_factory):
     out = tmp_path_factory.mktemp("train") / "straight"
-    subprocess.run([sys.executable, "-m", "slimlm.cli", *gqa_command(tiny_llama, calib_txt, out)], check=True,
-                   capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "slimlm.cli", *gqa_command(tiny_llama, calib_txt, out)],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     return out
 
 
@@ -118,8 +163,9 @@ def kill_after(command: list[str], env: dict, run_log, lines: int) -> None:
     proc.wait()
 
 
-def test_a_killed_run_resumes_from_its_checkpoint_and_continues_the_same_curve(tiny_llama, calib_txt, tmp_path,
-                                                                              uninterrupted):  # fmt: skip
+def test_a_killed_run_resumes_from_its_checkpoint_and_continues_the_same_curve(
+    tiny_llama, calib_txt, tmp_path, uninterrupted
+):
     out = tmp_path / "killed"
     run_log = tmp_path / ".killed.train" / "log.jsonl"
     command = [sys.executable, "-m", "slimlm.cli", *gqa_command(tiny_llama, calib_txt, out)]
@@ -139,8 +185,18 @@ def test_two_processes_give_the_one_process_curve(tiny_llama, calib_txt, tmp_pat
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "two"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-               "-m", "slimlm.cli", *gqa_command(tiny_llama, calib_txt, out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(port),
+        "-m",
+        "slimlm.cli",
+        *gqa_command(tiny_llama, calib_txt, out),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "on 2 process(es)" in done.stderr
@@ -171,8 +227,11 @@ def test_a_checkpoint_resumes_only_the_same_source_options_and_data(tiny_llama, 
 
     code, err = run()
     assert code == 2 and "training diverged at step" in err and "a rerun resumes from step 2" in err
-    for changed, word in ((dict(model=other_model), "source"), (dict(text=other_text), "train_data"),
-                          (dict(kv_heads="1"), "arguments")):  # fmt: skip
+    for changed, word in (
+        (dict(model=other_model), "source"),
+        (dict(text=other_text), "train_data"),
+        (dict(kv_heads="1"), "arguments"),
+    ):
         code, err = run(**changed)
         assert code == 2 and f"holds a run with another {word} than this one" in err, err
     code, err = run()
@@ -230,8 +289,9 @@ atomic.shutil.rmtree = rmtree
 
 
 @pytest.mark.parametrize("point,resumes_at", DIE_IN_CHECKPOINT, ids=[p for p, _ in DIE_IN_CHECKPOINT])
-def test_a_run_killed_inside_a_checkpoint_write_resumes_the_same_curve(tiny_llama, calib_txt, tmp_path, point,
-                                                                       resumes_at, uninterrupted):  # fmt: skip
+def test_a_run_killed_inside_a_checkpoint_write_resumes_the_same_curve(
+    tiny_llama, calib_txt, tmp_path, point, resumes_at, uninterrupted
+):
     out = tmp_path / "killed"
     argv = gqa_command(tiny_llama, calib_txt, out)
     script = f"{DIE_PREAMBLE}{DIE_IN_CHECKPOINT[point, resumes_at]}\nsys.exit(main(sys.argv[1:]))"
@@ -257,8 +317,11 @@ def test_the_curve_plots_loss_and_evaluation_perplexity_against_tokens(tmp_path,
 
     kept, close = [], plt.close
     monkeypatch.setattr(plt, "close", kept.append)  # keep the figure to look at
-    log = [{"step": 0, "tokens": 0, "eval_ppl": 90.0}, {"step": 1, "tokens": 64, "loss": 2.0},
-           {"step": 2, "tokens": 128, "loss": 1.5, "eval_ppl": 40.0}]  # fmt: skip
+    log = [
+        {"step": 0, "tokens": 0, "eval_ppl": 90.0},
+        {"step": 1, "tokens": 64, "loss": 2.0},
+        {"step": 2, "tokens": 128, "loss": 1.5, "eval_ppl": 40.0},
+    ]
     plot(log, tmp_path / "curve.png")
     (fig,) = kept
     left, right = fig.axes
@@ -267,7 +330,10 @@ def test_the_curve_plots_loss_and_evaluation_perplexity_against_tokens(tmp_path,
     assert list(ppl.get_xdata()) == [0, 128] and list(ppl.get_ydata()) == [90.0, 40.0]
     assert (ppl.get_marker(), ppl.get_linestyle(), ppl.get_color()) == ("o", "-", "C1")
     assert (left.get_xlabel(), left.get_ylabel(), right.get_ylabel()) == (
-        "training tokens", "loss (distillation)", "evaluation perplexity (log)")
+        "training tokens",
+        "loss (distillation)",
+        "evaluation perplexity (log)",
+    )
     assert right.get_yscale() == "log" and left.get_yscale() == "linear"
     legend = left.get_legend()
     assert [t.get_text() for t in legend.get_texts()] == ["training loss", "evaluation perplexity"]
@@ -290,8 +356,16 @@ def test_the_loop_logs_checkpoints_and_resumes_in_process(pair, tmp_path, monkey
     student, teacher = pair
     start = copy.deepcopy(student)
     windows = torch.randint(0, teacher.config.vocab_size, (12, 16), generator=torch.Generator().manual_seed(2))
-    config = TrainConfig(train_tokens=6 * 2 * 16, seq_len=16, global_batch=2, micro_batch=1, lr=1e-3, warmup=0.3,
-                         checkpoint_every=2, eval_every=3)  # fmt: skip
+    config = TrainConfig(
+        train_tokens=6 * 2 * 16,
+        seq_len=16,
+        global_batch=2,
+        micro_batch=1,
+        lr=1e-3,
+        warmup=0.3,
+        checkpoint_every=2,
+        eval_every=3,
+    )
 
     def evaluate(model):
         return {"eval_ppl": math.exp(distill.mean_nll(model, windows[:2]))}
@@ -299,8 +373,14 @@ def test_the_loop_logs_checkpoints_and_resumes_in_process(pair, tmp_path, monkey
     run = tmp_path / "runs" / "run"  # its parent made too
     log = train(student, teacher, windows, config, run, evaluate=evaluate)
     bar = capsys.readouterr().err.replace("\r", "\n").splitlines()
-    assert any(line.startswith("training: 100%") and "6/6" in line and "step/s" in line and "loss=" in line
-               and "tok_s=" in line for line in bar), bar[-3:]  # fmt: skip
+    assert any(
+        line.startswith("training: 100%")
+        and "6/6" in line
+        and "step/s" in line
+        and "loss=" in line
+        and "tok_s=" in line
+        for line in bar
+    ), bar[-3:]
     assert [e["step"] for e in log] == list(range(7)) and log[0].keys() == {"step", "tokens", "eval_ppl"}
     warmup = round(0.3 * 6)
     for e in log[1:]:

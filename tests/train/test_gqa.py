@@ -79,8 +79,14 @@ def test_merging_keeps_q_k_v_biases_and_the_weights_dtype():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     qwen = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
     attention = qwen.model.layers[0].self_attn
     k_bias, v_bias, q_bias = attention.k_proj.bias.clone(), attention.v_proj.bias.clone(), attention.q_proj.bias.clone()
@@ -129,12 +135,19 @@ def test_best_partition_is_exhaustive_up_to_12_heads_then_greedy():
         assert groups == greedy(distance, size) and sorted(h for g in groups for h in g) == list(range(16))
 
 
-@pytest.mark.parametrize("kv_heads,expand,fragment", [
-    (3, False, "does not divide the 4 query heads; use one of 1, 2, 4"),
-    (1, True, "--expand needs a multiple of the current 2 KV heads, got 1"),
-    (4, False, "--kv-heads 4 is more than the model's 2 KV heads: merging only removes heads (add --expand to "
-              "repeat them)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kv_heads,expand,fragment",
+    [
+        (3, False, "does not divide the 4 query heads; use one of 1, 2, 4"),
+        (1, True, "--expand needs a multiple of the current 2 KV heads, got 1"),
+        (
+            4,
+            False,
+            "--kv-heads 4 is more than the model's 2 KV heads: merging only removes heads (add --expand to "
+            "repeat them)",
+        ),
+    ],
+)
 def test_targets_that_cannot_work_are_named(model, kv_heads, expand, fragment):
     with pytest.raises(SlimlmError, match=re.escape(fragment)):
         gqa.check_kv_heads(model.config, kv_heads, expand)
@@ -159,8 +172,24 @@ def test_the_converted_checkpoint_loads_in_transformers_and_the_runtime_agrees_t
     from slimlm.runtime.sampling import SamplingParams
 
     out = tmp_path / "mqa"
-    assert main(["gqa", "--model", str(tiny_llama), "--kv-heads", "1", "--calib", str(calib_txt),
-                 "--num-samples", "4", "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "gqa",
+                "--model",
+                str(tiny_llama),
+                "--kv-heads",
+                "1",
+                "--calib",
+                str(calib_txt),
+                "--num-samples",
+                "4",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert theirs.config.num_key_value_heads == 1
     prompt = [5, 17, 42, 8, 99, 3]
@@ -175,18 +204,36 @@ def test_the_converted_checkpoint_loads_in_transformers_and_the_runtime_agrees_t
     assert len(llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids) == 4
 
 
-@pytest.mark.parametrize("flags,fragment", [
-    (["--kv-heads", "3"], "does not divide the 4 query heads"),
-    (["--kv-heads", "4"], "add --expand to repeat them"),
-    (["--kv-heads", "4", "--expand", "--uptrain-tokens", "100"], "--expand is exact"),
-    (["--kv-heads", "1", "--uptrain-tokens", "100"], "less than one global batch"),
-    (["--kv-heads", "1", "--uptrain-tokens", "100000000"], "but the text gives"),
-    (["--kv-heads", "1", "--uptrain-tokens", "4096", "--train", "nothing_like_this"], "matches no parameter"),
-    (["--kv-heads", "1", "--uptrain-tokens", "256", "--lr", "0"], "--temperature and --lr > 0"),
-    (["--kv-heads", "1", "--uptrain-tokens", "256", "--temperature", "-1"], "--temperature and --lr > 0"),
-    (["--kv-heads", "2", "--uptrain-tokens", "512", "--global-batch", "2", "--micro-batch", "1", "--lr", "1e6",
-      "--checkpoint-every", "2"], "training diverged at step"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags,fragment",
+    [
+        (["--kv-heads", "3"], "does not divide the 4 query heads"),
+        (["--kv-heads", "4"], "add --expand to repeat them"),
+        (["--kv-heads", "4", "--expand", "--uptrain-tokens", "100"], "--expand is exact"),
+        (["--kv-heads", "1", "--uptrain-tokens", "100"], "less than one global batch"),
+        (["--kv-heads", "1", "--uptrain-tokens", "100000000"], "but the text gives"),
+        (["--kv-heads", "1", "--uptrain-tokens", "4096", "--train", "nothing_like_this"], "matches no parameter"),
+        (["--kv-heads", "1", "--uptrain-tokens", "256", "--lr", "0"], "--temperature and --lr > 0"),
+        (["--kv-heads", "1", "--uptrain-tokens", "256", "--temperature", "-1"], "--temperature and --lr > 0"),
+        (
+            [
+                "--kv-heads",
+                "2",
+                "--uptrain-tokens",
+                "512",
+                "--global-batch",
+                "2",
+                "--micro-batch",
+                "1",
+                "--lr",
+                "1e6",
+                "--checkpoint-every",
+                "2",
+            ],
+            "training diverged at step",
+        ),
+    ],
+)
 def test_the_command_names_what_cannot_work(capsys, tiny_llama, calib_txt, tmp_path, flags, fragment):
     from slimlm.cli import main
 

@@ -138,22 +138,39 @@ def prune_command(model, text, out, *extra) -> list[str]:
     return ["prune", "--model", str(model), "--calib", str(text), "--num-samples", "4", "--out", str(out), *extra]
 
 
-def test_a_pruned_checkpoint_loads_in_transformers_and_serves_the_same_greedy_tokens(tiny4, calib_txt, tmp_path,
-                                                                                     capsys):  # fmt: skip
+def test_a_pruned_checkpoint_loads_in_transformers_and_serves_the_same_greedy_tokens(
+    tiny4, calib_txt, tmp_path, capsys
+):
     from slimlm.runtime.llm import LLM
     from slimlm.runtime.sampling import SamplingParams
 
     out = tmp_path / "pruned"
-    assert main(prune_command(tiny4, calib_txt, out, "--hidden", "48", "--heads", "2", "--ffn", "64",
-                              "--layers", "3")) == 0  # fmt: skip
+    assert (
+        main(prune_command(tiny4, calib_txt, out, "--hidden", "48", "--heads", "2", "--ffn", "64", "--layers", "3"))
+        == 0
+    )
     err = capsys.readouterr().err
     assert "quantization group sizes none of 32, 64, 128 still fit (the model took 32)" in err
     assert "warning: no --distill-tokens, so the pruned model is not distilled: perplexity" in err
     config = json.loads((out / "config.json").read_text())
-    assert {k: config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-                                   "num_hidden_layers", "head_dim")} == {
-        "hidden_size": 48, "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 64,
-        "num_hidden_layers": 3, "head_dim": HD}  # fmt: skip
+    assert {
+        k: config[k]
+        for k in (
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "num_hidden_layers",
+            "head_dim",
+        )
+    } == {
+        "hidden_size": 48,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "num_hidden_layers": 3,
+        "head_dim": HD,
+    }
     meta = json.loads((out / "slimlm.json").read_text())
     assert len(meta["removed"]["layers"]) == 1 and len(meta["removed"]["hidden"]) == 16
     assert all(len(v) == 2 for v in meta["removed"]["heads"].values())
@@ -162,17 +179,39 @@ def test_a_pruned_checkpoint_loads_in_transformers_and_serves_the_same_greedy_to
     assert sum(p.numel() for p in hf.parameters()) == meta["parameters"]["after"]
     prompts = [ids(hf, seed, (1, n))[0].tolist() for seed, n in enumerate((5, 17, 40))]
     with torch.no_grad():
-        expected = [hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p) :].tolist()
-                    for p in prompts]  # fmt: skip
+        expected = [
+            hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p) :].tolist() for p in prompts
+        ]
     got = LLM(str(out)).generate(prompts, SamplingParams(max_tokens=10, temperature=0))
     assert [o.outputs[0].token_ids for o in got] == expected
 
 
 def test_target_params_distills_the_candidate_that_scored_best(tiny4, calib_txt, tmp_path):
     out = tmp_path / "target"
-    assert main(prune_command(tiny4, calib_txt, out, "--target-params", "0.7", "--distill-tokens", "256",
-                              "--seq-len", "32", "--global-batch", "4", "--train-data", str(calib_txt),
-                              "--eval-data", str(calib_txt), "--eval-every", "1")) == 0  # fmt: skip
+    assert (
+        main(
+            prune_command(
+                tiny4,
+                calib_txt,
+                out,
+                "--target-params",
+                "0.7",
+                "--distill-tokens",
+                "256",
+                "--seq-len",
+                "32",
+                "--global-batch",
+                "4",
+                "--train-data",
+                str(calib_txt),
+                "--eval-data",
+                str(calib_txt),
+                "--eval-every",
+                "1",
+            )
+        )
+        == 0
+    )
     meta = json.loads((out / "slimlm.json").read_text())
     ppl = {name: c["ppl"] for name, c in meta["candidates"].items()}
     assert len(ppl) >= 2 and meta["arguments"]["candidate"] == min(ppl, key=ppl.get)
@@ -182,16 +221,40 @@ def test_target_params_distills_the_candidate_that_scored_best(tiny4, calib_txt,
 
 
 def distill_command(model, text, out) -> list[str]:
-    return prune_command(model, text, out, "--ffn", "32", "--layers", "3", "--train-data", str(text),
-                         "--eval-data", str(text), "--distill-tokens", str(16 * 4 * 32), "--seq-len", "32",
-                         "--global-batch", "4", "--checkpoint-every", "4", "--eval-every", "8")  # fmt: skip
+    return prune_command(
+        model,
+        text,
+        out,
+        "--ffn",
+        "32",
+        "--layers",
+        "3",
+        "--train-data",
+        str(text),
+        "--eval-data",
+        str(text),
+        "--distill-tokens",
+        str(16 * 4 * 32),
+        "--seq-len",
+        "32",
+        "--global-batch",
+        "4",
+        "--checkpoint-every",
+        "4",
+        "--eval-every",
+        "8",
+    )
 
 
 def test_a_killed_distillation_resumes_on_the_same_curve(tiny4, calib_txt, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     straight = tmp_path / "straight"
-    subprocess.run([sys.executable, "-m", "slimlm.cli", *distill_command(tiny4, calib_txt, straight)], check=True,
-                   capture_output=True, env=env)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "slimlm.cli", *distill_command(tiny4, calib_txt, straight)],
+        check=True,
+        capture_output=True,
+        env=env,
+    )
     out, run_log = tmp_path / "killed", tmp_path / ".killed.train" / "log.jsonl"
     command = [sys.executable, "-m", "slimlm.cli", *distill_command(tiny4, calib_txt, out)]
     kill_after(command, env, run_log, 7)  # past the checkpoint at step 4
@@ -201,19 +264,24 @@ def test_a_killed_distillation_resumes_on_the_same_curve(tiny4, calib_txt, tmp_p
     assert len(losses(out)) == 16 and losses(out) == pytest.approx(losses(straight), rel=1e-6, abs=1e-9)
 
 
-@pytest.mark.parametrize("args,fragment", [
-    (["--target-params", "1.0"], "must be a fraction of today's parameters, in (0, 1)"),
-    (["--target-params", "0.01"], "no candidate reaches 1% of the parameters"),
-    (["--target-params", "0.6", "--ffn", "32"], "give either --target-params or some of"),
-    ([], "give either --target-params or some of"),
-    (["--heads", "3"], "--heads 3 breaks the grouping of 4 query heads over 2 KV heads (2 per KV head); counts "
-                       "that work: 2, 4"),
-    (["--hidden", "30"], "--hidden 30 is not a multiple of the 4 attention heads"),
-    (["--ffn", "96", "--layers", "4"], "nothing would be removed"),
-    (["--ffn", "200"], "--ffn 200 must be between 1 and the model's 96"),
-    (["--target-params", "0.6", "--candidate", "sideways"], "--candidate needs --target-params and one of depth"),
-    (["--ffn", "32", "--distill-tokens", "1000000"], "need 1952 windows of 512"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--target-params", "1.0"], "must be a fraction of today's parameters, in (0, 1)"),
+        (["--target-params", "0.01"], "no candidate reaches 1% of the parameters"),
+        (["--target-params", "0.6", "--ffn", "32"], "give either --target-params or some of"),
+        ([], "give either --target-params or some of"),
+        (
+            ["--heads", "3"],
+            "--heads 3 breaks the grouping of 4 query heads over 2 KV heads (2 per KV head); counts that work: 2, 4",
+        ),
+        (["--hidden", "30"], "--hidden 30 is not a multiple of the 4 attention heads"),
+        (["--ffn", "96", "--layers", "4"], "nothing would be removed"),
+        (["--ffn", "200"], "--ffn 200 must be between 1 and the model's 96"),
+        (["--target-params", "0.6", "--candidate", "sideways"], "--candidate needs --target-params and one of depth"),
+        (["--ffn", "32", "--distill-tokens", "1000000"], "need 1952 windows of 512"),
+    ],
+)
 def test_bad_targets_are_one_line_errors(tiny4, calib_txt, tmp_path, capsys, args, fragment):
     out = tmp_path / "bad"
     assert main(prune_command(tiny4, calib_txt, out, *args, "--train-data", str(calib_txt))) == 2
@@ -226,16 +294,42 @@ def test_a_pruned_checkpoint_quantizes_like_any_other(tiny4, calib_txt, tmp_path
 
     pruned, quantized = tmp_path / "pruned", tmp_path / "w4"
     assert main(prune_command(tiny4, calib_txt, pruned, "--ffn", "64", "--heads", "2")) == 0
-    assert main(["gptq", "--model", str(pruned), "--calib", str(calib_txt), "--num-samples", "4",
-                 "--group-size", "32", "--out", str(quantized)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "gptq",
+                "--model",
+                str(pruned),
+                "--calib",
+                str(calib_txt),
+                "--num-samples",
+                "4",
+                "--group-size",
+                "32",
+                "--out",
+                str(quantized),
+            ]
+        )
+        == 0
+    )
     assert json.loads((quantized / "config.json").read_text())["intermediate_size"] == 64
     assert transformers_logits_error(quantized) < 1e-4  # transformers reads it as slimlm does
 
 
 def test_search_tokens_picks_the_candidate_best_after_a_short_distillation(tiny4, calib_txt, tmp_path):
     out = tmp_path / "searched"
-    args = ["--target-params", "0.7", "--search-tokens", "256", "--seq-len", "32", "--global-batch", "4",
-            "--train-data", str(calib_txt)]  # fmt: skip
+    args = [
+        "--target-params",
+        "0.7",
+        "--search-tokens",
+        "256",
+        "--seq-len",
+        "32",
+        "--global-batch",
+        "4",
+        "--train-data",
+        str(calib_txt),
+    ]
     assert main(prune_command(tiny4, calib_txt, out, *args)) == 0
     meta = json.loads((out / "slimlm.json").read_text())
     after = {name: c["ppl_after_search"] for name, c in meta["candidates"].items()}
@@ -256,15 +350,18 @@ def test_importance_is_its_definition_summed_over_every_batch(model):
 
     def keep(name):
         return lambda module, args, out=None: seen.setdefault(name, []).append(
-            (args[0] if args else None, out[0] if isinstance(out, tuple) else out))
+            (args[0] if args else None, out[0] if isinstance(out, tuple) else out)
+        )
 
     hooks = []
     for i, block in enumerate(model.model.layers):
-        hooks += [block.self_attn.o_proj.register_forward_pre_hook(keep(f"o{i}")),
-                  block.mlp.down_proj.register_forward_pre_hook(keep(f"d{i}")),
-                  block.input_layernorm.register_forward_hook(keep(f"n{i}.0")),
-                  block.post_attention_layernorm.register_forward_hook(keep(f"n{i}.1")),
-                  block.register_forward_hook(keep(f"l{i}"))]  # fmt: skip
+        hooks += [
+            block.self_attn.o_proj.register_forward_pre_hook(keep(f"o{i}")),
+            block.mlp.down_proj.register_forward_pre_hook(keep(f"d{i}")),
+            block.input_layernorm.register_forward_hook(keep(f"n{i}.0")),
+            block.post_attention_layernorm.register_forward_hook(keep(f"n{i}.1")),
+            block.register_forward_hook(keep(f"l{i}")),
+        ]
     model(x)
     for h in hooks:
         h.remove()
@@ -292,14 +389,17 @@ def test_importance_is_its_definition_summed_over_every_batch(model):
 def test_head_counts_kv_heads_and_the_sizes_the_search_tries():
     from types import SimpleNamespace
 
-    config = SimpleNamespace(hidden_size=768, num_attention_heads=12, num_key_value_heads=4, intermediate_size=640,
-                             num_hidden_layers=6)  # fmt: skip
+    config = SimpleNamespace(
+        hidden_size=768, num_attention_heads=12, num_key_value_heads=4, intermediate_size=640, num_hidden_layers=6
+    )
     assert prune.head_counts(config) == [3, 4, 6, 8, 9, 12]  # 1-3 heads in each of 4 groups, or 1-4 whole groups
     kv = {heads: prune.kv_heads_for(config, heads) for heads in (3, 4, 6, 8, 9, 12)}
     assert kv == {3: 1, 4: 4, 6: 2, 8: 4, 9: 3, 12: 4} and all(type(k) is int for k in kv.values())
     for heads in (0, 5, 15, 16):
-        message = (f"--heads {heads} breaks the grouping of 12 query heads over 4 KV heads (3 per KV head); counts "
-                   "that work: 3, 4, 6, 8, 9, 12")  # fmt: skip
+        message = (
+            f"--heads {heads} breaks the grouping of 12 query heads over 4 KV heads (3 per KV head); counts "
+            "that work: 3, 4, 6, 8, 9, 12"
+        )
         with pytest.raises(prune.SlimlmError, match=f"^{message.replace('(', '[(]').replace(')', '[)]')}$"):
             prune.kv_heads_for(config, heads)
     assert prune._sizes(config, "layers", 12) == [1, 2, 3, 4, 5, 6]
@@ -315,10 +415,14 @@ def test_head_counts_kv_heads_and_the_sizes_the_search_tries():
 def test_a_pruned_config_keeps_the_attention_kinds_of_the_kept_layers():
     from transformers import Qwen2Config
 
-    config = Qwen2Config(num_hidden_layers=3, layer_types=["full_attention", "sliding_attention", "full_attention"],
-                         use_sliding_window=True)  # fmt: skip
-    shape = prune.Shape(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                        config.intermediate_size, 2)  # fmt: skip
+    config = Qwen2Config(
+        num_hidden_layers=3,
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+        use_sliding_window=True,
+    )
+    shape = prune.Shape(
+        config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size, 2
+    )
     out = prune.pruned_config(config, shape, [1, 2])
     assert out.layer_types == ["sliding_attention", "full_attention"] and out.num_hidden_layers == 2
     assert config.layer_types == ["full_attention", "sliding_attention", "full_attention"]  # the source's own
@@ -331,8 +435,14 @@ def wide():
     from accelerate import init_empty_weights
     from transformers import LlamaConfig
 
-    config = LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=4)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
     with init_empty_weights():
         return AutoModelForCausalLM.from_config(config)
 
@@ -352,8 +462,11 @@ def test_each_family_takes_the_most_even_cut_within_the_tolerance(wide):
         dims = prune.FAMILIES[name]
         grid = [[(d, v) for v in prune._sizes(model.config, d, current.heads)] for d in dims if d != "heads"]
         heads = prune._sizes(model.config, "heads", current.heads) if "heads" in dims else [current.heads]
-        shapes = [replace(current, **dict(choice), heads=h, kv_heads=prune.kv_heads_for(model.config, h))
-                  for h in heads for choice in itertools.product(*grid)]  # fmt: skip
+        shapes = [
+            replace(current, **dict(choice), heads=h, kv_heads=prune.kv_heads_for(model.config, h))
+            for h in heads
+            for choice in itertools.product(*grid)
+        ]
         fits = [s for s in shapes if prune.count_parameters(model, s) <= 0.6 * total]
         window = [s for s in fits if prune.count_parameters(model, s) >= 0.57 * total]  # the default 0.03
         if not window:  # none that close: the largest that fits
