@@ -12,9 +12,9 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError, SlimlmError
 from slimlm.jobs import JOBS
-from slimlm.jobs.options import add_arguments, from_args
+from slimlm.jobs.options import add_arguments, flag_of, from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +56,12 @@ def cmd_recipe(a: argparse.Namespace) -> None:
 
     recipe = recipes.load(a.recipe, a.overrides)
     if recipe.report is not None:  # before any stage runs: its own earlier report, or no file there
-        atomic.check_file(recipe.report, report.written_by_slimlm(recipe.report), "--out")
+        if recipe.report.exists() and not report.written_by_slimlm(recipe.report):
+            raise SlimlmError(
+                f"{a.recipe}: report: {recipe.report} exists and slimlm did not write it; move it away or name "
+                "another file"
+            )
+        atomic.check_file(recipe.report, True, "report")
     if a.check:
         steps = sum(len(s) for s in recipe.stages.values())
         print(f"{a.recipe}: {len(recipe.stages)} stages, {steps} steps: valid")
@@ -134,6 +139,9 @@ def _run(a: argparse.Namespace) -> int:
     """The command, its failures as one line and an exit code."""
     try:
         COMMANDS[a.command](a)
+    except FieldError as e:  # named by its field: said as this command's flag
+        print(f"error: {e.render(flag_of(JOBS.get(a.command)))}", file=sys.stderr)
+        return 2
     except SlimlmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

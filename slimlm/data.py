@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from slimlm import assets
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError, SlimlmError
 
 HUB_SOURCES = {
     # name: (dataset, config, split, data_files)
@@ -142,7 +142,7 @@ def windows(ids: list[int], seq_len: int, count: int | None = None) -> torch.Ten
 def calibration_windows(source: str, tokenizer, num_samples: int, seq_len: int, seed: int = 0) -> torch.Tensor:
     """`num_samples` token windows of `seq_len` from `source`, deterministic for a given seed."""
     if num_samples <= 0 or seq_len <= 0:
-        raise SlimlmError("--num-samples and --seq-len must be positive")
+        raise FieldError("num_samples", "and {seq_len} must be positive")
     texts = passages(source)
     random.Random(seed).shuffle(texts)
     ids = token_stream(texts, tokenizer, max_tokens=num_samples * seq_len)

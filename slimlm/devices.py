@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError
 from slimlm.kernels.cpu_library import cpu_flags
 
 
@@ -17,11 +17,11 @@ def resolve_device(device: str | None) -> torch.device:
     try:
         dev = torch.device(name)
     except RuntimeError:
-        raise SlimlmError(f"--device {name!r} is not a device; use cpu or cuda[:N]") from None
+        raise FieldError("device", f"{name!r} is not a device; use cpu or cuda[:N]") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SlimlmError(f"--device {name}: no CUDA device is available here; use --device cpu")
+        raise FieldError("device", f"{{device}} {name}: no CUDA device is available here; use {{device}} cpu")
     if dev.type not in ("cpu", "cuda"):
-        raise SlimlmError(f"--device {name}: slimlm runs on cpu or cuda")
+        raise FieldError("device", f"{name}: slimlm runs on cpu or cuda")
     return dev
 
 
@@ -43,7 +43,7 @@ def compute_dtype(choice: str, stored: torch.dtype, device: torch.device) -> tor
     18 in fp32); fp16 weights stay fp16 on a GPU. Only activations and products change: the weights are quantized
     from their stored values."""
     if choice not in COMPUTE_DTYPES:
-        raise SlimlmError(f"--compute-dtype {choice!r} is not one of {', '.join(COMPUTE_DTYPES)}")
+        raise FieldError("compute_dtype", f"{choice!r} is not one of {', '.join(COMPUTE_DTYPES)}")
     if choice != "auto":
         return COMPUTE_DTYPES[choice]
     if stored == torch.float16 and device.type == "cuda":

@@ -9,7 +9,7 @@ import torch
 
 from slimlm import assets
 from slimlm.cache import cache_dir
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats import manifest, reader
 from slimlm.formats.reader import read_config
 
@@ -38,7 +38,7 @@ def resolve(spec: str) -> Path:
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise SlimlmError(f"{path} has no config.json; point --model at a Hugging Face model directory")
+            raise FieldError("model", f"{path} has no config.json; point {{model}} at a Hugging Face model directory")
         return path
     looks_like_hub_id = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
     if not looks_like_hub_id:

@@ -9,7 +9,7 @@ from slimlm import SlimlmError, devices
 
 def test_resolve_device_names_what_is_wrong():
     assert devices.resolve_device("cpu") == torch.device("cpu")
-    with pytest.raises(SlimlmError, match="--device 'nope' is not a device; use cpu or cuda"):
+    with pytest.raises(SlimlmError, match="^device 'nope' is not a device; use cpu or cuda"):
         devices.resolve_device("nope")
 
 
@@ -70,7 +70,7 @@ def test_auto_computes_in_the_machines_fast_dtype_not_the_checkpoints(monkeypatc
 def test_an_unknown_compute_dtype_is_named():
     with pytest.raises(SlimlmError) as e:
         devices.compute_dtype("fp8", torch.float32, torch.device("cpu"))
-    assert str(e.value) == "--compute-dtype 'fp8' is not one of auto, float32, bfloat16"
+    assert str(e.value) == "compute_dtype 'fp8' is not one of auto, float32, bfloat16"
 
 
 def test_bf16_inputs_give_fp32_products_of_bf16_values():

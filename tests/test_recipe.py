@@ -310,7 +310,9 @@ def test_a_recipe_replaces_only_what_it_wrote(tiny_llama, tmp_path, capsys):
         "output_len: [2, 2], rounds: 1}\nstages:\n  float: []\n"
     )
     assert main(["recipe", str(path), "--check"]) == 2  # refused before any stage runs
-    assert f"--out {own} exists; pass --overwrite to replace it" in capsys.readouterr().err
+    assert f"report: {own} exists and slimlm did not write it; move it away or name another file" in (
+        capsys.readouterr().err
+    )
     assert own.read_text() == "<html>my notes</html>" and not (tmp_path / "runs2").exists()
     own.unlink()
     assert main(["recipe", str(path)]) == 0  # its own report, then replaced by the next run

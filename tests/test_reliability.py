@@ -81,7 +81,7 @@ def test_a_second_run_while_one_is_writing_fails(capsys, tiny_llama, tmp_path):
     fcntl.flock(fd, fcntl.LOCK_EX)  # what a live writer holds
     try:
         code, _, err = rtn(capsys, tiny_llama, tmp_path / "q")
-        assert_one_line_error(code, err, "another slimlm run is writing")
+        assert_one_line_error(code, err, "is being written by another slimlm run")
     finally:
         os.close(fd)
     assert not (tmp_path / "q").exists()

@@ -24,7 +24,7 @@ from slimlm import arch, devices
 from slimlm.arch import Mapping
 from slimlm.compress.pipeline import StepResult, cast_floats, in_dtype
 from slimlm.compress.quantize import fake_quantize
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError
 from slimlm.formats.quantized import QuantArgs
 
 GRID = 20
@@ -76,11 +76,11 @@ class AWQ:
         self, args: QuantArgs, search_batches: int = 2, clip: bool = True, grid: int = GRID, search_dtype: str = "auto"
     ):
         if search_dtype not in devices.COMPUTE_DTYPES:
-            raise SlimlmError(f"--search-dtype {search_dtype!r} is not one of {', '.join(devices.COMPUTE_DTYPES)}")
+            raise FieldError("search_dtype", f"{search_dtype!r} is not one of {', '.join(devices.COMPUTE_DTYPES)}")
         if not (type(search_batches) is int and search_batches > 0):
-            raise SlimlmError(f"--search-batches {search_batches!r} must be a positive integer (2 is the default)")
+            raise FieldError("search_batches", f"{search_batches!r} must be a positive integer (2 is the default)")
         if not (type(grid) is int and grid > 0):
-            raise SlimlmError(f"--grid {grid!r} must be a positive integer ({GRID} is the default)")
+            raise FieldError("grid", f"{grid!r} must be a positive integer ({GRID} is the default)")
         self.args, self.search_batches, self.clip, self.grid = args, search_batches, clip, grid
         self.search_dtype = search_dtype
         self.stats: dict[str, _Stats] = {}

@@ -19,7 +19,7 @@ from torch import nn
 from slimlm import devices
 from slimlm.compress.pipeline import StepResult
 from slimlm.compress.quantize import compute_qparams
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats.quantized import QuantArgs, QuantizedWeight
 
 BLOCK = 128
@@ -64,7 +64,7 @@ def gptq_quantize(
     "group" (groups formed in processing order: more accurate, needs a g_idx to read back).
     """
     if act_order not in ACT_ORDERS:
-        raise SlimlmError(f"--act-order {act_order} is not supported; use one of {', '.join(ACT_ORDERS[1:])}")
+        raise FieldError("act_order", f"{act_order} is not supported; use one of {', '.join(ACT_ORDERS[1:])}")
     W = W.detach().clone().float()
     H = H.detach().clone().float()
     out_features, in_features = W.shape
@@ -99,7 +99,7 @@ def gptq_quantize(
     g_idx = group_of[inv].to(torch.int32) if act_order == "group" and static is None else None
     result = QuantizedWeight(codes[inv].T.contiguous(), scale, zero, args, g_idx)
     if not torch.isfinite(result.dequantize()).all():
-        raise SlimlmError(f"GPTQ produced non-finite weights for {name}; try a larger --damp")
+        raise FieldError("damp", f"GPTQ produced non-finite weights for {name}; try a larger {{damp}}")
     return result
 
 
@@ -194,9 +194,9 @@ class GPTQ:
 
     def __init__(self, args: QuantArgs, damp: float = 0.01, act_order: str | None = None):
         if not 0 < damp < 1:
-            raise SlimlmError(f"--damp {damp} must be in (0, 1); 0.01 is the usual value")
+            raise FieldError("damp", f"{damp} must be in (0, 1); 0.01 is the usual value")
         if act_order not in ACT_ORDERS:
-            raise SlimlmError(f"--act-order {act_order} is not supported; use one of {', '.join(ACT_ORDERS[1:])}")
+            raise FieldError("act_order", f"{act_order} is not supported; use one of {', '.join(ACT_ORDERS[1:])}")
         self.args, self.damp, self.act_order = args, damp, act_order
         self.hessians: dict[str, HessianAccumulator] = {}
         self._last: dict[str, Any] = {"x": None, "name": None}

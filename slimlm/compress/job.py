@@ -13,7 +13,7 @@ import torch
 from slimlm import arch, data, devices, models
 from slimlm.compress import offload, pipeline
 from slimlm.compress.quantize import quantize_rtn
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError
 from slimlm.formats import atomic, gptq_v1, kv_cache, shards, writer
 from slimlm.formats.quantized import SUPPORTED_GROUP_SIZES, QuantArgs, QuantizedWeight
 
@@ -33,8 +33,9 @@ def _name(dtype: torch.dtype) -> str:
 def _check_lm_head(model: torch.nn.Module, args: QuantArgs) -> None:
     hidden = model.lm_head.in_features
     if args.group_size != -1 and hidden % args.group_size:
-        raise SlimlmError(
-            f"--quantize-lm-head: --group-size {args.group_size} does not divide lm_head's input dim {hidden}"
+        raise FieldError(
+            "quantize_lm_head",
+            f"needs a group size that divides lm_head's input dim {hidden}: {{group_size}} {args.group_size} does not",
         )
 
 
@@ -163,13 +164,13 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
 def _check(job: Quantization) -> _Source:
     """Every input checked before any work: the settings, the format, the device, the model, the data."""
     c = job.calibration
-    for name, value in (("--num-samples", c.num_samples), ("--seq-len", c.seq_len), ("--batch-size", c.batch_size)):
+    for name, value in (("num_samples", c.num_samples), ("seq_len", c.seq_len), ("batch_size", c.batch_size)):
         if not (type(value) is int and value > 0):
-            raise SlimlmError(f"{name} {value!r} must be a positive integer")
+            raise FieldError(name, f"{value!r} must be a positive integer")
     if job.fmt == "gptq" and job.args is not None:
         gptq_v1.check_exportable(job.args)
     if job.lm_head_bits is not None and job.args is None:
-        raise SlimlmError("--quantize-lm-head needs a weight quantization method (rtn, gptq, awq)")
+        raise FieldError("quantize_lm_head", "needs a weight quantization method (rtn, gptq, awq)")
     method_args: dict = {}
     for step in job.steps:
         method_args.update(step.arguments())
@@ -183,10 +184,11 @@ def _check(job: Quantization) -> _Source:
     source_qcfg = source_config.get("quantization_config")
     keep_weights = job.args is None and source_qcfg is not None
     if keep_weights and source_qcfg.get("quant_method") != "compressed-tensors":
-        raise SlimlmError(
-            f"{model_dir} is a {source_qcfg.get('quant_method')} checkpoint, which has no place for "
-            "KV-cache scales; give compress kv a float or compressed-tensors checkpoint, or pass "
-            "--kv-dtype to the weight method"
+        raise FieldError(
+            "model",
+            f"{model_dir} is a {source_qcfg.get('quant_method')} checkpoint, which has no place for KV-cache "
+            "scales; give compress kv a float or compressed-tensors checkpoint, or set {kv_dtype} in the weight "
+            "method",
         )
     data.check_source(c.source)  # even when no step reads it: a mistyped --calib is worth saying
     return _Source(model_dir, source_config, dev, method_args, head_args, keep_weights)

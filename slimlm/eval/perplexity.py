@@ -13,7 +13,7 @@ import math
 import time
 
 from slimlm import data, models
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError, SlimlmError
 from slimlm.eval import batch
 from slimlm.runtime.engine import Engine, EngineConfig
 from slimlm.runtime.sampling import SamplingParams
@@ -40,7 +40,7 @@ def perplexity(
     ids = data.token_stream(data.passages(source), engine.tokenizer, max_tokens=max_tokens)
     windows = data.windows(ids, seq_len, max(1, max_tokens // seq_len)).tolist()
     if not windows:
-        raise SlimlmError(f"'{source}' has fewer than {seq_len} tokens; lower --seq-len")
+        raise FieldError("seq_len", f"'{source}' has fewer than {seq_len} tokens; lower {{seq_len}}")
     start = time.time()
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
     outputs = batch.run(engine, windows, [params] * len(windows), desc=f"ppl {source}", progress=progress)

@@ -19,7 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats import atomic
 
 TEMPLATE = Path(__file__).with_name("report.html.j2")
@@ -208,7 +208,7 @@ def render(
     if len(set(names)) != len(names):
         raise SlimlmError(f"two runs share a name ({', '.join(names)}); give each run directory its own name")
     if baseline is not None and baseline not in names:
-        raise SlimlmError(f"--baseline {baseline} is not one of the runs: {', '.join(names)}")
+        raise FieldError("baseline", f"{baseline} is not one of the runs: {', '.join(names)}")
     base = runs[names.index(baseline)] if baseline else runs[0]
     for r in runs:
         if r.get("wiki_ppl") and base.get("wiki_ppl"):
@@ -238,7 +238,7 @@ def render(
     html = env.get_template(TEMPLATE.name).render(
         title=title, runs=runs, base=base, tasks=tasks, plots=plots, environment=environment(), notes=notes
     )
-    atomic.write_file(Path(out), html, overwrite, "--out")
+    atomic.write_file(Path(out), html, overwrite, "out")
     return {"runs": runs, "baseline": base["name"], "plots": len(plots)}
 
 

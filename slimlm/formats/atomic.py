@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError, SlimlmError
 
 # Files a Hugging Face / slimlm checkpoint directory holds: the only things --overwrite may delete.
 CHECKPOINT_MARKERS = ("config.json", "slimlm.json")
@@ -33,48 +33,50 @@ def check_output(out: Path, overwrite: bool, sources: list[Path] = ()) -> Path:
     out = Path(out).expanduser().resolve()
     cwd = Path.cwd().resolve()
     if out == cwd or out in cwd.parents:
-        raise SlimlmError(f"--out {out} is the current directory or one of its parents; name a new directory")
+        raise FieldError("out", f"{out} is the current directory or one of its parents; name a new directory")
     for source in sources:
         source = Path(source).resolve()
         if out == source or out in source.parents:
-            raise SlimlmError(f"--out {out} is or contains the source model {source}; name another directory")
+            raise FieldError("out", f"{out} is or contains the source model {source}; name another directory")
     if out.exists() or out.is_symlink():
         if not out.is_dir():
-            raise SlimlmError(f"--out {out} exists and is not a directory; name a directory")
+            raise FieldError("out", f"{out} exists and is not a directory; name a directory")
         if not overwrite:
-            raise SlimlmError(f"output directory {out} exists; pass --overwrite to replace it")
+            raise FieldError("out", f"{out} exists; pass {{overwrite}} to replace it")
         if not replaceable(out):
-            raise SlimlmError(
-                f"--out {out} is a non-empty directory that is not a checkpoint (no config.json/slimlm.json, or it "
-                "has subdirectories); slimlm replaces only checkpoints: name another directory"
+            raise FieldError(
+                "out",
+                f"{out} is a non-empty directory that is not a checkpoint (no config.json/slimlm.json, or it "
+                "has subdirectories); slimlm replaces only checkpoints: name another directory",
             )
     busy = [p.name for p in _temp_dirs(out) if _held(p)]
     if busy:
-        raise SlimlmError(f"another slimlm run is writing {out} now ({busy[0]}); wait for it or name another --out")
+        raise FieldError("out", f"{out} is being written by another slimlm run ({busy[0]}); wait or name another")
     ancestor = out.parent
     while not ancestor.exists():
         ancestor = ancestor.parent
     if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
-        raise SlimlmError(f"cannot write --out {out}: {ancestor} is not a writable directory")
+        raise FieldError("out", f"{out} cannot be written: {ancestor} is not a writable directory")
     return out
 
 
-def check_file(path: Path, overwrite: bool, flag: str) -> Path:
+def check_file(path: Path, overwrite: bool, field: str) -> Path:
     """Refuse, before any work, a results file (report, eval/bench/plan JSON) that would lose data: a
-    directory, a checkpoint's own file, or an existing file unless `overwrite`."""
+    directory, a checkpoint's own file, or an existing file unless `overwrite`. `field`: the setting that named
+    it, for the error."""
     path = Path(path).expanduser()
     if path.is_dir():
-        raise SlimlmError(f"{flag} {path} is a directory; name a file")
+        raise FieldError(field, f"{path} is a directory; name a file")
     if path.name in CHECKPOINT_MARKERS or path.suffix == ".safetensors":
-        raise SlimlmError(f"{flag} {path} is a checkpoint's own file; name a file outside the checkpoint")
+        raise FieldError(field, f"{path} is a checkpoint's own file; name a file outside the checkpoint")
     if path.exists() and not overwrite:
-        raise SlimlmError(f"{flag} {path} exists; pass --overwrite to replace it")
+        raise FieldError(field, f"{path} exists; pass {{overwrite}} to replace it")
     return path
 
 
-def write_file(path: Path, text: str, overwrite: bool, flag: str) -> None:
+def write_file(path: Path, text: str, overwrite: bool, field: str) -> None:
     """`text` into `path` whole or not at all (a temp file beside it, renamed into place), after check_file."""
-    path = check_file(path, overwrite, flag)
+    path = check_file(path, overwrite, field)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
@@ -84,7 +86,7 @@ def write_file(path: Path, text: str, overwrite: bool, flag: str) -> None:
         finally:
             Path(f.name).unlink(missing_ok=True)
     except OSError as e:
-        raise SlimlmError(f"cannot write {flag} {path}: {e.strerror or e}") from None
+        raise SlimlmError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def replaceable(d: Path) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
@@ -28,10 +28,10 @@ class QuantArgs:
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
-            raise SlimlmError(f"--bits {self.bits} is not supported; use one of {', '.join(map(str, SUPPORTED_BITS))}")
+            raise FieldError("bits", f"{self.bits} is not supported; use one of {', '.join(map(str, SUPPORTED_BITS))}")
         if self.group_size not in SUPPORTED_GROUP_SIZES:
             sizes = ", ".join(map(str, SUPPORTED_GROUP_SIZES))
-            raise SlimlmError(f"--group-size {self.group_size} is not supported; use one of {sizes} (-1 = per channel)")
+            raise FieldError("group_size", f"{self.group_size} is not supported; use one of {sizes} (-1 = per channel)")
 
     @property
     def qmin(self) -> int:

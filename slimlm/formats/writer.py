@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError
 from slimlm.formats import compressed_tensors, gptq_v1, manifest
 from slimlm.formats.quantized import QuantArgs, QuantizedWeight
 
@@ -35,18 +35,20 @@ def quantization_config(
     """The config's quantization_config; `method_args` carries act_order, damp and kv_cache_scheme; `named`
     the modules with a scheme of their own (compressed-tensors only)."""
     if fmt not in FORMATS:
-        raise SlimlmError(f"--format {fmt} is not supported; use one of {', '.join(FORMATS)}")
+        raise FieldError("format", f"{fmt} is not supported; use one of {', '.join(FORMATS)}")
     kv_scheme = method_args.get("kv_cache_scheme")
     if fmt == "gptq":
         if kv_scheme is not None:
-            raise SlimlmError(
-                "--format gptq has no place for KV-cache scales; use --format compressed-tensors "
-                "to quantize the KV cache too"
+            raise FieldError(
+                "format",
+                "{format} gptq has no place for KV-cache scales; use {format} compressed-tensors to quantize the KV "
+                "cache too",
             )
         if any(own != args for own in (named or {}).values()):
-            raise SlimlmError(
-                "--format gptq stores one scheme for every linear; use --format compressed-tensors "
-                "for an lm_head of other bits"
+            raise FieldError(
+                "format",
+                "{format} gptq stores one scheme for every linear; use {format} compressed-tensors for an lm_head of "
+                "other bits",
             )
         return gptq_v1.quantization_config(args, method_args.get("act_order"), method_args.get("damp"))
     return compressed_tensors.quantization_config(args, ignore, method_args.get("act_order"), kv_scheme, named)

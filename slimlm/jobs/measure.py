@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats import atomic
 from slimlm.jobs.engine import DTYPES, EngineMemory
 from slimlm.jobs.options import (
@@ -95,7 +95,7 @@ class Eval(EngineMemory):
         from slimlm import data
 
         if self.output:
-            atomic.check_file(self.output, self.overwrite, "--output")
+            atomic.check_file(self.output, self.overwrite, "output")
         tasks = self.tasks or []
         ppl_source = self.ppl or (None if tasks else "wiki")
         if ppl_source:
@@ -138,7 +138,7 @@ class Eval(EngineMemory):
             text = json.dumps(ppl, indent=2) + "\n"
             print(json.dumps(ppl))
         if self.output:
-            atomic.write_file(self.output, text, self.overwrite, "--output")
+            atomic.write_file(self.output, text, self.overwrite, "output")
         return results
 
 
@@ -190,7 +190,7 @@ class Bench(Job):
         from slimlm.perf.config import BenchConfig, baseline_of
 
         if self.json_path:
-            atomic.check_file(self.json_path, self.overwrite, "--json")
+            atomic.check_file(self.json_path, self.overwrite, "json_path")
         config = BenchConfig(
             batches=self.batch,
             context=self.context,
@@ -214,7 +214,7 @@ class Bench(Job):
         result = bench.bench(self.model, baseline, config)
         print(bench.table(result))
         if self.json_path:
-            atomic.write_file(self.json_path, json.dumps(result, indent=1), self.overwrite, "--json")
+            atomic.write_file(self.json_path, json.dumps(result, indent=1), self.overwrite, "json_path")
         return result
 
 
@@ -259,7 +259,7 @@ class Plan(Job):
         from slimlm.eval import plan
 
         if self.json_path:
-            atomic.check_file(self.json_path, self.overwrite, "--json")
+            atomic.check_file(self.json_path, self.overwrite, "json_path")
         if self.model in plan.MODEL_PRESETS:
             dims = plan.MODEL_PRESETS[self.model]
         else:
@@ -267,22 +267,23 @@ class Plan(Job):
             models.check_architecture(config, self.model)
             dims = plan.Dims.from_config(config)
         if self.device != "cpu" and self.device not in plan.PRESETS:
-            raise SlimlmError(f"--device {self.device}: use one of {', '.join(plan.PRESETS)}, or cpu")
+            raise FieldError("device", f"{self.device}: use one of {', '.join(plan.PRESETS)}, or cpu")
         device = plan.probe_cpu() if self.device == "cpu" else plan.PRESETS[self.device]
         kv_heads = self.kv_heads or [dims.kv_heads]
         if bad := [k for k in kv_heads if dims.heads % k]:
-            raise SlimlmError(f"--kv-heads {bad[0]} does not divide the {dims.heads} query heads")
+            raise FieldError("kv_heads", f"{bad[0]} does not divide the {dims.heads} query heads")
         if self.bench:
             if self.model in plan.MODEL_PRESETS:
-                raise SlimlmError(
-                    f"--bench compares a checkpoint's measured steps with its plan; give that checkpoint "
-                    f"(its directory or asset name) in place of the preset {self.model}"
+                raise FieldError(
+                    "bench",
+                    f"compares a checkpoint's measured steps with its plan; give that checkpoint "
+                    f"(its directory or asset name) in place of the preset {self.model}",
                 )
             try:
                 rows = plan.against_bench(json.loads(self.bench.read_text()), config)
             except (OSError, json.JSONDecodeError, KeyError, TypeError, IndexError, AttributeError) as e:
                 problem = f"{type(e).__name__}: {e}"
-                raise SlimlmError(f"--bench {self.bench}: not a compress bench JSON ({problem})") from None
+                raise FieldError("bench", f"{self.bench}: not a compress bench JSON ({problem})") from None
             print(f"{'batch':>6} {'context':>8} {'predicted ms':>13} {'measured ms':>12} {'measured/predicted':>19}")
             for r in rows:
                 print(
@@ -293,7 +294,7 @@ class Plan(Job):
         result = plan.plan(dims, self.weights, self.kv_dtype, self.context, self.batch, kv_heads, device, self.memory)
         print(plan.format_plan(result))
         if self.json_path:
-            atomic.write_file(self.json_path, json.dumps(result, indent=1), self.overwrite, "--json")
+            atomic.write_file(self.json_path, json.dumps(result, indent=1), self.overwrite, "json_path")
         return result
 
 
@@ -312,7 +313,7 @@ class Report(Job):
     def run(self) -> dict:
         from slimlm.eval import report
 
-        atomic.check_file(self.out, self.overwrite, "--out")
+        atomic.check_file(self.out, self.overwrite, "out")
         result = report.render(self.runs, self.out, self.baseline, self.title, overwrite=self.overwrite)
         print(report.main_table(result["runs"]))
         print(f"report: {self.out.resolve()}")

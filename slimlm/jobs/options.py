@@ -171,6 +171,22 @@ def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return convert
 
 
+def flag_of(job: type[Job] | None) -> Callable[[str], str]:
+    """Field name -> the command-line flag that sets it (a positional argument, or a name the job does not
+    have, stays as it is): how the CLI says the fields a FieldError names."""
+    opts = job.opts() if job is not None else {}
+
+    def flag(field: str) -> str:
+        opt = opts.get(field)
+        if opt is None or opt.positional:
+            return field
+        if opt.flag is None:  # set by switches only (--no-clip)
+            return opt.switches[0].flag
+        return opt.flag or "--" + field.replace("_", "-")
+
+    return flag
+
+
 def from_args(job: type[Job], args: argparse.Namespace) -> Job:
     """The parsed command line -> the job (its values already checked by the flags' types)."""
     return job.model_validate({name: getattr(args, name) for name in job.model_fields})

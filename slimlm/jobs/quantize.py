@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated
 
 from slimlm import assets
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError
 from slimlm.formats.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from slimlm.jobs.measure import measure_perplexity
 from slimlm.jobs.options import Job, Opt, Switch, finite_float, integer, positive_int, seed_int
@@ -64,7 +64,7 @@ class KVScales(Calibration):
         """The KV-cache step that ends a run, when kv_dtype asks for one."""
         if self.kv_dtype is None:
             if self.kv_strategy is not None:
-                raise SlimlmError("--kv-strategy applies to a quantized KV cache; add --kv-dtype fp8 or int8")
+                raise FieldError("kv_strategy", "applies to a quantized KV cache; add {kv_dtype} fp8 or int8")
             return []
         from slimlm.compress.kv import KVCache
 

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from slimlm import assets
 from slimlm.cache import cache_dir
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError, SlimlmError
 from slimlm.jobs.engine import EngineOptions
 from slimlm.jobs.options import Job, Opt, finite_float, integer, positive_int, seed_int
 
@@ -100,7 +100,7 @@ class Serve(EngineOptions):
         from slimlm.serve.app import serve
 
         if not 0 <= self.port < 65536:
-            raise SlimlmError(f"--port {self.port} is not a TCP port (0..65535)")
+            raise FieldError("port", f"{self.port} is not a TCP port (0..65535)")
         config = self.engine_config()  # its EngineConfig fields too: max_num_seqs, max_num_batched_tokens
         api_key = self.api_key if self.api_key is not None else os.environ.get("SLIMLM_API_KEY")
         serve(

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 from slimlm import assets
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError
 from slimlm.jobs.options import Job, Opt, finite_float, nonnegative_int, positive_int, seed_int
 
 
@@ -38,7 +38,7 @@ class Training(Job):
         if not tokens:
             return None
         if not 0 <= self.lm_weight <= 1 or self.temperature <= 0 or not 0 <= self.warmup < 1 or self.lr <= 0:
-            raise SlimlmError("--lm-weight must be in [0, 1], --temperature and --lr > 0, --warmup in [0, 1)")
+            raise FieldError("lm_weight", "must be in [0, 1], {temperature} and {lr} > 0, {warmup} in [0, 1)")
         return TrainConfig(
             train_tokens=tokens,
             seq_len=self.seq_len,

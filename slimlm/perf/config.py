@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError
 from slimlm.eval import plan
 
 
@@ -35,7 +35,7 @@ def baseline_of(model_dir: Path) -> str:
     source = json.loads(manifest.read_text()).get("source_model", {}) if manifest.exists() else {}
     spec = source.get("spec") or source.get("path")
     if not spec:
-        raise SlimlmError(f"{model_dir} names no source model in a slimlm.json; pass --baseline DIR")
+        raise FieldError("baseline", f"{model_dir} names no source model in a slimlm.json; pass {{baseline}} DIR")
     return spec
 
 

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError
 from slimlm.perf.config import BenchConfig, engine_for, pool_bytes
 from slimlm.perf.load import peak_reset, status
 from slimlm.runtime.model import StepInputs
@@ -64,9 +64,10 @@ def offline(model: str, config: BenchConfig, bandwidth: float) -> dict:
     bs = engine.config.block_size
     largest = max(config.batches)
     if runner.num_blocks < largest * -(-(config.context + 1) // bs):
-        raise SlimlmError(
-            f"the KV pool ({pool_bytes(model, config) >> 20} MiB) cannot hold batch {largest} at "
-            f"context {config.context}; raise --kv-cache-memory or lower --batch"
+        raise FieldError(
+            "kv_cache_memory",
+            f"the KV pool ({pool_bytes(model, config) >> 20} MiB) cannot hold batch {largest} at context "
+            f"{config.context}; raise {{kv_cache_memory}} or lower {{batch}}",
         )
     cache = runner.kv_cache
     if cache.dtype.itemsize == 1:  # random finite bytes: fp8 codes below its NaN pattern, int8 anything

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats.atomic import staging
 from slimlm.formats.writer import state_tensors
 
@@ -98,7 +98,7 @@ def trainable(model: nn.Module, parts: tuple[str, ...]) -> list[nn.Parameter]:
         if p.requires_grad:
             params.append(p)
     if not params:
-        raise SlimlmError(f"--train {','.join(parts)} matches no parameter of the model")
+        raise FieldError("train", f"{','.join(parts)} matches no parameter of the model")
     return params
 
 
@@ -148,7 +148,7 @@ def _diverged(step: int, start: int, config: TrainConfig, loss: float, grad_norm
     resume = f"a rerun resumes from step {saved}" if saved else "no checkpoint was reached"
     return SlimlmError(
         f"training diverged at step {step + 1} (loss {loss}, gradient norm {grad_norm}): stopped "
-        f"before that update, nothing written; lower --lr ({resume})"
+        f"before that update, nothing written; lower the learning rate, lr ({resume})"
     )
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from slimlm import arch
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError, SlimlmError
 
 Groups = list[list[int]]  # per layer: for each new KV head, the old KV heads merged into it
 
@@ -29,20 +29,22 @@ def check_kv_heads(config, kv_heads: int, expand: bool) -> None:
     heads, current = config.num_attention_heads, config.num_key_value_heads
     divisors = [d for d in range(1, heads + 1) if heads % d == 0]
     if kv_heads not in divisors:
-        raise SlimlmError(
-            f"--kv-heads {kv_heads} does not divide the {heads} query heads; use one of {', '.join(map(str, divisors))}"
+        raise FieldError(
+            "kv_heads",
+            f"{kv_heads} does not divide the {heads} query heads; use one of {', '.join(map(str, divisors))}",
         )
     if expand:
         if kv_heads % current:
-            raise SlimlmError(f"--expand needs a multiple of the current {current} KV heads, got {kv_heads}")
+            raise FieldError("expand", f"needs a multiple of the current {current} KV heads, got {kv_heads}")
     elif kv_heads > current:
-        raise SlimlmError(
-            f"--kv-heads {kv_heads} is more than the model's {current} KV heads: merging only "
-            "removes heads (add --expand to repeat them)"
+        raise FieldError(
+            "kv_heads",
+            f"{kv_heads} is more than the model's {current} KV heads: merging only removes heads (add {{expand}} to "
+            "repeat them)",
         )
     elif current % kv_heads:
-        raise SlimlmError(
-            f"--kv-heads {kv_heads} does not divide the current {current} KV heads, so the groups would be uneven"
+        raise FieldError(
+            "kv_heads", f"{kv_heads} does not divide the current {current} KV heads, so the groups would be uneven"
         )
 
 

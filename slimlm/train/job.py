@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from slimlm import data, models
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats import atomic, shards, writer
 from slimlm.train import gqa, prune
 from slimlm.train.distill import TrainConfig, check, mean_nll, train
@@ -163,9 +163,9 @@ def convert_gqa(
 ) -> Path:
     """Convert (and, with run.train_config, uptrain) run.model to `kv_heads` KV heads; returns the output dir."""
     if grouping not in GROUPINGS:
-        raise SlimlmError(f"--grouping {grouping} is not one of {', '.join(GROUPINGS)}")
+        raise FieldError("grouping", f"{grouping} is not one of {', '.join(GROUPINGS)}")
     if expand and run.train_config is not None:
-        raise SlimlmError("--expand is exact (the same function): it needs no --uptrain-tokens")
+        raise FieldError("expand", "is exact (the same function): it needs no {uptrain_tokens}")
     job = _start("GQA conversion", run)
     gqa.check_kv_heads(job.teacher.config, kv_heads, expand)
     student = copy.deepcopy(job.teacher)
@@ -203,23 +203,24 @@ def prune_shape(config, target: float | None, sizes: dict[str, int | None]) -> p
     line for a target that removes everything or nothing, or a head count the grouping cannot take."""
     given = {dim: v for dim, v in sizes.items() if v is not None}
     if (target is None) == (not given):
-        raise SlimlmError("give either --target-params or some of --hidden/--heads/--ffn/--layers")
+        raise FieldError("target_params", "give either {target_params} or some of {hidden}/{heads}/{ffn}/{layers}")
     current = prune.Shape.of(config)
     if target is not None:
         if not 0 < target < 1:
-            raise SlimlmError(f"--target-params {target} must be a fraction of today's parameters, in (0, 1)")
+            raise FieldError("target_params", f"{target} must be a fraction of today's parameters, in (0, 1)")
         return None
     for dim, value in given.items():
         if not 0 < value <= getattr(current, dim):
-            raise SlimlmError(f"--{dim} {value} must be between 1 and the model's {getattr(current, dim)}")
+            raise FieldError(dim, f"{value} must be between 1 and the model's {getattr(current, dim)}")
     shape = prune.Shape(**{**asdict(current), **given})
     if "heads" in given:
         shape = prune.Shape(**{**asdict(shape), "kv_heads": prune.kv_heads_for(config, shape.heads)})
     if shape.hidden % shape.heads:
         below = shape.hidden // shape.heads * shape.heads
-        raise SlimlmError(
-            f"--hidden {shape.hidden} is not a multiple of the {shape.heads} attention heads "
-            f"(transformers requires it); nearest: {below}, {below + shape.heads}"
+        raise FieldError(
+            "hidden",
+            f"{shape.hidden} is not a multiple of the {shape.heads} attention heads "
+            f"(transformers requires it); nearest: {below}, {below + shape.heads}",
         )
     if shape == current:
         raise SlimlmError(f"the sizes given are the model's own ({asdict(current)}): nothing would be removed")
@@ -277,12 +278,13 @@ def _shapes(teacher: torch.nn.Module, target: float | None, sizes: dict, candida
     found = prune.candidates(teacher, target) if shape is None else {}
     if shape is None and not found:
         embeddings = teacher.config.vocab_size * current.hidden / total
-        raise SlimlmError(
-            f"no candidate reaches {target:.0%} of the parameters (the embeddings alone are "
-            f"{embeddings:.0%}); raise --target-params"
+        raise FieldError(
+            "target_params",
+            f"{{target_params}} {target}: no candidate reaches {target:.0%} of the parameters (the embeddings "
+            f"alone are {embeddings:.0%}); raise {{target_params}}",
         )
     if candidate is not None and candidate not in found:
-        raise SlimlmError(f"--candidate {candidate} cannot reach {target:.0%}; candidates: {', '.join(found)}")
+        raise FieldError("candidate", f"{candidate} cannot reach {target:.0%}; candidates: {', '.join(found)}")
     return shape, found, current, total
 
 
@@ -327,7 +329,7 @@ def prune_model(
     (hidden, heads, ffn, layers), distill it with run.train_config, write it; returns the output dir."""
     log, progress = _logger(run.progress), run.progress
     if candidate is not None and (target is None or candidate not in prune.FAMILIES):
-        raise SlimlmError(f"--candidate needs --target-params and one of {', '.join(prune.FAMILIES)}")
+        raise FieldError("candidate", f"needs {{target_params}} and one of {', '.join(prune.FAMILIES)}")
     job = _start("pruning", run)
     teacher = job.teacher
     shape, found, current, total = _shapes(teacher, target, sizes or {}, candidate, log)

@@ -30,7 +30,7 @@ from torch import nn
 
 from slimlm import arch
 from slimlm.compress import pipeline
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError, SlimlmError
 
 GROUP_SIZES = (32, 64, 128)  # the quantization group sizes a later `compress gptq|awq|rtn` would use
 # The candidates `--target-params` compares: the dimensions each shrinks, all by the same fraction.
@@ -175,9 +175,10 @@ def kv_heads_for(config, heads: int) -> int:
     if heads % per_group == 0 and 0 < heads // per_group <= shape.kv_heads:
         return heads // per_group
     valid = ", ".join(map(str, head_counts(config)))
-    raise SlimlmError(
-        f"--heads {heads} breaks the grouping of {shape.heads} query heads over {shape.kv_heads} "
-        f"KV heads ({per_group} per KV head); counts that work: {valid}"
+    raise FieldError(
+        "heads",
+        f"{heads} breaks the grouping of {shape.heads} query heads over {shape.kv_heads} "
+        f"KV heads ({per_group} per KV head); counts that work: {valid}",
     )
 
 

@@ -78,7 +78,7 @@ def test_a_grid_of_one_tries_only_unit_scales():
         assert torch.equal(q.codes, quantized["grid1"].quantized[name].codes)
     first = {name: r.report[0]["relative_error"] for name, r in quantized.items()}
     assert max(first["grid4"], first["grid8"]) < 0.8 * first["grid1"], first
-    with pytest.raises(SlimlmError, match="--grid 0 must be a positive integer"):
+    with pytest.raises(SlimlmError, match="^grid 0 must be a positive integer"):
         AWQ(args, grid=0)
 
 
@@ -144,7 +144,7 @@ def test_stats_sum_over_batches():
 
 @pytest.mark.parametrize("value", [0, -1, True, 1.0])
 def test_search_batches_must_be_a_positive_integer(value):
-    message = rf"--search-batches {value!r} must be a positive integer \(2 is the default\)"
+    message = rf"^search_batches {value!r} must be a positive integer \(2 is the default\)"
     with pytest.raises(SlimlmError, match=message):
         AWQ(QuantArgs(4, 32), search_batches=value)
     assert AWQ(QuantArgs(4, 32), search_batches=1).search_batches == 1
@@ -215,7 +215,7 @@ def test_auto_searches_in_bf16_only_where_bf16_is_fast(monkeypatch):
     assert AWQ(QuantArgs(4, 32), search_dtype="float32")._dtype_for_search(w16) == torch.float32
     with pytest.raises(SlimlmError) as e:
         AWQ(QuantArgs(4, 32), search_dtype="fp8")
-    assert str(e.value) == "--search-dtype 'fp8' is not one of auto, float32, bfloat16"
+    assert str(e.value) == "search_dtype 'fp8' is not one of auto, float32, bfloat16"
 
 
 def reference_clip(w: torch.Tensor, x: torch.Tensor, args: QuantArgs) -> torch.Tensor:

@@ -293,9 +293,9 @@ def test_lazy_batches_equal_columnwise_gptq_across_blocks(in_features, args, act
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"damp": 0}, "--damp 0 must be in (0, 1); 0.01 is the usual value"),
-        ({"damp": 1}, "--damp 1 must be in (0, 1); 0.01 is the usual value"),
-        ({"act_order": "columns"}, "--act-order columns is not supported; use one of weight, group"),
+        ({"damp": 0}, "damp 0 must be in (0, 1); 0.01 is the usual value"),
+        ({"damp": 1}, "damp 1 must be in (0, 1); 0.01 is the usual value"),
+        ({"act_order": "columns"}, "act_order columns is not supported; use one of weight, group"),
     ],
 )
 def test_bad_step_settings_are_named(kwargs, message):
@@ -375,7 +375,7 @@ def test_dead_inputs_are_damped_as_in_the_reference():
 def test_an_unknown_act_order_is_named_by_gptq_quantize_too():
     with pytest.raises(SlimlmError) as caught:
         gptq_quantize(torch.randn(4, 32), torch.eye(32), QuantArgs(4, 32), act_order="static")
-    assert str(caught.value) == "--act-order static is not supported; use one of weight, group"
+    assert str(caught.value) == "act_order static is not supported; use one of weight, group"
 
 
 def test_weights_that_overflow_the_quantizer_name_the_layer():
@@ -384,7 +384,7 @@ def test_weights_that_overflow_the_quantizer_name_the_layer():
     W[0, :2] = torch.tensor([3e38, -3e38])
     with pytest.raises(SlimlmError) as caught:
         gptq_quantize(W, torch.eye(32), QuantArgs(4, 32, False), name="model.layers.1.mlp.up_proj")
-    assert str(caught.value) == "GPTQ produced non-finite weights for model.layers.1.mlp.up_proj; try a larger --damp"
+    assert str(caught.value) == "GPTQ produced non-finite weights for model.layers.1.mlp.up_proj; try a larger damp"
 
 
 def one_layer_step(tiny_llama, tokens: int, dtype=torch.float32):

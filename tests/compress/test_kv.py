@@ -116,7 +116,7 @@ def test_kv_refuses_a_gptq_format_source_and_output(tiny_llama, calib_txt, tmp_p
             Quantization("kv", [KVCache("fp8")], None, str(v1), tmp_path / "x", CalibData(str(calib_txt))),
             progress=False,
         )
-    with pytest.raises(SlimlmError, match="--format gptq has no place for KV-cache scales"):
+    with pytest.raises(SlimlmError, match="^format gptq has no place for KV-cache scales"):
         quantize_weights(
             Quantization(
                 "rtn+kv",

@@ -180,7 +180,7 @@ def test_a_job_with_an_unknown_compute_dtype_stops_before_any_work(tiny_llama, t
     from slimlm.compress.job import CalibData, Quantization, quantize_weights
 
     args = QuantArgs(4, 32)
-    with pytest.raises(SlimlmError, match=r"^--compute-dtype 'fp16' is not one of auto, float32, bfloat16$"):
+    with pytest.raises(SlimlmError, match=r"^compute_dtype 'fp16' is not one of auto, float32, bfloat16$"):
         quantize_weights(
             Quantization("rtn", [RTN(args)], args, str(tiny_llama), tmp_path / "q", CalibData(compute_dtype="fp16")),
             progress=False,

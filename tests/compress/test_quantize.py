@@ -95,7 +95,7 @@ def test_g_idx_groups_columns_by_index():
     torch.testing.assert_close(q.dequantize(), expected)
 
 
-@pytest.mark.parametrize("kw,msg", [({"bits": 5}, "--bits 5"), ({"group_size": 48}, "--group-size 48")])
+@pytest.mark.parametrize("kw,msg", [({"bits": 5}, "bits 5"), ({"group_size": 48}, "group_size 48")])
 def test_unsupported_settings(kw, msg):
     with pytest.raises(SlimlmError, match=msg):
         QuantArgs(**kw)

@@ -105,28 +105,28 @@ def refusal(out, overwrite=False, sources=()) -> str:
 
 def test_out_refusals_name_the_directory_and_the_fix(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert refusal(tmp_path) == f"--out {tmp_path} is the current directory or one of its parents; name a new directory"
-    assert refusal(tmp_path.parent).startswith(f"--out {tmp_path.parent} is the current directory or one of its")
+    assert refusal(tmp_path) == f"out {tmp_path} is the current directory or one of its parents; name a new directory"
+    assert refusal(tmp_path.parent).startswith(f"out {tmp_path.parent} is the current directory or one of its")
     src = tmp_path / "models" / "src"
     src.mkdir(parents=True)
     for out in (src, src.parent):
-        message = f"--out {out} is or contains the source model {src}; name another directory"
+        message = f"out {out} is or contains the source model {src}; name another directory"
         assert refusal(out, sources=[src]) == message
     file = tmp_path / "file"
     file.write_text("x")
-    assert refusal(file, True) == f"--out {file} exists and is not a directory; name a directory"
+    assert refusal(file, True) == f"out {file} exists and is not a directory; name a directory"
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "config.json").write_text("{}")
-    assert refusal(ckpt) == f"output directory {ckpt} exists; pass --overwrite to replace it"
+    assert refusal(ckpt) == f"out {ckpt} exists; pass overwrite to replace it"
     assert atomic.check_output(ckpt, True) == ckpt
     (ckpt / "sub").mkdir()
     assert refusal(ckpt, True) == (
-        f"--out {ckpt} is a non-empty directory that is not a checkpoint (no config.json/slimlm.json, or it has "
+        f"out {ckpt} is a non-empty directory that is not a checkpoint (no config.json/slimlm.json, or it has "
         "subdirectories); slimlm replaces only checkpoints: name another directory"
     )
     assert refusal(tmp_path / "file" / "x") == (
-        f"cannot write --out {tmp_path / 'file' / 'x'}: {tmp_path / 'file'} is not a writable directory"
+        f"out {tmp_path / 'file' / 'x'} cannot be written: {tmp_path / 'file'} is not a writable directory"
     )
 
 
@@ -137,9 +137,7 @@ def test_a_temp_dir_another_run_holds_makes_out_busy_and_a_dead_runs_is_cleared(
     fd = os.open(held, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_EX)
     try:
-        assert refusal(out) == (
-            f"another slimlm run is writing {out} now (.q.tmp-held); wait for it or name another --out"
-        )
+        assert refusal(out) == (f"out {out} is being written by another slimlm run (.q.tmp-held); wait or name another")
     finally:
         os.close(fd)
     with atomic.atomic_dir(out) as tmp:  # the holder is gone: its temp dir is stale and removed

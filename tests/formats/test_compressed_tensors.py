@@ -93,7 +93,7 @@ def test_read_back_equals_what_was_written(tiny_with_text, tmp_path):
 def test_existing_output_is_refused_then_replaced(tiny_with_text, tmp_path):
     out = tmp_path / "q"
     quantize_tiny(tiny_with_text, out, QuantArgs(4, 32))
-    with pytest.raises(SlimlmError, match="exists; pass --overwrite"):
+    with pytest.raises(SlimlmError, match="exists; pass overwrite"):
         quantize_tiny(tiny_with_text, out, QuantArgs(4, 32))
     (out / "slimlm.json").write_text("{}")
     quantize_tiny(tiny_with_text, out, QuantArgs(4, 32), overwrite=True)

@@ -10,8 +10,8 @@ from slimlm.formats.quantized import QuantArgs, QuantizedWeight, group_index
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"bits": 5}, "--bits 5 is not supported; use one of 2, 3, 4, 8"),
-        ({"group_size": 48}, "--group-size 48 is not supported; use one of -1, 32, 64, 128 (-1 = per channel)"),
+        ({"bits": 5}, "bits 5 is not supported; use one of 2, 3, 4, 8"),
+        ({"group_size": 48}, "group_size 48 is not supported; use one of -1, 32, 64, 128 (-1 = per channel)"),
     ],
 )
 def test_unsupported_settings_name_the_flag_and_the_choices(kwargs, message):

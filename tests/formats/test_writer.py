@@ -34,7 +34,7 @@ def test_state_tensors_keep_tied_weights_once_under_their_first_name_contiguous_
 def test_an_unknown_format_is_named_with_the_choices():
     with pytest.raises(SlimlmError) as e:
         writer.quantization_config("awq", QuantArgs(), [], {})
-    assert str(e.value) == "--format awq is not supported; use one of compressed-tensors, gptq"
+    assert str(e.value) == "format awq is not supported; use one of compressed-tensors, gptq"
 
 
 def test_gptq_format_refuses_kv_scales_and_a_second_scheme():
@@ -42,12 +42,12 @@ def test_gptq_format_refuses_kv_scales_and_a_second_scheme():
     with pytest.raises(SlimlmError) as e:
         writer.quantization_config("gptq", args, [], {"kv_cache_scheme": {"num_bits": 8}})
     assert str(e.value) == (
-        "--format gptq has no place for KV-cache scales; use --format compressed-tensors to quantize the KV cache too"
+        "format gptq has no place for KV-cache scales; use format compressed-tensors to quantize the KV cache too"
     )
     with pytest.raises(SlimlmError) as e:
         writer.quantization_config("gptq", args, [], {}, named={"lm_head": QuantArgs(8, -1)})
     assert str(e.value) == (
-        "--format gptq stores one scheme for every linear; use --format compressed-tensors for an lm_head of other bits"
+        "format gptq stores one scheme for every linear; use format compressed-tensors for an lm_head of other bits"
     )
     same = writer.quantization_config("gptq", args, [], {"act_order": "group", "damp": 0.05}, named={"x": args})
     assert same == gptq_v1.quantization_config(args, "group", 0.05) and same["desc_act"] is True

@@ -144,3 +144,31 @@ def test_sizes(text, size):
 def test_bad_sizes(text, message):
     with pytest.raises(ValueError, match=f"^{message}"):
         parse_size(text)
+
+
+def test_a_field_error_names_flags_on_the_command_line_and_fields_elsewhere(tmp_path, capsys):
+    """One message, said two ways: the library raises it with field names, the CLI maps them to its flags."""
+    from slimlm.cli import main
+    from slimlm.errors import FieldError
+    from slimlm.jobs.options import flag_of
+
+    error = FieldError("kv_strategy", "applies to a quantized KV cache; add {kv_dtype} fp8 or int8")
+    assert str(error) == "kv_strategy applies to a quantized KV cache; add kv_dtype fp8 or int8"
+    assert (
+        error.render(flag_of(JOBS["gptq"]))
+        == "--kv-strategy applies to a quantized KV cache; add --kv-dtype fp8 or int8"
+    )
+    inside = FieldError("seq_len", "'wiki' has fewer than 9 tokens; lower {seq_len}")  # named where it fits
+    assert (str(inside), inside.render(flag_of(JOBS["eval"]))) == (
+        "'wiki' has fewer than 9 tokens; lower seq_len",
+        "'wiki' has fewer than 9 tokens; lower --seq-len",
+    )
+    bench = flag_of(JOBS["bench"])
+    assert (bench("json_path"), bench("model"), bench("unknown_thing")) == ("--json", "model", "unknown_thing")
+    assert flag_of(JOBS["awq"])("clip") == "--no-clip" and flag_of(None)("out") == "out"
+    with pytest.raises(FieldError, match="^kv_strategy applies to a quantized KV cache; add kv_dtype fp8 or int8$"):
+        JOBS["rtn"](out=tmp_path / "o", kv_strategy="tensor").run()
+    assert main(["rtn", "--out", str(tmp_path / "o"), "--kv-strategy", "tensor"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: --kv-strategy applies to a quantized KV cache; add --kv-dtype fp8 or int8"
+    )

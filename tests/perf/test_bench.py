@@ -240,7 +240,7 @@ def test_rounds_must_be_a_positive_integer(capsys):
 
 def test_a_checkpoint_without_a_source_needs_a_baseline(tmp_path):
     (tmp_path / "slimlm.json").write_text("{}")
-    with pytest.raises(SlimlmError, match="pass --baseline"):
+    with pytest.raises(SlimlmError, match="pass baseline DIR"):
         baseline_of(tmp_path)
 
 

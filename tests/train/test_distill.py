@@ -430,6 +430,6 @@ def test_the_loop_logs_checkpoints_and_resumes_in_process(pair, tmp_path, monkey
 def test_train_parts_that_match_nothing_are_named(pair):
     from slimlm.train.distill import trainable
 
-    with pytest.raises(SlimlmError, match="^--train nope,nada matches no parameter of the model$"):
+    with pytest.raises(SlimlmError, match="^train nope,nada matches no parameter of the model$"):
         trainable(pair[0], ("nope", "nada"))
     assert [p.requires_grad for p in trainable(pair[0], ("k_proj",))] == [True] * 2  # one k_proj a layer

@@ -139,12 +139,11 @@ def test_best_partition_is_exhaustive_up_to_12_heads_then_greedy():
     "kv_heads,expand,fragment",
     [
         (3, False, "does not divide the 4 query heads; use one of 1, 2, 4"),
-        (1, True, "--expand needs a multiple of the current 2 KV heads, got 1"),
+        (1, True, "expand needs a multiple of the current 2 KV heads, got 1"),
         (
             4,
             False,
-            "--kv-heads 4 is more than the model's 2 KV heads: merging only removes heads (add --expand to "
-            "repeat them)",
+            "kv_heads 4 is more than the model's 2 KV heads: merging only removes heads (add expand to repeat them)",
         ),
     ],
 )
@@ -157,7 +156,7 @@ def test_uneven_groups_are_named_and_whole_factors_pass():
     from types import SimpleNamespace
 
     config = SimpleNamespace(num_attention_heads=12, num_key_value_heads=6)
-    message = "--kv-heads 4 does not divide the current 6 KV heads, so the groups would be uneven"
+    message = "kv_heads 4 does not divide the current 6 KV heads, so the groups would be uneven"
     with pytest.raises(SlimlmError, match=f"^{re.escape(message)}$"):
         gqa.check_kv_heads(config, 4, False)
     for kv_heads, expand in ((6, False), (3, False), (1, False), (12, True), (6, True)):
