@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from slimlm.formats.kv_cache import CACHE_DTYPES
-from slimlm.jobs.options import Job, Opt, parse_size, positive_int
+from slimlm.jobs.options import Job, Opt, Switch, parse_size, positive_int
 
 DTYPES = ("float32", "bfloat16", "float16")
 Dtype = Annotated[str, Opt(choices=DTYPES)]
@@ -50,3 +50,12 @@ class EngineOptions(EngineMemory):
         ),
     ] = None
     num_speculative_tokens: Annotated[int, Opt("drafted tokens per target pass", parse=positive_int)] = 4
+    prefix_caching: Annotated[
+        bool,
+        Opt(
+            flag=None,
+            switches=(
+                Switch("--no-prefix-caching", False, "do not share KV blocks between prompts with a common prefix"),
+            ),
+        ),
+    ] = True

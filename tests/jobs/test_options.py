@@ -124,6 +124,8 @@ def test_engine_options_are_engine_config_fields_and_reach_it():
             assert getattr(defaults, name) == field.default, name
     config = Serve(model="m", max_num_seqs=3, max_num_batched_tokens=64, kv_cache_memory="1G").engine_config()
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.kv_cache_memory) == (3, 64, 1 << 30)
+    off = from_args(Serve, build_parser().parse_args(["serve", "m", "--no-prefix-caching"])).engine_config()
+    assert off.prefix_caching is False and Serve(model="m").engine_config().prefix_caching is True
 
 
 @pytest.mark.parametrize(
