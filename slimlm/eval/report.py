@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from slimlm.errors import FieldError, SlimlmError
+from slimlm.eval import records
 from slimlm.formats import atomic
 
 TEMPLATE = Path(__file__).with_name("report.html.j2")
@@ -56,9 +57,10 @@ def load_run(run_dir: Path) -> dict:
     }
     if evaluation is not None:
         ppl = evaluation.get("slimlm", {}).get("perplexity") if "results" in evaluation else evaluation
-        run["wiki_ppl"] = ppl["perplexity"] if ppl else None
-        run["ppl_source"] = Path(str(ppl.get("source", "wiki"))).name if ppl else None
-        run["size_mb"] = ppl["size_bytes"] / 1e6 if ppl and ppl.get("size_bytes") else None
+        ppl = records.read(records.Perplexity, ppl, str(run_dir / "eval.json")) if ppl else None
+        run["wiki_ppl"] = ppl.perplexity if ppl else None
+        run["ppl_source"] = Path(ppl.source).name if ppl else None
+        run["size_mb"] = ppl.size_bytes / 1e6 if ppl and ppl.size_bytes else None
         for task, metrics in evaluation.get("results", {}).items():
             key = "acc_norm,none" if "acc_norm,none" in metrics else "acc,none"
             if key in metrics and metrics.get(key.replace(",", "_stderr,")) not in (None, "N/A"):
@@ -68,7 +70,7 @@ def load_run(run_dir: Path) -> dict:
         run["task_average"] = sum(v for v, _ in values) / len(values)
         run["task_stderr"] = math.sqrt(sum(s * s for _, s in values)) / len(values)
     if bench is not None:
-        run.update(_bench_figures(bench))
+        run.update(_bench_figures(records.read(records.Bench, bench, str(run_dir / "bench.json"))))
     return run
 
 
@@ -81,34 +83,33 @@ def _method(manifest: dict | None) -> str:
     return f"{manifest.get('method', '?')} ({shown})" if shown else manifest.get("method", "?")
 
 
-def _bench_figures(bench: dict) -> dict:
-    systems = bench["systems"]
-    mine, base = systems["model"], systems.get("baseline")
-    off, on = mine["offline"], mine["online"]
-    decode = {d["batch"]: d for d in off["decode"]}
+def _bench_figures(bench: records.Bench) -> dict:
+    mine, base = bench.systems["model"], bench.systems.get("baseline")
+    off, on = mine.offline, mine.online
+    decode = {d.batch: d for d in off.decode}
     b1 = decode.get(1) or next(iter(decode.values()))
     out = {
-        "weight_bytes": off["weight_bytes"],
-        "kv_bytes_per_token": off["kv_bytes_per_token"],
-        "decode_b1_tok_s": b1["tok_s"],
-        "output_tok_s": on["output_tok_s"],
-        "ttft_p50_s": on["ttft_s"]["p50"],
-        "itl_p50_s": on["itl_s"]["p50"],
-        "goodput_req_s": on["goodput_req_s"],
-        "mb_per_token": (off["weight_bytes"] + bench["config"]["context"] * off["kv_bytes_per_token"]) / 1e6,
+        "weight_bytes": off.weight_bytes,
+        "kv_bytes_per_token": off.kv_bytes_per_token,
+        "decode_b1_tok_s": b1.tok_s,
+        "output_tok_s": on.output_tok_s,
+        "ttft_p50_s": on.ttft_s.p50,
+        "itl_p50_s": on.itl_s.p50,
+        "goodput_req_s": on.goodput_req_s,
+        "mb_per_token": (off.weight_bytes + bench.config["context"] * off.kv_bytes_per_token) / 1e6,
         "floors": [
-            {"batch": d["batch"], "predicted_ms": d["floor_ms"], "measured_ms": d["step_ms"], "ratio": d["floor_ratio"]}
-            for d in off["decode"]
+            {"batch": d.batch, "predicted_ms": d.floor_ms, "measured_ms": d.step_ms, "ratio": d.floor_ratio}
+            for d in off.decode
         ],
-        "bandwidth_gb_s": bench["bandwidth_bytes_s"] / 1e9,
-        "threads": bench.get("threads"),
-        "bench_warnings": bench.get("warnings", []),
+        "bandwidth_gb_s": bench.bandwidth_bytes_s / 1e9,
+        "threads": bench.threads,
+        "bench_warnings": bench.warnings,
     }
     if base is not None:
-        base_b1 = {d["batch"]: d for d in base["offline"]["decode"]}.get(b1["batch"])
-        out["speedup_b1"] = b1["tok_s"] / base_b1["tok_s"] if base_b1 else None
-        out["speedup_online"] = on["output_tok_s"] / base["online"]["output_tok_s"]
-        out["memory_ratio"] = off["weight_bytes"] / base["offline"]["weight_bytes"]
+        base_b1 = {d.batch: d for d in base.offline.decode}.get(b1.batch)
+        out["speedup_b1"] = b1.tok_s / base_b1.tok_s if base_b1 else None
+        out["speedup_online"] = on.output_tok_s / base.online.output_tok_s
+        out["memory_ratio"] = off.weight_bytes / base.offline.weight_bytes
     return out
 
 

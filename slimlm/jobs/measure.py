@@ -57,9 +57,12 @@ def measure_perplexity(
     from slimlm.formats import shards
 
     engine = engine_for(spec, seq_len, device=device, kv_cache_dtype=kv_cache_dtype)
+    from slimlm.eval import records
+
     result = perplexity(engine, source, seq_len=seq_len, max_tokens=max_tokens)
     result["model"] = str(engine.model_dir)
     result["size_bytes"] = shards.total_size(engine.model_dir)
+    records.read(records.Perplexity, result, "the perplexity result")  # the shape report.py reads
     return result
 
 

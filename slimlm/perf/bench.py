@@ -10,7 +10,7 @@ from dataclasses import asdict
 import torch
 
 from slimlm.errors import SlimlmError
-from slimlm.eval import plan
+from slimlm.eval import plan, records
 from slimlm.perf.config import BenchConfig, max_seqs
 from slimlm.perf.http import online_http
 from slimlm.perf.load import busy_warnings, others_load
@@ -127,6 +127,7 @@ def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool 
         log(f"[bench] online over HTTP: {name} behind compress serve")
         result["systems"][name]["http"] = online_http(path, config, requests)
     result["warnings"] = busy_warnings(result)
+    records.read(records.Bench, result, "the bench result")  # the shape report.py reads: checked as written
     for line in result["warnings"]:
         log(f"[bench] {line}")
     return result
