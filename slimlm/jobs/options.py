@@ -195,28 +195,28 @@ def from_args(job: type[Job], args: argparse.Namespace) -> Job:
 # The parse functions: text -> value, or a ValueError whose message follows the text it quotes.
 
 
-def _int(text: str, ok, requirement: str) -> int:
+def _int(text: str, ok: Callable[[int], bool] | None = None, requirement: str = "") -> int:
     try:
         value = int(text)
     except ValueError:
         raise ValueError(f"'{text}' is not an integer") from None
-    if not ok(value):
+    if ok is not None and not ok(value):
         raise ValueError(f"'{text}' {requirement}")
     return value
 
 
-def _float(text: str, ok, requirement: str) -> float:
+def _float(text: str, ok: Callable[[float], bool] | None = None, requirement: str = "") -> float:
     try:
         value = float(text)
     except ValueError:
         raise ValueError(f"'{text}' is not a number") from None
-    if not ok(value):
+    if ok is not None and not ok(value):
         raise ValueError(f"'{text}' {requirement}")
     return value
 
 
 def integer(text: str) -> int:
-    return _int(text, lambda v: True, "")
+    return _int(text)
 
 
 def positive_int(text: str) -> int:
@@ -245,7 +245,7 @@ def positive_float(text: str) -> float:
 
 def limit_arg(text: str) -> int | float:
     """lm-eval's --limit: a document count (>= 1) or a fraction of each task in (0, 1)."""
-    value = _float(text, lambda v: True, "")
+    value = _float(text)
     if 1 <= value <= 1e9 and value == int(value):  # a count past any task's size: still a count, not 1e30
         return int(value)
     if 0 < value < 1:

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from slimlm import recipe as recipes
 from slimlm.cli import build_parser
 from slimlm.errors import SlimlmError
-from slimlm.jobs import JOBS, STEPS, Serve
+from slimlm.jobs import JOBS, STEPS, Serve, options
 from slimlm.jobs.engine import EngineMemory, EngineOptions
 from slimlm.jobs.options import OptionError, from_args, parse_size
 from slimlm.runtime.engine import EngineConfig
@@ -174,3 +174,74 @@ def test_a_field_error_names_flags_on_the_command_line_and_fields_elsewhere(tmp_
     assert capsys.readouterr().err.splitlines()[-1] == (
         "error: --kv-strategy applies to a quantized KV cache; add --kv-dtype fp8 or int8"
     )
+
+
+@pytest.mark.parametrize(
+    "parse,text,value",
+    [
+        (options.integer, "-3", -3),
+        (options.positive_int, "1", 1),
+        (options.nonnegative_int, "0", 0),
+        (options.window_int, "2", 2),
+        (options.seed_int, str(2**63 - 1), 2**63 - 1),
+        (options.seed_int, "0", 0),
+        (options.finite_float, "-1e300", -1e300),
+        (options.positive_float, "inf", float("inf")),
+        (options.limit_arg, "1", 1),
+        (options.limit_arg, "1e9", 10**9),
+        (options.limit_arg, "0.5", 0.5),
+        (options.int_list, "1,8,32", [1, 8, 32]),
+        (options.span, "64,64", (64, 64)),
+        (options.parse_size, "1", 1),
+    ],
+)
+def test_each_parse_function_takes_what_it_should(parse, text, value):
+    assert parse(text) == value and type(parse(text)) is type(value)
+
+
+@pytest.mark.parametrize(
+    "parse,text,message",
+    [
+        (options.integer, "x", "'x' is not an integer"),
+        (options.positive_int, "0", "'0' must be a positive integer"),
+        (options.nonnegative_int, "-1", "'-1' must be 0 or a positive integer"),
+        (options.window_int, "1", "'1' must be at least 2: a window needs at least 2 tokens (one to predict)"),
+        (options.seed_int, "-1", "'-1' must be in [0, 2^63)"),
+        (options.seed_int, str(2**63), f"'{2**63}' must be in [0, 2^63)"),
+        (options.finite_float, "nan", "'nan' must be a finite number"),
+        (options.finite_float, "one", "'one' is not a number"),
+        (options.positive_float, "0", "'0' must be positive"),
+        (options.positive_float, "nan", "'nan' must be positive"),
+        (options.limit_arg, "x", "'x' is not a number"),
+        (options.limit_arg, "0", "'0' must be a document count from 1 to 1e9 or a fraction in (0, 1)"),
+        (options.limit_arg, "2.5", "'2.5' must be a document count from 1 to 1e9 or a fraction in (0, 1)"),
+        (options.limit_arg, "2e9", "'2e9' must be a document count from 1 to 1e9 or a fraction in (0, 1)"),
+        (options.int_list, "a,b", "'a,b': give positive integers separated by commas, e.g. 1,8,32"),
+        (options.int_list, "1,0", "'1,0': give positive integers separated by commas, e.g. 1,8,32"),
+        (options.span, "256,64", "'256,64': give LO,HI with LO <= HI, e.g. 64,256"),
+        (options.span, "1,2,3", "'1,2,3': give LO,HI with LO <= HI, e.g. 64,256"),
+        (options.parse_size, "0", "'0' must be a positive size"),
+        (options.parse_size, "lots", "'lots' is not a size; write e.g. 512M or 2G"),
+    ],
+)
+def test_each_parse_function_says_what_is_wrong(parse, text, message):
+    with pytest.raises(ValueError) as e:
+        parse(text)
+    assert str(e.value) == message
+
+
+def test_from_options_sets_switches_keeps_going_and_names_where():
+    job = JOBS["rtn"].from_options({"asym": True, "bits": 8, "out": "o"})
+    assert (job.sym, job.bits) == (False, 8)  # the option after a switch is read too
+    with pytest.raises(OptionError) as e:
+        JOBS["rtn"].from_options({"out": "o", "asym": 1}, "stages.a.0.rtn")
+    assert str(e.value) == "stages.a.0.rtn.asym: true or false, got 1"
+    with pytest.raises(OptionError) as e:
+        JOBS["rtn"].from_options({"out": "o", "bitz": 4}, "here")
+    assert str(e.value).startswith("here.bitz: unknown option (`compress rtn` takes model, calib,")
+    with pytest.raises(OptionError) as e:
+        JOBS["rtn"].from_options({"out": "o", "ignore": ["*.q_proj", 3]})
+    assert (e.value.field, str(e.value)) == ("ignore.1", "ignore.1: Input should be a valid string")
+    with pytest.raises(OptionError, match="^quantize_lm_head: invalid choice: 5 \\(choose from 4, 8\\)$"):
+        JOBS["rtn"].from_options({"out": "o", "quantize_lm_head": 5})  # a switch's 0 lets through only 0
+    assert JOBS["rtn"].from_options({"out": "o", "quantize_lm_head": 0}).quantize_lm_head == 0
