@@ -195,57 +195,48 @@ def from_args(job: type[Job], args: argparse.Namespace) -> Job:
 # The parse functions: text -> value, or a ValueError whose message follows the text it quotes.
 
 
-def _int(text: str, ok: Callable[[int], bool] | None = None, requirement: str = "") -> int:
+def _number(cast: type, text: str, ok: Callable | None = None, requirement: str = ""):
+    """int(text) or float(text), then `ok(value)`; a ValueError saying which failed."""
     try:
-        value = int(text)
+        value = cast(text)
     except ValueError:
-        raise ValueError(f"'{text}' is not an integer") from None
-    if ok is not None and not ok(value):
-        raise ValueError(f"'{text}' {requirement}")
-    return value
-
-
-def _float(text: str, ok: Callable[[float], bool] | None = None, requirement: str = "") -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"'{text}' is not a number") from None
+        raise ValueError(f"'{text}' is not {'an integer' if cast is int else 'a number'}") from None
     if ok is not None and not ok(value):
         raise ValueError(f"'{text}' {requirement}")
     return value
 
 
 def integer(text: str) -> int:
-    return _int(text)
+    return _number(int, text)
 
 
 def positive_int(text: str) -> int:
-    return _int(text, lambda v: v > 0, "must be a positive integer")
+    return _number(int, text, lambda v: v > 0, "must be a positive integer")
 
 
 def nonnegative_int(text: str) -> int:
-    return _int(text, lambda v: v >= 0, "must be 0 or a positive integer")
+    return _number(int, text, lambda v: v >= 0, "must be 0 or a positive integer")
 
 
 def window_int(text: str) -> int:
-    return _int(text, lambda v: v >= 2, "must be at least 2: a window needs at least 2 tokens (one to predict)")
+    return _number(int, text, lambda v: v >= 2, "must be at least 2: a window needs at least 2 tokens (one to predict)")
 
 
 def seed_int(text: str) -> int:
-    return _int(text, lambda v: 0 <= v < 2**63, "must be in [0, 2^63)")
+    return _number(int, text, lambda v: 0 <= v < 2**63, "must be in [0, 2^63)")
 
 
 def finite_float(text: str) -> float:
-    return _float(text, math.isfinite, "must be a finite number")
+    return _number(float, text, math.isfinite, "must be a finite number")
 
 
 def positive_float(text: str) -> float:
-    return _float(text, lambda v: v > 0, "must be positive")  # nan is not
+    return _number(float, text, lambda v: v > 0, "must be positive")  # nan is not
 
 
 def limit_arg(text: str) -> int | float:
     """lm-eval's --limit: a document count (>= 1) or a fraction of each task in (0, 1)."""
-    value = _float(text)
+    value = _number(float, text)
     if 1 <= value <= 1e9 and value == int(value):  # a count past any task's size: still a count, not 1e30
         return int(value)
     if 0 < value < 1:
