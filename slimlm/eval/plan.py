@@ -8,7 +8,8 @@ b bytes per KV element, S a sequence's context, B sequences per step, β memory 
 - weight bytes W_b: the decoder's linears at the weight format (bits/8 per weight, a 16-bit scale per
   group of each output row, and a zero point of `bits` bits when asymmetric), everything else in the float
   dtype;
-- KV bytes M = 2·b·(ΣS)·L·K·H; per sequence C_b = 2·b·S·L·K·H;
+- KV bytes M = 2·b·(ΣS)·L·K·H; per sequence C_b = 2·b·S·L·K·H, where S is the tokens a sequence keeps: its
+  context, or at most a KV policy's budget (window, snapkv: runtime.kv_policy);
 - a decode step that only moves bytes: τ = (W_b + B·C_b)/β, throughput B/τ (W_b here: what a step reads,
   all weights but an untied embedding table, of which it reads B rows);
 - arithmetic intensity (FLOPs per byte moved): the linear layers do 2 FLOPs per weight per token, so B·T
@@ -315,19 +316,24 @@ def plan(
     batches: list[int],
     kv_heads: list[int],
     device: Device,
-    memory: float | None = None,
+    kv_budget: int | None = None,
 ) -> dict:
-    """Everything `compress plan` prints, as data: the counts, then one row per (KV heads, batch)."""
-    memory = device.memory if memory is None else memory
+    """Everything `compress plan` prints, as data: the counts, then one row per (KV heads, batch), what fits in
+    the device's memory. With a `kv_budget` (a window or snapkv policy), a sequence keeps at most that many of
+    its `context` tokens."""
+    memory = device.memory
+    resident = context if kv_budget is None else min(context, kv_budget)
     rows = []
     for k in kv_heads:
         variant = Dims(**{**d.__dict__, "kv_heads": k})
-        fits = max_batch(variant, weight_bytes(variant, weights), kv_dtype, context, memory)
+        fits = max_batch(variant, weight_bytes(variant, weights), kv_dtype, resident, memory)
         for batch in batches:
             rows.append(
                 {
                     "kv_heads": k,
-                    **decode_step(variant, weights, kv_dtype, batch, context, device),
+                    **decode_step(variant, weights, kv_dtype, batch, resident, device),
+                    "context": context,
+                    "resident": resident,
                     "fits": batch <= fits,
                     "max_batch": fits,
                 }
@@ -339,6 +345,8 @@ def plan(
         "weight_bytes": weight_bytes(d, weights),
         "kv_dtype": kv_dtype,
         "kv_bytes_per_token": kv_bytes_per_token(d, kv_dtype),
+        "kv_budget": kv_budget,
+        "kv_bytes_per_request": kv_bytes_per_token(d, kv_dtype) * resident,
         "device": device.__dict__,
         "memory": memory,
         "crossover": device.peak_flops / device.bandwidth,
@@ -395,17 +403,20 @@ def format_plan(result: dict) -> str:
         f"{p['attention']:,}, MLP {p['mlp']:,}, norms {p['norms']:,}); 2VD + 3DFL + (2DNH + 2DKH)L = "
         f"{p['simplified']:,}",
         f"weights: {result['weight_bytes'] / gb:.3f} GB ({_describe(result['weights'])}); KV: "
-        f"{result['kv_bytes_per_token']:,} bytes per token ({result['kv_dtype']})",
+        f"{result['kv_bytes_per_token']:,} bytes per token ({result['kv_dtype']}), "
+        f"{result['kv_bytes_per_request'] / 2**20:,.1f} MiB per request"
+        + ("" if result["kv_budget"] is None else f" (a KV policy keeps at most {result['kv_budget']:,} tokens)"),
         f"device: {dev['name']}: {dev['peak_flops'] / 1e12:.1f} TFLOP/s, {dev['bandwidth'] / gb:.1f} GB/s; "
         f"roofline crossover {result['crossover']:.0f} FLOP/byte; memory budget {result['memory'] / gb:.1f} GB",
         "",
-        f"{'KV heads':>8} {'batch':>6} {'context':>8} {'KV GB':>8} {'moved GB':>9} {'step ms':>9} {'tok/s':>10} "
+        f"{'KV heads':>8} {'batch':>6} {'context':>8} {'kept':>8} {'KV GB':>8} {'moved GB':>9} {'step ms':>9} "
+        f"{'tok/s':>10} "
         f"{'linear FLOP/B':>13} {'attn FLOP/B':>11} {'compute ms':>10} {'bound':>9} {'roofline tok/s':>14} "
         f"{'fits':>5}",
     ]
     for r in result["rows"]:
         lines.append(
-            f"{r['kv_heads']:>8} {r['batch']:>6} {r['context']:>8} {r['kv_bytes'] / gb:>8.3f} "
+            f"{r['kv_heads']:>8} {r['batch']:>6} {r['context']:>8} {r['resident']:>8} {r['kv_bytes'] / gb:>8.3f} "
             f"{r['bytes_moved'] / gb:>9.3f} {r['step_ms']:>9.2f} {r['tokens_per_s']:>10.1f} "
             f"{r['linear_intensity']:>13.1f} {r['attention_intensity']:>11.1f} {r['compute_ms']:>10.2f} "
             f"{r['bound']:>9} {r['roofline_tokens_per_s']:>14.1f} {'yes' if r['fits'] else 'no':>5}"

@@ -50,6 +50,17 @@ class EngineOptions(EngineMemory):
         ),
     ] = None
     num_speculative_tokens: Annotated[int, Opt("drafted tokens per target pass", parse=positive_int)] = 4
+    kv_policy: Annotated[
+        str,
+        Opt(
+            "what a sequence keeps of its KV history: full; window (the first block and the newest tokens); snapkv "
+            "(the prompt positions its last queries attend to most)",
+            choices=("full", "window", "snapkv"),
+        ),
+    ] = "full"
+    kv_budget: Annotated[
+        int, Opt("tokens a window or snapkv sequence keeps (window: rounded up to whole blocks)", parse=positive_int)
+    ] = 1024
     prefix_caching: Annotated[
         bool,
         Opt(

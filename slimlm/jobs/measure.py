@@ -3,6 +3,7 @@ report (one HTML page over run directories)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -241,6 +242,13 @@ class Plan(Job):
     ]
     kv_dtype: Annotated[str, Opt(choices=("fp32", "bf16", "fp16", "fp8", "int8", "int4"))] = "bf16"
     context: Annotated[int, Opt("tokens per sequence", parse=positive_int)] = 2048
+    kv_budget: Annotated[
+        int | None,
+        Opt(
+            "tokens a sequence keeps under a window or snapkv KV policy (default: all of its context)",
+            parse=positive_int,
+        ),
+    ] = None
     batch: Annotated[list[int], Opt("comma-separated batch sizes", parse=int_list)] = [1, 8, 32, 64]
     kv_heads: Annotated[
         list[int] | None, Opt("comma-separated KV-head counts to compare (default: the model's)", parse=int_list)
@@ -294,7 +302,10 @@ class Plan(Job):
                     f"{r['ratio']:>19.2f}"
                 )
             return rows
-        result = plan.plan(dims, self.weights, self.kv_dtype, self.context, self.batch, kv_heads, device, self.memory)
+        if self.memory is not None:
+            device = dataclasses.replace(device, memory=self.memory)
+        args = (dims, self.weights, self.kv_dtype, self.context, self.batch, kv_heads, device, self.kv_budget)
+        result = plan.plan(*args)
         print(plan.format_plan(result))
         if self.json_path:
             atomic.write_file(self.json_path, json.dumps(result, indent=1), self.overwrite, "json_path")

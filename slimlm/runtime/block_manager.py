@@ -11,6 +11,11 @@ an evaluation does not depend on what the engine served before it.
 Only a sequence's last block is ever written. It is private unless the sequence was forked (n > 1); a
 shared last block is copied before the write (copy-on-write), and the runner performs the copies listed in
 `pending_copies` before the next forward pass.
+
+A KV policy (kv_policy.py) may drop blocks from the middle of a sequence's table (`evict`) or move a selection
+of its tokens into fresh blocks (`compact`): the table then holds the sequence's resident tokens in order, and
+every count here is of resident tokens. Such a sequence publishes no more blocks: what it computes next saw a
+history that another request with the same tokens would not.
 """
 
 from __future__ import annotations
@@ -77,7 +82,8 @@ class BlockManager:
 
         The last token is always left to compute (its logits are needed), so a fully cached prompt still
         runs one token; the blocks it writes into are never shared ones. With prompt log-probabilities, every
-        position from prompt_logprobs_from - 1 on is computed too: its logits score the next token.
+        position from prompt_logprobs_from - 1 on is computed too: its logits score the next token; under
+        kv_policy snapkv, the observation window's positions: their queries choose what stays.
         """
         assert not seq.block_table
         seq.num_computed = 0
@@ -86,6 +92,9 @@ class BlockManager:
         reusable = seq.num_tokens - 1
         if seq.params.prompt_logprobs is not None:
             reusable = min(reusable, seq.params.prompt_logprobs_from - 1)
+        observed = seq.kv_policy.observed_from(seq.num_prompt_tokens)  # SnapKV reads these positions' queries
+        if observed is not None:
+            reusable = min(reusable, observed)
         parent = chain_root(seq)
         for start in range(0, reusable - self.block_size + 1, self.block_size):
             tokens = tuple(seq.token_ids[start : start + self.block_size])
@@ -102,11 +111,11 @@ class BlockManager:
             seq.num_cached_tokens = seq.num_computed
 
     def can_append(self, seq: Sequence, num_new: int) -> bool:
-        needed = self.blocks_needed(seq.num_computed + num_new) - len(seq.block_table)
+        needed = self.blocks_needed(seq.num_resident + num_new) - len(seq.block_table)
         return needed + self._needs_copy(seq, num_new) <= self.num_free
 
     def _needs_copy(self, seq: Sequence, num_new: int) -> int:
-        written = seq.num_computed // self.block_size  # index of the block the first new token lands in
+        written = seq.num_resident // self.block_size  # index of the block the first new token lands in
         shared = written < len(seq.block_table) and self.blocks[seq.block_table[written]].ref_count > 1
         return int(num_new > 0 and shared)
 
@@ -115,7 +124,7 @@ class BlockManager:
         False, changing nothing, when there are not enough free blocks."""
         if not self.can_append(seq, num_new):
             return False
-        written = seq.num_computed // self.block_size
+        written = seq.num_resident // self.block_size
         if self._needs_copy(seq, num_new):
             old = seq.block_table[written]
             new = self._take_free()
@@ -123,13 +132,13 @@ class BlockManager:
             self._release(old)
             seq.block_table[written] = new.block_id
             del seq.block_hashes[written:]  # the copy is private: registered again once full
-        while len(seq.block_table) < self.blocks_needed(seq.num_computed + num_new):
+        while len(seq.block_table) < self.blocks_needed(seq.num_resident + num_new):
             seq.block_table.append(self._take_free().block_id)
         return True
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """After a step: hash the blocks that became full so later sequences can share them."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq.num_evicted:
             return
         while len(seq.block_hashes) < seq.num_computed // self.block_size:
             i = len(seq.block_hashes)
@@ -147,19 +156,19 @@ class BlockManager:
             self._share(self.blocks[block_id])
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
-        child.num_computed = parent.num_computed
+        child.num_computed, child.num_evicted = parent.num_computed, parent.num_evicted
 
     def release_last(self, seq: Sequence, k: int) -> None:
         """Forget the KV of the sequence's last `k` computed tokens (rejected speculative tokens): blocks no
         longer needed go back to the pool, and a block that is no longer full is no longer shareable."""
-        if not 0 <= k <= seq.num_computed:
-            raise ValueError(f"cannot release {k} of {seq.num_computed} computed tokens")
+        if not 0 <= k <= seq.num_resident:
+            raise ValueError(f"cannot release {k} of {seq.num_resident} resident tokens")
         seq.num_computed -= k
-        keep = self.blocks_needed(seq.num_computed)
+        keep = self.blocks_needed(seq.num_resident)
         for block_id in reversed(seq.block_table[keep:]):
             self._release(block_id)
         del seq.block_table[keep:]
-        full = seq.num_computed // self.block_size
+        full = seq.num_resident // self.block_size
         if len(seq.block_hashes) > full:
             last = self.blocks[seq.block_table[full]] if full < len(seq.block_table) else None
             if last is not None and last.ref_count == 1 and last.hash is not None:
@@ -168,7 +177,35 @@ class BlockManager:
                 last.hash, last.tokens = None, ()
             del seq.block_hashes[full:]
 
+    def evict(self, seq: Sequence, first: int, count: int) -> None:
+        """Drop `count` full blocks of the sequence's table from index `first` (a window policy's oldest after
+        its sink); they go back to the pool, still in the prefix cache when they were registered there."""
+        if not (0 <= first and count > 0 and (first + count) * self.block_size < seq.num_resident):
+            raise ValueError(f"cannot evict blocks {first}..{first + count - 1} of {seq.num_resident} resident tokens")
+        for block_id in seq.block_table[first : first + count]:
+            self._release(block_id)
+        del seq.block_table[first : first + count]
+        seq.num_evicted += count * self.block_size
+        seq.block_hashes = []
+
+    def compact(self, seq: Sequence, num_kept: int) -> tuple[list[int], list[int]] | None:
+        """Fresh blocks for the `num_kept` tokens a policy keeps of the sequence's resident ones (the caller
+        copies them in, in order, before anything else is allocated): (old table, new table), the old blocks
+        already released (their contents are intact until handed out again). None, changing nothing, when the
+        pool lacks the blocks."""
+        if not 0 < num_kept < seq.num_resident:  # keeping all of them is no compaction
+            raise ValueError(f"cannot keep {num_kept} of {seq.num_resident} resident tokens")
+        if self.blocks_needed(num_kept) > self.num_free:
+            return None
+        old = seq.block_table
+        seq.block_table = [self._take_free().block_id for _ in range(self.blocks_needed(num_kept))]
+        for block_id in reversed(old):
+            self._release(block_id)
+        seq.num_evicted += seq.num_resident - num_kept
+        seq.block_hashes = []
+        return old, seq.block_table
+
     def free_sequence(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):  # the tail is least likely to be shared: evict it first
             self._release(block_id)
-        seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
+        seq.block_table, seq.block_hashes, seq.num_computed, seq.num_evicted = [], [], 0, 0

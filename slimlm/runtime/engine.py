@@ -20,6 +20,7 @@ from slimlm.devices import resolve_device
 from slimlm.errors import SlimlmError
 from slimlm.formats.kv_cache import CACHE_DTYPES as KV_CACHE_DTYPES
 from slimlm.runtime.block_manager import BlockManager
+from slimlm.runtime.kv_policy import OBSERVATION, SINK_BLOCKS, KVPolicy, window_eviction
 from slimlm.runtime.model_runner import DTYPES, KEY_OFFSET_TEXT, ModelRunner
 from slimlm.runtime.outputs import CompletionOutput, OutputProcessor, RequestOutput
 from slimlm.runtime.sampling import SamplingParams, sample, top_logprobs
@@ -47,6 +48,8 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     speculative: str | None = None  # "ngram" (prompt lookup) or a draft model with the same tokenizer
     num_speculative_tokens: int = 4  # drafted tokens per verification pass, at most block_size
+    kv_policy: str = "full"  # what a sequence keeps of its KV history: full, window or snapkv (kv_policy.py)
+    kv_budget: int = 1024  # the tokens a window or snapkv sequence keeps; a request may ask for its own
 
     def __post_init__(self) -> None:
         problems = []
@@ -69,6 +72,12 @@ class EngineConfig:
             problems.append(
                 f"num_speculative_tokens must be an integer in 1..block_size ({self.block_size}), got {k!r}"
             )
+        try:
+            policy = KVPolicy(self.kv_policy, self.kv_budget)
+            if _positive_int(self.block_size):
+                policy.check(self.block_size)
+        except SlimlmError as e:
+            problems.append(str(e))
         if problems:
             raise SlimlmError("invalid engine config: " + "; ".join(problems))
 
@@ -151,6 +160,8 @@ class Engine:
         self._finished_outside_step: list[RequestOutput] = []  # aborted requests, reported by the next step
         self._ids = itertools.count()
         self.proposer = self._proposer(config)
+        self.kv_policy = KVPolicy(config.kv_policy, config.kv_budget)
+        self._windows: dict[int, list[torch.Tensor]] = {}  # seq_id -> per layer, its observed queries (snapkv)
 
     def _proposer(self, config: EngineConfig):
         if config.speculative is None:
@@ -182,6 +193,8 @@ class Engine:
                 f"prompt_logprobs_from {params.prompt_logprobs_from} is past the prompt's last token "
                 f"(position {len(ids) - 1})"
             )
+        if params.kv_policy is not None:
+            params.kv_policy.check(self.config.block_size)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise SlimlmError(f"request id '{request_id}' is already in use")
@@ -220,6 +233,7 @@ class Engine:
         seq = Sequence(
             next(self._ids), request.request_id, token_ids, len(request.prompt_ids), request.params, generator
         )
+        seq.kv_policy = request.params.kv_policy or self.kv_policy
         request.seqs.append(seq)
         return seq
 
@@ -230,6 +244,7 @@ class Engine:
         if request is None:
             return
         for seq in request.seqs:
+            self._windows.pop(seq.seq_id, None)
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
         output = self.outputs.output(request, detokenize=True, finished=True)  # also forgets its text state
@@ -267,6 +282,8 @@ class Engine:
         outputs carry their text so far only with `detokenize` (streaming); finished ones always do."""
         done, self._finished_outside_step = self._finished_outside_step, []
         batch = self.scheduler.schedule()
+        for seq in batch.preempted:  # recomputed later, observation window and all
+            self._windows.pop(seq.seq_id, None)
         if not batch.items:
             return done
         drafted = self._add_drafts(batch) if self.proposer is not None else {}
@@ -287,7 +304,9 @@ class Engine:
                 sample_row[id(item)] = len(rows)
                 rows.append(offset + item.num_tokens - 1)
             offset += item.num_tokens
-        logits = self.runner.run(batch, rows)  # also with no rows: the chunk's K/V must be written
+        observed = self._observation_rows(batch)
+        logits = self.runner.run(batch, rows, [r for span in observed.values() for r in span])  # rows or not: K/V
+        self._keep_observed(batch, observed)
         now = time.perf_counter()
         touched: dict[str, None] = {}
         to_sample: list[tuple[Sequence, int]] = []
@@ -295,6 +314,8 @@ class Engine:
             if id(item.seq) in drafted:
                 row = sample_row[id(item)]
                 self._verify(item.seq, drafted[id(item.seq)], logits[row : row + item.num_tokens], now)
+                if not item.seq.is_finished:
+                    self._bound_history(item.seq)
                 touched[item.seq.request_id] = None
                 continue
             seq, samples = item.seq, item.samples  # `samples` reads num_computed: before it moves on
@@ -304,6 +325,7 @@ class Engine:
                 row, lo, hi = prompt_rows[id(item)]
                 self._prompt_logprobs(seq, logits[row : row + hi - lo], lo, hi)
             if samples:
+                self._bound_history(seq)  # before a fork: the children share what it keeps
                 to_sample += [(s, sample_row[id(item)]) for s in self._fork_if_first(seq)]
         if to_sample:
             seqs = [s for s, _ in to_sample]
@@ -319,11 +341,60 @@ class Engine:
                 del self.requests[r]
         return done
 
+    # ---- what a sequence keeps of its history (kv_policy.py) ------------------------------------------
+
+    def _observation_rows(self, batch: Batch) -> dict[int, range]:
+        """By item: the rows of this step holding a snapkv sequence's observation window (the queries of its
+        prompt's last positions, before it evicted anything)."""
+        rows, offset = {}, 0
+        for item in batch.items:
+            seq = item.seq
+            first = seq.kv_policy.observed_from(seq.num_prompt_tokens) if not seq.num_evicted else None
+            if first is not None:
+                lo = max(seq.num_computed, first)
+                hi = min(seq.num_computed + item.num_tokens, seq.num_prompt_tokens)
+                if lo < hi:
+                    rows[id(item)] = range(offset + lo - seq.num_computed, offset + hi - seq.num_computed)
+            offset += item.num_tokens
+        return rows
+
+    def _keep_observed(self, batch: Batch, observed: dict[int, range]) -> None:
+        at = 0
+        for item in batch.items:
+            if id(item) not in observed:
+                continue
+            n = len(observed[id(item)])
+            got = [q[at : at + n] for q in self.runner.observed]
+            before = self._windows.get(item.seq.seq_id)  # the window came in more than one prompt chunk
+            if before is not None:
+                got = [torch.cat(pair) for pair in zip(before, got, strict=True)]
+            self._windows[item.seq.seq_id] = got
+            at += n
+
+    def _bound_history(self, seq: Sequence) -> None:
+        """Evict what the sequence's policy does not keep, once its prompt is in: a window's oldest blocks after
+        the sink; SnapKV's unselected prompt positions (the kept ones move to fresh blocks, once)."""
+        policy = seq.kv_policy
+        if policy.kind == "window":
+            n = window_eviction(policy.budget, seq.num_resident, self.config.block_size)
+            if n:
+                self.blocks.evict(seq, SINK_BLOCKS, n)
+        elif policy.kind == "snapkv" and len(self._windows.get(seq.seq_id, [()])[0]) == OBSERVATION:
+            queries = self._windows[seq.seq_id]
+            keep = self.runner.snapkv_keep(
+                seq.block_table, seq.num_resident, seq.num_prompt_tokens, queries, policy.budget
+            )
+            tables = self.blocks.compact(seq, keep.shape[-1])
+            if tables is not None:  # else the pool is short of blocks now: tried again at the next token
+                self.runner.move_kv(*tables, keep)
+                del self._windows[seq.seq_id]
+
     # ---- speculative decoding (speculative.py has the rule) ------------------------------------------
 
     def _add_drafts(self, batch: Batch) -> dict[int, Proposal]:
         """Drafts for the step's decoding sequences, scheduled with their last token from the budget the
-        scheduler left: at most what the request may still emit, less the token verification always adds."""
+        scheduler left: at most what the request may still emit, less the token verification always adds, and
+        no more than its KV policy takes without evicting in between (so the output is plain decoding's)."""
         budget = self.scheduler.max_num_batched_tokens - sum(item.num_tokens for item in batch.items)
         items = [
             item
@@ -333,7 +404,12 @@ class Engine:
         if budget <= 0 or not items:
             return {}
         seqs = [item.seq for item in items]
-        room = [min(s.params.max_tokens - len(s.output_ids), self.max_model_len - s.num_tokens) - 1 for s in seqs]
+        room = [
+            s.kv_policy.drafts(
+                s.num_resident, min(s.params.max_tokens - len(s.output_ids), self.max_model_len - s.num_tokens) - 1
+            )
+            for s in seqs
+        ]
         drafted = {}
         for item, proposal in zip(items, self.proposer.propose(seqs, room), strict=True):
             k = min(len(proposal.tokens), budget)
@@ -414,4 +490,5 @@ class Engine:
         if params.stop and self.outputs.stop_string_hit(seq):
             reason = "stop"
         if reason:
+            self._windows.pop(seq.seq_id, None)
             self.scheduler.finish(seq, reason)

@@ -9,7 +9,7 @@ weight or a PackedWeight that slimlm.kernels multiplies without ever materializi
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,8 @@ class StepInputs:
     seq_lens: torch.Tensor  # int32 [S]: cached tokens per sequence after this step
     query_start: torch.Tensor  # int32 [S+1]
     query_lens: list[int]  # the same on the host, built once per step so no layer syncs to read it
+    observe: torch.Tensor | None = None  # int64 rows whose rotated queries every layer keeps (kv_policy snapkv)
+    observed: list[torch.Tensor] = field(default_factory=list)  # per layer: q[observe], [len(observe), heads, D]
 
 
 class Linear(nn.Module):
@@ -128,6 +130,8 @@ class Attention(nn.Module):
         q = self.rotary_kv_write(
             qkv, cos, sin, step.slots, k_cache, v_cache, self.k_scale, self.v_scale, k_offset=self.k_offset
         )
+        if step.observe is not None:
+            step.observed.append(q[step.observe])
         out = self.attention(
             q,
             k_cache,
@@ -257,7 +261,7 @@ class CausalLM(nn.Module):
         """Hidden states [T, hidden] after the final norm; kv_caches [layers, 2, blocks, block_size, kv_heads, D]."""
         x, residual = self.model.embed_tokens(input_ids).to(self.model.norm.weight.dtype), None
         cos, sin = self.cos[step.positions], self.sin[step.positions]
-        if self.decode_stack is not None and all(n == 1 for n in step.query_lens):
+        if self.decode_stack is not None and step.observe is None and all(n == 1 for n in step.query_lens):
             out = self.decode_stack(x, cos, sin, step.slots, kv_caches, step.block_tables, step.seq_lens)
             if out is not None:  # None when this step's tensors are not what it takes: the modules run instead
                 return self.model.norm(*out)[0]

@@ -9,6 +9,7 @@ import torch
 from slimlm import kernels
 from slimlm.errors import SlimlmError
 from slimlm.formats import kv_int4
+from slimlm.runtime import kv_policy
 from slimlm.runtime.loader import load_model
 from slimlm.runtime.model import StepInputs
 from slimlm.runtime.scheduler import Batch
@@ -47,9 +48,10 @@ def step_inputs(batch: Batch, block_size: int, device: torch.device | str) -> tu
         seq, start = item.seq, item.seq.num_computed
         end = start + item.num_tokens
         ids += seq.token_ids[start:end]
-        positions += range(start, end)
-        slots += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-        seq_lens.append(end)
+        positions += range(start, end)  # a token's own position (its RoPE), whatever was evicted before it
+        first, table = seq.num_resident, seq.block_table  # the new tokens' places among the resident ones
+        slots += [table[r // block_size] * block_size + r % block_size for r in range(first, first + item.num_tokens)]
+        seq_lens.append(first + item.num_tokens)
         query_start.append(query_start[-1] + item.num_tokens)
     width = max(len(item.seq.block_table) for item in batch.items)
     tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch.items]
@@ -104,6 +106,7 @@ class ModelRunner:
                 f"{available / 2**30:.2f} GiB free on {device}; lower --kv-cache-memory"
             )
         self.kv_cache = torch.empty(shape, dtype=kv_dtype, device=device)
+        self.observed: list[torch.Tensor] = []  # the last run's observed queries, per layer (run's `observe`)
 
     @torch.inference_mode()
     def set_key_offsets(self, ids: list[int]) -> None:
@@ -144,16 +147,54 @@ class ModelRunner:
     def inputs(self, batch: Batch) -> tuple[torch.Tensor, StepInputs]:
         return step_inputs(batch, self.block_size, self.device)
 
+    def cached_keys(self, layer: int, block_table: list[int], length: int) -> torch.Tensor:
+        """A sequence's first `length` resident keys in one layer, [length, kv_heads, D], as the cache holds them."""
+        attn = self.model.model.layers[layer].self_attn
+        table = torch.tensor(block_table, dtype=torch.int32, device=self.device)
+        return kernels.reference.cached_kv(self.kv_cache[layer, 0], attn.k_scale, table, length, torch.float32)
+
     @torch.inference_mode()
-    def run(self, batch: Batch, logit_rows: list[int]) -> torch.Tensor:
+    def snapkv_keep(self, block_table: list[int], length: int, prompt_len: int, queries, budget: int) -> torch.Tensor:
+        """The positions each layer and KV head keeps of a sequence's `length` resident tokens, int64
+        [layers, kv_heads, n] (kv_policy.snapkv_keep); queries: per layer, the prompt's last ones."""
+        scale = self.model.model.layers[0].self_attn.scale
+        return torch.stack(
+            [
+                kv_policy.snapkv_keep(q, self.cached_keys(layer, block_table, length), prompt_len, scale, budget)
+                for layer, q in enumerate(queries)
+            ]
+        )
+
+    @torch.inference_mode()
+    def move_kv(self, old_table: list[int], new_table: list[int], keep: torch.Tensor) -> None:
+        """Copy each layer and KV head's kept tokens (keep [layers, kv_heads, n]: positions in the old blocks)
+        to positions 0..n-1 of the new blocks; K and V alike, as the cache stores them (bytes, scales and all)."""
+        layers, _, blocks, size, kv_heads, row = self.kv_cache.shape
+        pool = self.kv_cache.view(layers, 2, blocks * size, kv_heads, row)
+        old = torch.tensor(old_table, device=self.device)
+        new = torch.tensor(new_table, device=self.device)
+        keep = keep.to(self.device)
+        src = old[keep // size] * size + keep % size  # [layers, kv_heads, n]
+        n = keep.shape[-1]
+        dst = new[torch.arange(n, device=self.device) // size] * size + torch.arange(n, device=self.device) % size
+        heads = torch.arange(kv_heads, device=self.device)[:, None]
+        for layer in range(layers):
+            pool[layer][:, dst.expand(kv_heads, n), heads] = pool[layer][:, src[layer], heads]
+
+    @torch.inference_mode()
+    def run(self, batch: Batch, logit_rows: list[int], observe: list[int] | None = None) -> torch.Tensor:
         """Forward pass over the batch; fp32 logits [len(logit_rows), vocab] for the requested token rows. A
         step with prompt tokens of a sequence that scores its prompt (prompt_logprobs: eval, echo) runs with
         exact activations, logits included, so those log-probabilities are transformers' on every CPU
         (kernels.exact_activations); every other step, prompts included, takes the kernels' fastest loop (on
-        AVX2 x quantized to int8, as llama.cpp's prompt processing does too)."""
+        AVX2 x quantized to int8, as llama.cpp's prompt processing does too). The queries of the `observe` rows
+        are kept, per layer, in self.observed (a snapkv sequence's observation window)."""
         self.copy_blocks(batch.copies)
         ids, step = self.inputs(batch)
+        if observe:
+            step.observe = torch.tensor(observe, dtype=torch.long, device=self.device)
         scored = any(i.seq.scores_prompt and i.seq.num_computed < i.seq.num_prompt_tokens for i in batch.items)
         with kernels.exact_activations(scored):
             hidden = self.model(ids, step, self.kv_cache)
+            self.observed = step.observed  # per layer, the queries of the `observe` rows
             return self.model.logits(hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)])

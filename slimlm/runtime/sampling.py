@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slimlm.errors import SlimlmError
+from slimlm.runtime.kv_policy import KVPolicy
 
 MAX_LOGPROBS = 20  # vLLM's default bound on top-N log-probabilities per token
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as in vLLM): dividing by them overflows
@@ -37,6 +38,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prompt_logprobs_from: int = 1
+    kv_policy: KVPolicy | None = None  # what this request keeps of its KV history (default: the engine's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +66,8 @@ class SamplingParams:
                 problems.append(f"{name} must be None or an integer in 0..{MAX_LOGPROBS}, got {value!r}")
         if not (_is_int(self.prompt_logprobs_from) and self.prompt_logprobs_from >= 1):
             problems.append(f"prompt_logprobs_from must be an integer >= 1, got {self.prompt_logprobs_from!r}")
+        if self.kv_policy is not None and not isinstance(self.kv_policy, KVPolicy):
+            problems.append(f"kv_policy must be None or a KVPolicy, got {type(self.kv_policy).__name__}")
         if problems:
             raise SlimlmError("invalid sampling parameters: " + "; ".join(problems))
 

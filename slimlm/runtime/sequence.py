@@ -8,6 +8,7 @@ from enum import Enum
 
 import torch
 
+from slimlm.runtime.kv_policy import KVPolicy
 from slimlm.runtime.sampling import SamplingParams
 
 
@@ -27,7 +28,9 @@ class Sequence:
     generator: torch.Generator
     arrival: float = field(default_factory=time.perf_counter)
     status: Status = Status.WAITING
-    num_computed: int = 0  # leading tokens whose K/V are in the cache
+    num_computed: int = 0  # leading tokens whose K/V were computed (kv_policy may have evicted some since)
+    num_evicted: int = 0  # of those, how many are no longer in the cache (kv_policy)
+    kv_policy: KVPolicy = KVPolicy()
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block, in order
@@ -44,6 +47,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_resident(self) -> int:
+        """Tokens whose K/V are in the sequence's blocks, in order: what its attention reads."""
+        return self.num_computed - self.num_evicted
 
     @property
     def output_ids(self) -> list[int]:

@@ -100,6 +100,20 @@ def test_what_fits_and_the_crossover():
     assert result["rows"][2]["kv_bytes"] == 2 * result["rows"][0]["kv_bytes"]
 
 
+def test_a_kv_budget_caps_what_each_sequence_keeps():
+    w = plan.WeightFormat("bfloat16")
+    weights = plan.weight_bytes(SMALL, w)
+    memory = weights + 3 * 51_200 + 1  # three sequences of 100 tokens
+    device = plan.Device("test", peak_flops=1e12, bandwidth=1e9, memory=memory)
+    full = plan.plan(SMALL, w, "bf16", 100, [4], [1], device)
+    capped = plan.plan(SMALL, w, "bf16", 100, [4], [1], device, kv_budget=25)
+    assert full["rows"][0]["max_batch"] == 3 and capped["rows"][0]["max_batch"] == 12
+    assert capped["rows"][0]["kv_bytes"] == full["rows"][0]["kv_bytes"] // 4
+    assert capped["rows"][0]["context"] == 100 and capped["rows"][0]["resident"] == 25
+    assert capped["kv_bytes_per_request"] == 25 * 512 and full["kv_bytes_per_request"] == 100 * 512
+    assert plan.plan(SMALL, w, "bf16", 100, [4], [1], device, kv_budget=500)["rows"] == full["rows"]
+
+
 def test_the_command_prints_the_table_for_a_local_model_and_names_bad_input(tiny_llama, capsys):
     assert main(["plan", str(tiny_llama), "--weights", "w4g32", "--batch", "1,8", "--kv-heads", "2,1"]) == 0
     out = capsys.readouterr().out

@@ -217,7 +217,7 @@ def test_release_last_takes_none_to_all_and_refuses_more():
     assert s.num_computed == 9 and len(s.block_table) == 3
     with pytest.raises(ValueError) as caught:
         bm.release_last(s, 10)
-    assert str(caught.value) == "cannot release 10 of 9 computed tokens"
+    assert str(caught.value) == "cannot release 10 of 9 resident tokens"
     with pytest.raises(ValueError):
         bm.release_last(s, -1)
     bm.release_last(s, 9)
@@ -231,3 +231,55 @@ def test_a_freed_sequence_holds_nothing():
     run_prefill(bm, s)
     bm.free_sequence(s)
     assert (s.block_table, s.block_hashes, s.num_computed) == ([], [], 0) and bm.num_free == 10
+
+
+def test_evicted_blocks_go_back_to_the_pool_and_stay_in_the_prefix_cache():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    s = seq(list(range(18)))  # five blocks, the last with two tokens
+    run_prefill(bm, s)
+    table = list(s.block_table)
+    bm.evict(s, 1, 2)
+    assert s.block_table == [table[0], *table[3:]] and s.num_evicted == 8 and s.num_resident == 10
+    assert bm.num_free == 7 and not s.block_hashes  # it publishes nothing from now on
+    s.token_ids += [90, 91]
+    assert bm.append(s, 2) and s.block_table == [table[0], *table[3:]]  # the last block had room for both
+    s.num_computed += 2
+    bm.register_full_blocks(s)
+    assert not s.block_hashes and bm.blocks[table[4]].hash is None  # its K/V saw a history others would not
+    again = seq(list(range(18)), seq_id=1)
+    bm.allocate_prefix(again)  # the evicted blocks are still what they were: another request reuses them
+    assert again.block_table == table[:4] and again.num_computed == 16
+
+
+@pytest.mark.parametrize("first, count", [(-1, 1), (0, 0), (4, 1), (3, 2), (0, 5)])
+def test_eviction_takes_whole_blocks_before_the_last_or_refuses(first, count):
+    bm = BlockManager(num_blocks=10, block_size=4)
+    s = seq(list(range(17)))  # five blocks: the fifth holds one token
+    run_prefill(bm, s)
+    with pytest.raises(ValueError, match=f"cannot evict blocks {first}..{first + count - 1} of 17 resident"):
+        bm.evict(s, first, count)
+    assert s.num_evicted == 0 and len(s.block_table) == 5
+    bm.evict(s, 0, 4)  # all four before the last
+    assert s.num_resident == 1 and bm.num_free == 9
+
+
+def test_compaction_moves_the_kept_tokens_to_fresh_blocks_and_refuses_when_the_pool_is_short():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(list(range(14)))  # three full blocks and one with two tokens
+    run_prefill(bm, a)
+    b = seq(list(range(14)), seq_id=1)
+    run_prefill(bm, b)  # shares a's three full blocks, computes its last two tokens in a block of its own
+    assert bm.num_free == 3
+    old = list(b.block_table)
+    tables = bm.compact(b, 6)
+    assert tables == (old, b.block_table) and len(b.block_table) == 2 and not set(b.block_table) & set(old)
+    assert b.num_evicted == 8 and b.num_resident == 6 and not b.block_hashes
+    assert bm.num_free == 2  # two taken; of the old four, only b's private last block came free
+    assert [bm.blocks[i].ref_count for i in old] == [1, 1, 1, 0]  # a still holds the shared ones
+    short = BlockManager(num_blocks=5, block_size=4)
+    t = seq(list(range(16)))
+    run_prefill(short, t)
+    assert short.compact(t, 8) is None and t.num_evicted == 0 and short.num_free == 1  # nothing changed
+    for bad in (0, 16, 17):
+        with pytest.raises(ValueError, match=f"cannot keep {bad} of 16 resident tokens"):
+            short.compact(t, bad)

@@ -8,6 +8,7 @@ import torch
 
 from slimlm import SlimlmError
 from slimlm.runtime.engine import EngineConfig
+from slimlm.runtime.kv_policy import KVPolicy
 from slimlm.runtime.llm import LLM
 from slimlm.runtime.sampling import SamplingParams
 from tests.conftest import make_text, make_tiny_llama
@@ -51,6 +52,32 @@ def test_greedy_output_equals_non_speculative_greedy(sharp_pair, proposer):
     if proposer == "self":
         assert accepted == drafted  # the target drafting for itself is always right
     assert spec.engine.blocks.num_free == spec.engine.runner.num_blocks  # every block came back
+
+
+@pytest.mark.parametrize("policy", [KVPolicy("window", 40), KVPolicy("snapkv", 64)])
+@pytest.mark.parametrize("proposer", ["ngram", "self"])
+def test_greedy_output_equals_non_speculative_greedy_under_a_kv_policy(sharp_pair, proposer, policy):
+    """Drafts never cross a point where the window would have evicted, and roll-backs touch only the newest
+    tokens: the output is plain decoding's under the same policy, token for token."""
+    target, _ = sharp_pair
+    base = LLM(str(target), max_num_batched_tokens=64, block_size=8)
+    spec = LLM(
+        str(target),
+        speculative=proposer if proposer == "ngram" else str(target),
+        block_size=8,
+        num_speculative_tokens=4,
+        max_num_batched_tokens=64,
+    )
+    prompts = [p for p in _prompts(base, 20) if len(p) > 70][:6]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=0, kv_policy=policy)
+    want = base.generate(prompts, params)
+    outs = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+    # the log-probabilities too: a step that read a resident set plain decoding never had would show here
+    lps = [torch.tensor(o.outputs[0].logprobs) for o in (*outs, *want)]
+    torch.testing.assert_close(torch.cat(lps[: len(outs)]), torch.cat(lps[len(outs) :]), atol=1e-5, rtol=0)
+    assert sum(o.outputs[0].num_drafted for o in outs) > 0
+    assert spec.engine.blocks.num_free == spec.engine.runner.num_blocks
 
 
 def _exact_second_token(model_dir, prompt: list[int], params: SamplingParams) -> torch.Tensor:
@@ -138,7 +165,7 @@ def test_drafts_respect_the_token_budget_max_tokens_and_the_context(sharp_pair, 
     monkeypatch.setattr(
         spec.engine.runner,
         "run",
-        lambda batch, rows: step_tokens.append(sum(item.num_tokens for item in batch.items)) or run(batch, rows),
+        lambda batch, *args: step_tokens.append(sum(item.num_tokens for item in batch.items)) or run(batch, *args),
     )
     asked = spy_on_proposals(spec, monkeypatch)
     prompts = [p[:30] for p in _prompts(base, 4)]

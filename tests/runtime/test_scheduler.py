@@ -113,26 +113,38 @@ def test_finishing_from_any_state_returns_every_block():
 
 
 class Cache:
-    """What each KV block would hold: the token written into each slot, as the model runner would write it."""
+    """What each KV block would hold: the position and token written into each slot, as the model runner would
+    write them (each new token after the sequence's resident ones)."""
 
     def __init__(self, bm: BlockManager):
         self.bm = bm
-        self.slots: dict[int, list[int | None]] = {b.block_id: [None] * bm.block_size for b in bm.blocks}
+        self.slots: dict[int, list[tuple[int, int] | None]] = {b.block_id: [None] * bm.block_size for b in bm.blocks}
 
-    def write(self, s: Sequence, start: int, n: int) -> None:
-        for pos in range(start, start + n):
-            self.slots[s.block_table[pos // self.bm.block_size]][pos % self.bm.block_size] = s.token_ids[pos]
+    def write(self, s: Sequence, n: int) -> None:
+        size = self.bm.block_size
+        for i in range(n):
+            r, pos = s.num_resident + i, s.num_computed + i
+            self.slots[s.block_table[r // size]][r % size] = (pos, s.token_ids[pos])
 
     def copy(self, copies) -> None:
         for src, dst in copies:
             self.slots[dst] = list(self.slots[src])
 
-    def read(self, s: Sequence) -> list[int | None]:
+    def move(self, old: list[int], new: list[int], kept: list[int]) -> None:
+        """What the runner's move_kv does (one selection for every head here)."""
         size = self.bm.block_size
-        return [self.slots[s.block_table[p // size]][p % size] for p in range(s.num_computed)]
+        values = [self.slots[old[r // size]][r % size] for r in kept]
+        for i, value in enumerate(values):
+            self.slots[new[i // size]][i % size] = value
+
+    def read(self, s: Sequence) -> list[tuple[int, int] | None]:
+        size = self.bm.block_size
+        return [self.slots[s.block_table[r // size]][r % size] for r in range(s.num_resident)]
 
 
-def check_invariants(bm: BlockManager, sched: Scheduler, live: list[Sequence], cache: Cache) -> None:
+def check_invariants(
+    bm: BlockManager, sched: Scheduler, live: list[Sequence], cache: Cache, kept_positions: dict[int, list[int]]
+) -> None:
     refs = [0] * len(bm.blocks)
     for s in live:
         for b in s.block_table:
@@ -144,17 +156,51 @@ def check_invariants(bm: BlockManager, sched: Scheduler, live: list[Sequence], c
     for s in sched.waiting:
         assert s.status == Status.WAITING and not s.block_table  # a waiting sequence holds no blocks
     for s in sched.running:
-        assert len(s.block_table) == bm.blocks_needed(s.num_computed)
-        assert len(s.block_hashes) == (s.num_computed // bm.block_size if bm.prefix_caching else 0)
-        # The KV a sequence attends over is its own tokens, whoever computed them: shared prefixes and
-        # copies-on-write must never let another sequence's tokens in.
-        assert cache.read(s) == s.token_ids[: s.num_computed]
+        assert len(s.block_table) == bm.blocks_needed(s.num_resident)
+        published = s.num_computed // bm.block_size if bm.prefix_caching and not s.num_evicted else 0
+        assert len(s.block_hashes) == published  # a sequence that evicted anything publishes nothing
+        # The KV a sequence attends over is its own tokens, whoever computed them: shared prefixes,
+        # copies-on-write and evictions must never let another sequence's tokens in, nor lose a kept one.
+        kept = kept_positions.get(s.seq_id, range(s.num_computed)) if s.num_evicted else range(s.num_computed)
+        assert cache.read(s) == [(p, s.token_ids[p]) for p in kept]
+
+
+def resident_positions(s: Sequence, kept: dict[int, list[int]]) -> list[int]:
+    return list(kept[s.seq_id]) if s.num_evicted else list(range(s.num_computed))
+
+
+def rolls_back(s: Sequence, kept: dict[int, list[int]]) -> int:
+    """How many tokens a rejected draft could take back: up to 3 of the last computed ones, all still resident
+    (a policy keeps the newest tokens, which are the only ones a draft writes), and never the first."""
+    positions = resident_positions(s, kept)
+    newest = next((i for i in range(len(positions)) if positions[-1 - i] != s.num_computed - 1 - i), len(positions))
+    return min(3, newest, s.num_resident - 1)
+
+
+def evict_some(rng: random.Random, bm: BlockManager, cache: Cache, s: Sequence, kept: dict[int, list[int]]) -> None:
+    """What a KV policy does to a sequence: drop some full blocks (window), or keep a selection in fresh blocks
+    (SnapKV); `kept` follows which positions stay."""
+    positions = resident_positions(s, kept)
+    full = (s.num_resident - 1) // bm.block_size  # blocks before the last
+    if rng.random() < 0.6 and full:
+        first = rng.randrange(full)
+        count = rng.randint(1, full - first)
+        bm.evict(s, first, count)
+        del positions[first * bm.block_size : (first + count) * bm.block_size]
+    else:
+        chosen = sorted(rng.sample(range(s.num_resident), rng.randint(1, s.num_resident - 1)))
+        tables = bm.compact(s, len(chosen))
+        if tables is None:
+            return
+        cache.move(*tables, chosen)
+        positions = [positions[i] for i in chosen]
+    kept[s.seq_id] = positions
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_random_workloads_keep_every_sequence_s_kv_its_own(seed):
-    """Arrivals with shared prefixes, chunked prefill, preemption, forks and speculative roll-backs on a
-    small pool, against a model of what each block holds."""
+    """Arrivals with shared prefixes, chunked prefill, preemption, forks, speculative roll-backs and KV policy
+    evictions on a small pool, against a model of what each block holds."""
     rng = random.Random(seed)
     bm = BlockManager(num_blocks=rng.randint(10, 24), block_size=4, prefix_caching=rng.random() < 0.8)
     sched = Scheduler(bm, max_num_seqs=rng.randint(2, 5), max_num_batched_tokens=rng.randint(4, 16))
@@ -163,6 +209,7 @@ def test_random_workloads_keep_every_sequence_s_kv_its_own(seed):
     live: list[Sequence] = []
     want: dict[int, int] = {}  # seq_id -> output tokens it stops at
     preempted: dict[int, int] = {}  # seq_id -> times reported preempted
+    kept: dict[int, list[int]] = {}  # seq_id -> the positions still resident, once it evicted any
     next_id = 0
     for _ in range(400):
         if next_id < 30 and rng.random() < 0.3:
@@ -181,7 +228,9 @@ def test_random_workloads_keep_every_sequence_s_kv_its_own(seed):
         assert all(s.num_preemptions == preempted.get(s.seq_id, 0) for s in live)
         for item in batch.items:
             s, samples = item.seq, item.samples
-            cache.write(s, s.num_computed, item.num_tokens)
+            cache.write(s, item.num_tokens)
+            if s.num_evicted:
+                kept[s.seq_id] += range(s.num_computed, s.num_computed + item.num_tokens)
             s.num_computed += item.num_tokens
             bm.register_full_blocks(s)
             if not samples:
@@ -190,10 +239,14 @@ def test_random_workloads_keep_every_sequence_s_kv_its_own(seed):
             if len(s.output_ids) >= want[s.seq_id]:
                 sched.finish(s, "length")
                 live.remove(s)
-            elif rng.random() < 0.15 and s.num_computed > 1:  # a speculative step whose drafts were rejected
-                k = rng.randint(1, min(3, s.num_computed - 1))
+            elif rng.random() < 0.15 and rolls_back(s, kept) > 0:  # a speculative step whose drafts were rejected
+                k = rng.randint(1, rolls_back(s, kept))
                 bm.release_last(s, k)
                 del s.token_ids[s.num_computed + 1 :]
+                if s.num_evicted:
+                    del kept[s.seq_id][-k:]
+            elif rng.random() < 0.15 and s.num_resident > 1:
+                evict_some(rng, bm, cache, s, kept)
             elif rng.random() < 0.1 and next_id < 30 and len(sched.running) < sched.max_num_seqs:
                 child = Sequence(
                     next_id, f"r{next_id}", list(s.token_ids), s.num_prompt_tokens, s.params, torch.Generator()
@@ -201,7 +254,9 @@ def test_random_workloads_keep_every_sequence_s_kv_its_own(seed):
                 want[next_id], next_id = want[s.seq_id], next_id + 1
                 sched.fork(s, child)
                 live.append(child)
-        check_invariants(bm, sched, live, cache)
+                if s.num_evicted:
+                    kept[child.seq_id] = list(kept[s.seq_id])
+        check_invariants(bm, sched, live, cache, kept)
         if next_id >= 30 and not sched.has_work():
             break
     assert not sched.has_work(), "the workload did not drain"
