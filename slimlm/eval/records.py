@@ -76,6 +76,20 @@ class Bench(Record):
     warnings: list[str] = []
 
 
+class LongContext(Record):
+    """`compress long-context`: retrieval accuracy against the KV bytes a request held, per policy."""
+
+    model: str
+    kv_cache_dtype: str
+    kv_bytes_per_token: int
+    tasks: list[str]
+    lengths: list[int]
+    samples: int
+    seconds: float
+    rows: list[dict]  # one per case and policy (eval.long_context.run)
+    summary: list[dict]  # by task, length, policy and budget (eval.long_context.summarize)
+
+
 def read(record: type[Record], data: object, where: str) -> Record:
     """`data` as the record, or a one-line error naming the first field that is missing or wrong."""
     try:

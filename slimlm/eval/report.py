@@ -1,11 +1,12 @@
 """`compress report`: one self-contained HTML page from run directories: what each compression cost in
 quality and bought in speed and memory, and whether the measured speed matches the bandwidth model.
 
-A run directory holds `eval.json` (`compress eval --output`), `bench.json` (`compress bench --json`) and
-`run.json` (its name and model, as `compress recipe` writes it; without one the directory's name and the
-directory itself). Quality is compared with the baseline run (the first one, or --baseline NAME); speed and
-memory ratios come from each bench.json, where the baseline was measured in the same run. Plots are PNGs
-inlined as data URIs, so the page is one file.
+A run directory holds `eval.json` (`compress eval --output`), `bench.json` (`compress bench --json`),
+`long_context.json` (`compress long-context --output`: the KV-budget curve) and `run.json` (its name and
+model, as `compress recipe` writes it; without one the directory's name and the directory itself). Quality is
+compared with the baseline run (the first one, or --baseline NAME); speed and memory ratios come from each
+bench.json, where the baseline was measured in the same run. Plots are PNGs inlined as data URIs, so the page
+is one file.
 """
 
 from __future__ import annotations
@@ -44,8 +45,12 @@ def load_run(run_dir: Path) -> dict:
         raise SlimlmError(f"{run_dir} is not a run directory")
     meta = _read(run_dir / "run.json") or {}
     evaluation, bench = _read(run_dir / "eval.json"), _read(run_dir / "bench.json")
-    if evaluation is None and bench is None:
-        raise SlimlmError(f"{run_dir} has neither eval.json nor bench.json; run compress eval/bench into it")
+    long_context = _read(run_dir / "long_context.json")
+    if evaluation is None and bench is None and long_context is None:
+        raise SlimlmError(
+            f"{run_dir} has none of eval.json, bench.json, long_context.json; run compress eval/bench/long-context "
+            "into it"
+        )
     model = Path(meta.get("model", run_dir))
     manifest = _read(model / "slimlm.json") if model.is_dir() else None
     run = {
@@ -71,6 +76,8 @@ def load_run(run_dir: Path) -> dict:
         run["task_stderr"] = math.sqrt(sum(s * s for _, s in values)) / len(values)
     if bench is not None:
         run.update(_bench_figures(records.read(records.Bench, bench, str(run_dir / "bench.json"))))
+    if long_context is not None:
+        run["long_context"] = records.read(records.LongContext, long_context, str(run_dir / "long_context.json"))
     return run
 
 
@@ -145,6 +152,57 @@ def _plot(runs: list[dict], x_key: str, x_label: str, x_higher: bool, y_key: str
     ax.legend(loc="best", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
+    return _png(fig)
+
+
+def kv_budget_curve(runs: list[dict]) -> dict[str, list[tuple[float, float, str]]]:
+    """Per run and policy: (KV MiB a request held, accuracy over every task and length, label) for each budget,
+    in budget order: the points of the KV-budget plot."""
+    curves = {}
+    for r in runs:
+        if r.get("long_context") is None:
+            continue
+        groups: dict[tuple, list[dict]] = {}
+        for s in r["long_context"].summary:
+            groups.setdefault((s["policy"], s["budget"]), []).append(s)
+        for (policy, budget), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+            cases = sum(s["cases"] for s in group)
+            accuracy = sum(s["accuracy"] * s["cases"] for s in group) / cases
+            mib = sum(s["kv_bytes"] * s["cases"] for s in group) / cases / 2**20
+            label = "" if budget is None else str(budget)
+            curves.setdefault(f"{r['name']}: {policy}", []).append((mib, accuracy, label))
+    return curves
+
+
+def _kv_budget_plot(runs: list[dict]) -> str | None:
+    """Accuracy on the long-context tasks against the KV bytes a request keeps, a line per run and policy."""
+    curves = kv_budget_curve(runs)
+    if not curves:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, points in curves.items():
+        xs, ys, labels = zip(*points, strict=True)
+        ax.plot(xs, ys, "o-", label=name)
+        for x, y, label in points:
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("KV MiB a request keeps while decoding (log)")
+    ax.set_ylabel("long-context retrieval accuracy")
+    ax.set_ylim(-0.05, 1.05)
+    ax.legend(loc="best", fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def _png(fig) -> str:
+    import matplotlib.pyplot as plt
+
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
@@ -231,6 +289,7 @@ def render(
                 quality_label,
             ),
             _plot(runs, "size_mb", "checkpoint size (MB)", False, quality_key, quality_label),
+            _kv_budget_plot(runs),
         )
         if p
     ]

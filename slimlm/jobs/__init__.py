@@ -8,14 +8,15 @@ recipe step is `JOBS[command].from_options(mapping)`, and `run()` does the work.
 class (its fields and `run`) and one entry here.
 """
 
-from slimlm.jobs.measure import Bench, Eval, Plan, Report
+from slimlm.jobs.measure import Bench, Eval, LongContext, Plan, Report
 from slimlm.jobs.options import Job
 from slimlm.jobs.quantize import AWQ, GPTQ, KV, RTN
 from slimlm.jobs.serve import Assets, Generate, Serve
 from slimlm.jobs.train import GQA, Prune
 
 JOBS: dict[str, type[Job]] = {
-    job.command: job for job in (Assets, RTN, GPTQ, AWQ, KV, GQA, Prune, Bench, Report, Plan, Eval, Generate, Serve)
+    job.command: job
+    for job in (Assets, RTN, GPTQ, AWQ, KV, GQA, Prune, Bench, Report, Plan, Eval, LongContext, Generate, Serve)
 }
 STEPS = ("rtn", "gptq", "awq", "kv", "gqa", "prune")  # the jobs that write a checkpoint a recipe can chain
 
@@ -32,6 +33,7 @@ __all__ = [
     "Eval",
     "Generate",
     "Job",
+    "LongContext",
     "Plan",
     "Prune",
     "Report",

@@ -332,3 +332,95 @@ class Report(Job):
         print(report.main_table(result["runs"]))
         print(f"report: {self.out.resolve()}")
         return result
+
+
+ANSWER_ROOM = 32  # tokens past the longest prompt: the longest answer (nine words) and the two more generated
+
+
+def long_context_tasks(text: str) -> list[str]:
+    from slimlm.eval.long_context import TASKS
+
+    tasks = [t.strip() for t in text.split(",")]
+    if bad := [t for t in tasks if t not in TASKS]:
+        raise ValueError(f"{bad[0]!r} is not one of {', '.join(TASKS)}")
+    return tasks
+
+
+def policy_list(text: str) -> list:
+    """'full,window:512,snapkv:1024' -> KVPolicy objects (a budget for each but full)."""
+    from slimlm.runtime.kv_policy import KVPolicy
+
+    policies = []
+    for item in text.split(","):
+        kind, _, budget = item.strip().partition(":")
+        if kind != "full" and not budget:
+            raise ValueError(f"{item!r}: give {kind} a budget, e.g. {kind}:512")
+        try:
+            policies.append(KVPolicy(kind, positive_int(budget)) if budget else KVPolicy(kind))
+        except SlimlmError as e:
+            raise ValueError(f"{item!r}: {e}") from None
+    return policies
+
+
+class LongContext(EngineMemory):
+    command = "long-context"
+    help = (
+        "retrieval from long prompts (pass keys, copying) under each KV policy: accuracy against the KV bytes a "
+        "request keeps"
+    )
+    model: Annotated[str, Opt("asset name, local directory or hub id", positional=True)]
+    tasks: Annotated[list[str], Opt("comma-separated: passkey, multikey, copy", parse=long_context_tasks)] = [
+        "passkey",
+        "multikey",
+        "copy",
+    ]
+    lengths: Annotated[list[int], Opt("comma-separated prompt lengths in tokens", parse=int_list)] = [1024, 2048, 4096]
+    samples: Annotated[int, Opt("cases per task and length (depths spread evenly)", parse=positive_int)] = 4
+    policies: Annotated[
+        list[Any],
+        Opt("comma-separated KV policies: full, window:BUDGET, snapkv:BUDGET", parse=policy_list),
+        Field(default_factory=lambda: policy_list("full,window:256,window:1024,snapkv:256,snapkv:1024")),
+    ]
+    source: Annotated[str, Opt("filler text: a bundled text or a .txt/.jsonl file")] = "wiki"
+    seed: Annotated[int, Opt(parse=seed_int)] = 0
+    output: Annotated[Path | None, Opt("write the results as JSON here (compress report plots them)")] = None
+    overwrite: Annotated[bool, OVERWRITE] = False
+
+    def run(self) -> dict:
+        import time
+
+        from slimlm import models
+        from slimlm.eval import long_context, records
+        from slimlm.runtime.engine import Engine
+
+        if self.output:
+            atomic.check_file(self.output, self.overwrite, "output")
+        config = self.engine_config(max_model_len=None)
+        for policy in self.policies:
+            policy.check(config.block_size)
+        context = models.context_length(models.check(models.resolve(self.model)))
+        if max(self.lengths) + ANSWER_ROOM > context:
+            raise FieldError(
+                "lengths", f"{max(self.lengths)} leaves no room to answer in the model's context of {context} tokens"
+            )
+        engine = Engine(self.model, dataclasses.replace(config, max_model_len=max(self.lengths) + ANSWER_ROOM))
+        args = (engine.tokenizer, self.tasks, self.lengths, self.samples, self.seed, self.source)
+        cases = long_context.make_cases(*args)
+        start = time.perf_counter()
+        rows = long_context.run(engine, cases, self.policies)
+        summary = long_context.summarize(rows)
+        print(long_context.table(summary))
+        result = records.LongContext(
+            model=str(engine.model_dir),
+            kv_cache_dtype=self.kv_cache_dtype,
+            kv_bytes_per_token=engine.runner.kv_bytes_per_token,
+            tasks=self.tasks,
+            lengths=self.lengths,
+            samples=self.samples,
+            seconds=time.perf_counter() - start,
+            rows=rows,
+            summary=summary,
+        ).model_dump()
+        if self.output:
+            atomic.write_file(self.output, json.dumps(result, indent=1), self.overwrite, "output")
+        return result

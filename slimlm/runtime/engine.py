@@ -388,6 +388,7 @@ class Engine:
             if tables is not None:  # else the pool is short of blocks now: tried again at the next token
                 self.runner.move_kv(*tables, keep)
                 del self._windows[seq.seq_id]
+        seq.kv_tokens = seq.num_resident  # what the next step reads, for the caller to see
 
     # ---- speculative decoding (speculative.py has the rule) ------------------------------------------
 

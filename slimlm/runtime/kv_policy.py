@@ -43,6 +43,10 @@ class KVPolicy:
         if type(self.budget) is not int or self.budget <= 0:
             raise SlimlmError(f"kv_budget must be a positive integer, got {self.budget!r}")
 
+    def __str__(self) -> str:
+        """As --kv-policy/--policies write it: full, window:512, snapkv:1024."""
+        return self.kind if self.kind == "full" else f"{self.kind}:{self.budget}"
+
     def check(self, block_size: int) -> None:
         """Refuse a budget too small for the policy's fixed parts."""
         least = {"full": 1, "window": (SINK_BLOCKS + 1) * block_size, "snapkv": 2 * OBSERVATION}[self.kind]

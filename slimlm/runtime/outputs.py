@@ -25,6 +25,7 @@ class CompletionOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: the N most likely (id, logprob)
     num_drafted: int = 0  # speculative decoding: tokens proposed and verified
     num_accepted: int = 0  # of those, accepted
+    kv_tokens: int = 0  # tokens whose K/V the sequence held after its last step (runtime.kv_policy)
 
 
 @dataclass
@@ -119,6 +120,7 @@ class OutputProcessor:
                     top_logprobs=list(seq.top_logprobs) if want and seq.params.logprobs else None,
                     num_drafted=seq.num_drafted,
                     num_accepted=seq.num_accepted,
+                    kv_tokens=seq.kv_tokens,
                 )
             )
         if finished:

@@ -31,6 +31,7 @@ class Sequence:
     num_computed: int = 0  # leading tokens whose K/V were computed (kv_policy may have evicted some since)
     num_evicted: int = 0  # of those, how many are no longer in the cache (kv_policy)
     kv_policy: KVPolicy = KVPolicy()
+    kv_tokens: int = 0  # tokens whose K/V it held after its last step's evictions (what its policy kept)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hash of each full block, in order
