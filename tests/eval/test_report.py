@@ -122,7 +122,7 @@ def test_bad_run_directories_are_named(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["report", str(empty), "--out", str(tmp_path / "r.html")]) == 2
-    assert "has neither eval.json nor bench.json" in capsys.readouterr().err
+    assert "has none of eval.json, bench.json, long_context.json" in capsys.readouterr().err
     (empty / "eval.json").write_text("{not json")
     assert main(["report", str(empty), "--out", str(tmp_path / "r.html")]) == 2
     assert "eval.json is not valid JSON" in capsys.readouterr().err
