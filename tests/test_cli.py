@@ -353,6 +353,17 @@ def test_generate_rejects_a_prompt_longer_than_the_context(capsys, tiny_llama):
     assert_one_line_error(code, err, "model's context holds 512")
 
 
+def test_a_kv_budget_too_small_for_its_policy_is_named_by_its_flags(capsys, tiny_llama):
+    code, _, err = run_cli(
+        capsys, "generate", str(tiny_llama), "--prompt", "x", "--kv-policy", "window", "--kv-budget", "20"
+    )
+    assert_one_line_error(code, err, "--kv-budget 20 is too small for --kv-policy window: it keeps at least 32")
+    code, out, _ = run_cli(
+        capsys, "generate", str(tiny_llama), "--prompt", "the city", "--kv-policy", "snapkv", "--kv-budget", "64"
+    )
+    assert code == 0 and out
+
+
 def test_an_int4_cache_on_a_head_dimension_it_cannot_rotate_is_one_line(capsys, tmp_path):
     from tests.conftest import make_tiny_llama
 

@@ -397,7 +397,10 @@ class LongContext(EngineMemory):
             atomic.check_file(self.output, self.overwrite, "output")
         config = self.engine_config(max_model_len=None)
         for policy in self.policies:
-            policy.check(config.block_size)
+            try:
+                policy.check(config.block_size)
+            except FieldError as e:
+                raise FieldError("policies", f"{policy}: {e}") from None
         context = models.context_length(models.check(models.resolve(self.model)))
         if max(self.lengths) + ANSWER_ROOM > context:
             raise FieldError(

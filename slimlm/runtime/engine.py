@@ -17,7 +17,7 @@ import torch
 
 from slimlm import models
 from slimlm.devices import resolve_device
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats.kv_cache import CACHE_DTYPES as KV_CACHE_DTYPES
 from slimlm.runtime.block_manager import BlockManager
 from slimlm.runtime.kv_policy import OBSERVATION, SINK_BLOCKS, KVPolicy, window_eviction
@@ -76,7 +76,9 @@ class EngineConfig:
             policy = KVPolicy(self.kv_policy, self.kv_budget)
             if _positive_int(self.block_size):
                 policy.check(self.block_size)
-        except SlimlmError as e:
+        except FieldError as e:
+            if not problems:
+                raise  # alone, it keeps its field: each front end names it its way
             problems.append(str(e))
         if problems:
             raise SlimlmError("invalid engine config: " + "; ".join(problems))

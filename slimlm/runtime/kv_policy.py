@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError
 
 KINDS = ("full", "window", "snapkv")
 OBSERVATION = 32  # SnapKV's observation window: the prompt's last queries, whose attention picks what stays
@@ -39,9 +39,9 @@ class KVPolicy:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise SlimlmError(f"kv_policy {self.kind!r} is not one of {', '.join(KINDS)}")
+            raise FieldError("kv_policy", f"{self.kind!r} is not one of {', '.join(KINDS)}")
         if type(self.budget) is not int or self.budget <= 0:
-            raise SlimlmError(f"kv_budget must be a positive integer, got {self.budget!r}")
+            raise FieldError("kv_budget", f"must be a positive integer, got {self.budget!r}")
 
     def __str__(self) -> str:
         """As --kv-policy/--policies write it: full, window:512, snapkv:1024."""
@@ -51,10 +51,12 @@ class KVPolicy:
         """Refuse a budget too small for the policy's fixed parts."""
         least = {"full": 1, "window": (SINK_BLOCKS + 1) * block_size, "snapkv": 2 * OBSERVATION}[self.kind]
         if self.budget < least:
-            raise SlimlmError(
-                f"kv_budget {self.budget} is too small for kv_policy {self.kind}: it keeps at least {least} tokens"
+            raise FieldError(
+                "kv_budget",
+                f"{{kv_budget}} {self.budget} is too small for {{kv_policy}} {self.kind}: it keeps at least "
+                f"{least} tokens"
                 + (f" (the sink block and one more of {block_size})" if self.kind == "window" else "")
-                + f"; give kv_budget >= {least}"
+                + f"; give {{kv_budget}} >= {least}",
             )
 
     def observed_from(self, prompt_len: int) -> int | None:

@@ -90,6 +90,6 @@ def test_the_command_writes_a_record_the_report_plots(tiny_llama, calib_txt, tmp
         main(["long-context", str(tiny_llama), "--policies", "full,window"])
     assert "'window': give window a budget, e.g. window:512" in capsys.readouterr().err
     assert main(["long-context", str(tiny_llama), "--policies", "snapkv:10", "--source", str(calib_txt)]) == 2
-    assert "kv_budget 10 is too small for kv_policy snapkv" in capsys.readouterr().err
+    assert "--policies snapkv:10: kv_budget 10 is too small for kv_policy snapkv" in capsys.readouterr().err
     assert main(["long-context", str(tiny_llama), "--lengths", "256,490", "--source", str(calib_txt)]) == 2
     assert "--lengths 490 leaves no room to answer in the model's context of 512 tokens" in capsys.readouterr().err

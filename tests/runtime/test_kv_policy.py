@@ -220,8 +220,10 @@ def test_the_engine_default_policy_applies_and_a_request_may_ask_for_its_own(tin
     with pytest.raises(SlimlmError, match="kv_budget 8 is too small for kv_policy window"):
         engine.add_request(prompt, SamplingParams(kv_policy=KVPolicy("window", 8)))
     assert not engine.has_unfinished()
-    with pytest.raises(SlimlmError, match="invalid engine config: kv_policy 'sink' is not one of"):
+    with pytest.raises(SlimlmError, match="^kv_policy 'sink' is not one of"):
         EngineConfig(kv_policy="sink")
+    with pytest.raises(SlimlmError, match="invalid engine config: block_size must be .*; kv_policy 'sink'"):
+        EngineConfig(kv_policy="sink", block_size=0)
     with pytest.raises(SlimlmError, match="kv_budget 10 is too small for kv_policy snapkv"):
         EngineConfig(kv_policy="snapkv", kv_budget=10)
 
