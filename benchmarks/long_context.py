@@ -51,14 +51,18 @@ def slimlm_runs(args, policies: str) -> list[Path]:
     return dirs
 
 
-def kvpress_run(args, budgets: list[int], per_token: int) -> Path:
-    """The same cases through kvpress (prompt ids and answers handed over as JSON)."""
+def kvpress_run(args, per_token: int) -> Path:
+    """The same cases through kvpress (prompt ids and answers handed over as JSON); --kvpress-lengths and
+    --kvpress-budgets may take a subset (transformers' prefill on a CPU is the slow part)."""
     model_dir = models.resolve(args.model)
     tokenizer = models.load_tokenizer(model_dir)
+    lengths = args.kvpress_lengths or args.lengths
     cases = long_context.make_cases(tokenizer, args.tasks.split(","), args.lengths, args.samples)
+    cases = [c for c in cases if c.length in lengths]
     spec = {
         "model": str(model_dir),
-        "budgets": budgets,
+        "dtype": args.dtype,
+        "budgets": args.kvpress_budgets or args.budgets,
         "kv_bytes_per_token": per_token,
         "cases": [
             {
@@ -84,10 +88,10 @@ def kvpress_run(args, budgets: list[int], per_token: int) -> Path:
         result = json.loads(out_path.read_text())
     record = records.LongContext(
         model=str(model_dir),
-        kv_cache_dtype="float32",
+        kv_cache_dtype=args.dtype,
         kv_bytes_per_token=per_token,
         tasks=args.tasks.split(","),
-        lengths=args.lengths,
+        lengths=lengths,
         samples=args.samples,
         seconds=result["seconds"],
         rows=result["rows"],
@@ -118,6 +122,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kv-cache-memory", type=lambda t: int(float(t) * 2**20), default=2048 << 20, help="MiB")
     parser.add_argument("--kvpress-python", help="python of a venv with kvpress (skipped without)")
+    parser.add_argument("--kvpress-lengths", type=lambda t: [int(x) for x in t.split(",")], help="default: --lengths")
+    parser.add_argument("--kvpress-budgets", type=lambda t: [int(x) for x in t.split(",")], help="default: --budgets")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     start = time.perf_counter()
@@ -125,7 +131,7 @@ def main() -> None:
     runs = slimlm_runs(args, policies)
     if args.kvpress_python:
         float_record = json.loads((runs[0] / "long_context.json").read_text())
-        runs.append(kvpress_run(args, args.budgets, float_record["kv_bytes_per_token"]))
+        runs.append(kvpress_run(args, float_record["kv_bytes_per_token"]))
     result = report.render(runs, args.out / "report.html", title=f"KV budget: {args.model}", overwrite=True)
     curve = report._kv_budget_plot([report.load_run(r) for r in runs])
     (args.out / "kv_budget.png").write_bytes(base64.b64decode(curve.split(",", 1)[1]))

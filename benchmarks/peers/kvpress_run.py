@@ -40,7 +40,8 @@ def greedy(model, prompt: list[int], press, max_tokens: int) -> tuple[list[int],
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
     torch.set_num_threads(spec.get("threads", torch.get_num_threads()))
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
+    dtype = getattr(torch, spec.get("dtype", "float32"))  # slimlm's activation dtype, so the caches weigh the same
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     per_token = spec["kv_bytes_per_token"]
     rows, start = [], time.perf_counter()
