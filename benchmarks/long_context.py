@@ -8,7 +8,8 @@ prompts (its own venv: benchmarks/peers/kvpress_run.py).
 
 Writes one run directory per system under --out (long_context.json, run.json), the report (report.html) with
 the curve, the curve alone (kv_budget.png) and a text table (curve.txt): accuracy over every task, length and
-depth, and the mean KV MiB a request held while it decoded.
+depth, and the mean KV MiB a request held while it decoded. The report and curve cover every system in --out,
+so a second run with another --kv-dtypes (and no kvpress) adds its line to the first's.
 """
 
 from __future__ import annotations
@@ -132,6 +133,9 @@ def main() -> None:
     if args.kvpress_python:
         float_record = json.loads((runs[0] / "long_context.json").read_text())
         runs.append(kvpress_run(args, float_record["kv_bytes_per_token"]))
+    # every system measured into --out so far, this run's and earlier ones' (a KV dtype added later joins them)
+    measured = [p for p in args.out.iterdir() if (p / "long_context.json").exists()]
+    runs = sorted(measured, key=lambda p: (p.name == "kvpress", p.name))
     result = report.render(runs, args.out / "report.html", title=f"KV budget: {args.model}", overwrite=True)
     curve = report._kv_budget_plot([report.load_run(r) for r in runs])
     (args.out / "kv_budget.png").write_bytes(base64.b64decode(curve.split(",", 1)[1]))
