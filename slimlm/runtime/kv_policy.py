@@ -73,11 +73,9 @@ class KVPolicy:
 
 def window_eviction(budget: int, resident: int, block_size: int) -> int:
     """How many whole blocks after the sink a window sequence with `resident` tokens gives up to get back
-    within `budget`: never the last block (it may be partial, and a rejected draft rolls back into it)."""
-    if resident <= budget:
-        return 0
-    evictable = max(0, (resident - 1) // block_size - SINK_BLOCKS)  # full blocks between the sink and the last
-    return min(evictable, -(-(resident - budget) // block_size))
+    within `budget`. With a budget of at least two blocks (check) that is never the last block, which may be
+    partial and is where a rejected draft rolls back: resident - budget <= resident - 2 blocks."""
+    return max(0, -(-(resident - budget) // block_size))
 
 
 def snapkv_keep(queries: torch.Tensor, keys: torch.Tensor, prompt_len: int, scale: float, budget: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from slimlm import SlimlmError
+from slimlm.errors import FieldError
 from slimlm.runtime import kv_policy
 from slimlm.runtime.engine import Engine, EngineConfig
 from slimlm.runtime.kv_policy import OBSERVATION, KVPolicy, snapkv_keep, window_eviction
@@ -28,6 +29,19 @@ def test_a_policy_names_its_kind_and_a_budget_its_parts_fit_in():
     with pytest.raises(SlimlmError, match=f"kv_budget {2 * OBSERVATION - 1} is too small for kv_policy snapkv"):
         KVPolicy("snapkv", 2 * OBSERVATION - 1).check(BLOCK)
     KVPolicy("full", 1).check(BLOCK)
+    with pytest.raises(FieldError) as caught:
+        KVPolicy("snapkv", 10).check(BLOCK)
+    assert caught.value.field == "kv_budget" and "sink block" not in str(caught.value)
+    with pytest.raises(FieldError, match=r"it keeps at least 16 tokens \(the sink block and one more of 8\);"):
+        KVPolicy("window", 9).check(BLOCK)
+
+
+def test_a_policy_reads_as_its_flag_writes_it():
+    assert [str(p) for p in (KVPolicy(), KVPolicy("window", 512), KVPolicy("snapkv", 64))] == [
+        "full",
+        "window:512",
+        "snapkv:64",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -74,14 +88,18 @@ def snapkv_reference(queries, keys, prompt_len, scale, budget):
     return torch.tensor(kept)
 
 
-@pytest.mark.parametrize("prompt_len, length, budget, heads", [(200, 200, 96, 4), (130, 137, 64, 2), (90, 90, 80, 8)])
+@pytest.mark.parametrize(
+    "prompt_len, length, budget, heads",
+    [(200, 200, 96, 4), (130, 137, 64, 2), (90, 90, 80, 8), (100, 200, 64, 2)],  # the last: output past the budget
+)
 def test_snapkv_keeps_what_the_observation_window_attends_to_most(prompt_len, length, budget, heads):
     torch.manual_seed(prompt_len)
     queries = torch.randn(OBSERVATION, heads, 16)
     keys = torch.randn(length, 2, 16) * 2
     kept = snapkv_keep(queries, keys, prompt_len, 0.25, budget)
     assert torch.equal(kept, snapkv_reference(queries, keys, prompt_len, 0.25, budget))
-    assert kept.shape == (2, budget)
+    tail = length - prompt_len + OBSERVATION
+    assert kept.shape == (2, max(budget, tail))  # the window and the output always stay
     # a constant added to every key (a 4-bit cache's stored offset) moves no choice
     assert torch.equal(snapkv_keep(queries, keys + torch.randn(2, 16), prompt_len, 0.25, budget), kept)
 
@@ -207,6 +225,9 @@ def test_snapkv_decodes_as_transformers_attending_over_the_selection(tiny_llama,
 def test_a_policy_that_evicts_nothing_changes_nothing(tiny_llama, model_and_prompt, policy):
     _, prompt = model_and_prompt
     assert engine_greedy(tiny_llama, prompt, 40, policy) == engine_greedy(tiny_llama, prompt, 40, None)
+    # exactly at the budget: a snapkv prompt of as many tokens, a window that ten tokens fill to the brim
+    exact = KVPolicy(policy.kind, len(prompt) + (9 if policy.kind == "window" else 0))
+    assert engine_greedy(tiny_llama, prompt, 10, exact) == engine_greedy(tiny_llama, prompt, 10, None)
 
 
 def test_the_engine_default_policy_applies_and_a_request_may_ask_for_its_own(tiny_llama, model_and_prompt):
