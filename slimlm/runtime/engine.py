@@ -376,13 +376,12 @@ class Engine:
     def _bound_history(self, seq: Sequence) -> None:
         """Evict what the sequence's policy does not keep, once its prompt is in: a window's oldest blocks after
         the sink; SnapKV's unselected prompt positions (the kept ones move to fresh blocks, once)."""
-        policy = seq.kv_policy
+        policy, queries = seq.kv_policy, self._windows.get(seq.seq_id)
         if policy.kind == "window":
             n = window_eviction(policy.budget, seq.num_resident, self.config.block_size)
             if n:
                 self.blocks.evict(seq, SINK_BLOCKS, n)
-        elif policy.kind == "snapkv" and len(self._windows.get(seq.seq_id, [()])[0]) == OBSERVATION:
-            queries = self._windows[seq.seq_id]
+        elif queries is not None and len(queries[0]) == OBSERVATION:  # a snapkv prompt's whole window is in
             keep = self.runner.snapkv_keep(
                 seq.block_table, seq.num_resident, seq.num_prompt_tokens, queries, policy.budget
             )
