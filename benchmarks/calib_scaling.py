@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 
@@ -85,6 +86,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--compute-dtype", default="auto", choices=list(devices.COMPUTE_DTYPES))
     p.add_argument("--json")
     a = p.parse_args()
 
@@ -96,7 +98,7 @@ def main() -> None:
     model.config.num_hidden_layers = a.layers
     weights = LazyWeights(model_dir)
     weights.materialize(model.get_submodule(arch.EMBED), arch.EMBED, torch.float32, "cpu")
-    passes = devices.compute_dtype("auto", torch.float32, torch.device("cpu"))
+    passes = devices.compute_dtype(a.compute_dtype, torch.float32, torch.device("cpu"))
     args = QuantArgs(4, a.group_size, True)
     steps = [GPTQ(args)] if a.method == "gptq" else [AWQ(args), RTN(args)]
     calib = data.calibration_windows("owt", tokenizer, a.num_samples, a.seq_len)
@@ -115,6 +117,9 @@ def main() -> None:
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, " + (
         "AVX-512" if "avx512f" in cpu_flags() else "AVX2"
     )
+    if os.environ.get("ONEDNN_MAX_CPU_ISA"):  # how an AVX2-only machine's products are emulated on a newer one
+        caps = os.environ["ONEDNN_MAX_CPU_ISA"], os.environ.get("MKL_ENABLE_INSTRUCTIONS")
+        machine += f" (oneDNN capped at {caps[0]}, MKL at {caps[1]})"
     print(
         f"{a.model} {a.method} W4 g{a.group_size}, {a.num_samples}x{a.seq_len} tokens, passes in {passes}, "
         f"{machine}; matmul {rate_before / 1e9:.0f} / {rate_after / 1e9:.0f} GFLOP/s before / after"

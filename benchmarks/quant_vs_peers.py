@@ -7,6 +7,10 @@ quantization runs as its own subprocess so that its wall time and peak RSS are m
     .venv/bin/python benchmarks/quant_vs_peers.py --llmcompressor-python /path/to/llmc/bin/python \
         [--gptqmodel-python /path/to/gptqmodel/bin/python] [--samples 32] [--settings w4g64-sym,...]
 
+A larger model's per-layer cost is compared on its first layers: `--model qwen2.5-coder-1.5b --layers 4` writes
+a checkpoint of the embedding, those decoder layers, the final norm and the head, and every tool quantizes that
+(its perplexity is a truncated network's, so only the increases against its own float baseline compare).
+
 Peers run in their own venvs (they pin other transformers versions); see benchmarks/peers/*.py for the
 exact calls. Prints a table and writes JSON + Markdown under benchmarks/results/.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,15 +28,17 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
-from slimlm import data, models
+from slimlm import arch, data, models
 from slimlm.eval.perplexity import engine_for, perplexity
 
 HERE = Path(__file__).parent
 SETTINGS = {  # name: (bits, group size, symmetric)
     "w4g64-sym": (4, 64, True),
     "w4g64-asym": (4, 64, False),
+    "w4g128-sym": (4, 128, True),
     "w4-channel-sym": (4, -1, True),
     "w3g64-asym": (3, 64, False),
     "w8-channel-sym": (8, -1, True),
@@ -42,6 +49,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--llmcompressor-python", help="python of a venv with llmcompressor==0.14.0.1")
     p.add_argument("--gptqmodel-python", help="python of a venv with gptqmodel==7.6.0")
+    p.add_argument("--model", default="smollm2-135m", help="asset name or local directory")
+    p.add_argument("--layers", type=int, help="quantize a checkpoint of the model's first LAYERS decoder layers")
     p.add_argument("--samples", type=int, default=32, help="calibration windows of --seq-len tokens")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0, help="which calibration windows (results get a -seedN suffix)")
@@ -84,8 +93,10 @@ def main() -> None:
         )
         return
 
-    model_dir = models.resolve("smollm2-135m")
-    calib_file = write_calibration(a.work, a.samples, a.seq_len, a.seed)
+    model_dir = models.resolve(a.model)
+    if a.layers:
+        model_dir = first_layers(model_dir, a.layers, a.work / f"first-{a.layers}-layers")
+    calib_file = write_calibration(model_dir, a.work, a.samples, a.seq_len, a.seed)
     base = perplexity(engine_for(str(model_dir), a.seq_len), "wiki", a.seq_len, a.ppl_tokens, progress=False)
     print(f"float baseline: wiki ppl {base['perplexity']:.3f} ({base['tokens_scored']} tokens)", flush=True)
 
@@ -110,11 +121,36 @@ def main() -> None:
     report(rows, base["perplexity"], a)
 
 
-def write_calibration(work: Path, samples: int, seq_len: int, seed: int) -> Path:
+def first_layers(model_dir: Path, layers: int, out: Path) -> Path:
+    """A checkpoint of the model cut after its first `layers` decoder layers (embedding, final norm and head
+    kept), written once to `out`."""
+    if (out / "config.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    kept = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as shard:
+            for name in shard.keys():
+                parts = name.split(".")
+                if not (name.startswith(f"{arch.LAYERS}.") and int(parts[2]) >= layers):
+                    kept[name] = shard.get_tensor(name)
+    save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
+    for f in model_dir.iterdir():
+        # The tokenizer and generation settings; not slimlm.json, whose file hashes are the whole model's
+        if f.is_file() and f.name.startswith(("tokenizer", "generation_config", "chat_template", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    config.pop("layer_types", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def write_calibration(model_dir: Path, work: Path, samples: int, seq_len: int, seed: int) -> Path:
     """The calibration windows every method gets, as token ids (what the peers read)."""
     work.mkdir(parents=True, exist_ok=True)
     calib_file = work / "calib.safetensors"
-    tokenizer = models.load_tokenizer(models.resolve("smollm2-135m"))
+    tokenizer = models.load_tokenizer(model_dir)
     save_file({"input_ids": data.calibration_windows("owt", tokenizer, samples, seq_len, seed)}, calib_file)
     return calib_file
 
@@ -125,7 +161,7 @@ def quantize_jobs(setting: str, a: argparse.Namespace, calib_file: Path, model_d
     qflags = ["--bits", str(bits), "--group-size", str(gs), "--sym" if sym else "--asym"]
     ours_common = [
         "--model",
-        "smollm2-135m",
+        str(model_dir),
         "--calib",
         "owt",
         "--num-samples",
@@ -208,7 +244,8 @@ def report(rows: list[dict], base_ppl: float, a: argparse.Namespace) -> None:
     }
     by_key = {(r["setting"], r["method"]): r for r in rows}
     lines = [
-        f"SmolLM2-135M, calibration {a.samples}×{a.seq_len} owt tokens (seed {a.seed}, same windows for all), "
+        f"{a.model}{f' (first {a.layers} layers)' if a.layers else ''}, "
+        f"calibration {a.samples}×{a.seq_len} owt tokens (seed {a.seed}, same windows for all), "
         f"wiki perplexity over {a.ppl_tokens} tokens (same windows for all), 2 CPU cores.",
         *([a.note] if a.note else []),
         "",
@@ -231,7 +268,7 @@ def report(rows: list[dict], base_ppl: float, a: argparse.Namespace) -> None:
             f"| {r['setting']} | {r['method']}{err} | {r['ppl']:.3f} | {inc:+.1%} | {secs} | {peak} | {ratio_q} | "
             f"{ratio_t} |"
         )
-    name = "quant_vs_peers" + f"-seed{a.seed}" * bool(a.seed)
+    name = "quant_vs_peers" + f"-{a.model}-{a.layers}layers" * bool(a.layers) + f"-seed{a.seed}" * bool(a.seed)
     save_results(name, "\n".join(lines), {"base_ppl": base_ppl, "rows": rows})
 
 

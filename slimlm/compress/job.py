@@ -92,14 +92,14 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
     torch.manual_seed(calibration.seed)
     out = Path(job.out).expanduser().resolve()
     with atomic.atomic_dir(out, job.overwrite, sources=[source.dir]) as tmp:  # checks --out before any work
-        model, tokenizer, weights = _load(source)
+        with_data = job.report_error or any(s.needs_data for s in job.steps)
+        model, tokenizer, weights = _load(source, with_data)
         if job.args is not None:
             pipeline.check_group_size(model, job.args, job.ignore)
         if job.lm_head_bits is not None:
             _check_lm_head(model, job.args)
         start = time.time()
         passes = devices.compute_dtype(calibration.compute_dtype, next(model.parameters()).dtype, source.device)
-        with_data = job.report_error or any(s.needs_data for s in job.steps)
         samples = None
         if with_data:
             samples = data.calibration_windows(
@@ -194,13 +194,15 @@ def _check(job: Quantization) -> _Source:
     return _Source(model_dir, source_config, dev, method_args, head_args, keep_weights)
 
 
-def _load(source: _Source) -> tuple[torch.nn.Module, object, offload.LazyWeights | None]:
+def _load(source: _Source, with_data: bool) -> tuple[torch.nn.Module, object, offload.LazyWeights | None]:
     """A float source's decoder layers stay on disk until their turn: memory is bounded by one layer, not the
-    model. An already-quantized checkpoint is loaded whole, dequantized."""
+    model; the embedding is read only when calibration data must go through it. An already-quantized checkpoint
+    is loaded whole, dequantized."""
     if "quantization_config" not in source.config:
         model, tokenizer = models.empty_model(source.dir), models.load_tokenizer(source.dir)
         weights = offload.LazyWeights(source.dir)
-        weights.materialize(model.get_submodule(arch.EMBED), arch.EMBED, torch.float32, source.device)
+        if with_data:
+            weights.materialize(model.get_submodule(arch.EMBED), arch.EMBED, torch.float32, source.device)
         return model, tokenizer, weights
     model, tokenizer, _ = models.load(str(source.dir))
     return model.to(source.device), tokenizer, None
@@ -252,8 +254,10 @@ def _finish(
         # The lm_head sees the final hidden states only; it is rounded to nearest whatever the method. A tied
         # one is untied: the embeddings stay float (a lookup reads a few rows of them), and only the copy
         # every decode step reads in full is quantized.
-        head = outside.get("lm_head.weight", outside[arch.EMBED + ".weight"])
-        quantized["lm_head"] = quantize_rtn(head.float(), source.head_args)
+        # The float head goes from `outside` once it is quantized, before its codes are packed.
+        head = outside.pop("lm_head.weight", None)
+        quantized["lm_head"] = quantize_rtn(outside[arch.EMBED + ".weight"] if head is None else head, source.head_args)
+        del head
         patch = {"tie_word_embeddings": False} if model.config.tie_word_embeddings else {}
     layers.sink.add(writer.quantized_tensors(quantized, outside, job.fmt))
     linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}

@@ -23,7 +23,7 @@ class RTN:
     def apply(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> StepResult:
         out = {}
         for name, m in linears.items():
-            q = quantize_rtn(m.weight.data.float(), self.args)
+            q = quantize_rtn(m.weight.data, self.args)
             q.scale = q.scale.to(m.weight.dtype)
             out[name] = q
         return StepResult(quantized=out)

@@ -19,8 +19,13 @@ def pack_int32(codes: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
     """Pack signed `bits`-bit codes into int32 words along `dim`: element i sits at bit i·bits of its row."""
     rows_first = codes.transpose(0, 1) if dim == 0 else codes
     # Rows are independent; packing a few at a time keeps the int64 temporaries small.
-    step = max(1, CHUNK_ELEMENTS // max(rows_first.shape[1], 1))
-    out = torch.cat([_pack_rows(rows_first[r : r + step], bits) for r in range(0, rows_first.shape[0], step)])
+    # Each slice is written into the result as it is made: no list of slices to concatenate (an 8-bit lm_head of
+    # 151,936 rows would hold its packed words twice).
+    rows, n = rows_first.shape
+    step = max(1, CHUNK_ELEMENTS // max(n, 1))
+    out = torch.empty(rows, math.ceil(n * bits / 32), dtype=torch.int32, device=codes.device)
+    for r in range(0, rows, step):
+        out[r : r + step] = _pack_rows(rows_first[r : r + step], bits)
     return out.transpose(0, 1).contiguous() if dim == 0 else out
 
 

@@ -43,6 +43,19 @@ def test_the_hessian_is_fp32_accurate_for_fp32_and_bf16_activations(dtype):
     torch.testing.assert_close(acc.H, torch.full((64, 64), 2 * value**2), rtol=1e-6, atol=0)
 
 
+def test_the_hessian_summed_by_block_rows_is_the_full_symmetric_product():
+    """Only the block rows on and above the diagonal are summed; reading H mirrors the rest, and batches added
+    after a read are summed and mirrored again. 1000 columns: three block rows, the last one narrower."""
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(rows, 1000, generator=g) for rows in (300, 200, 500)]
+    acc = HessianAccumulator(1000, torch.device("cpu"))
+    for i, x in enumerate(batches):
+        acc.add(x)
+        seen = torch.cat(batches[: i + 1]).double()
+        torch.testing.assert_close(acc.H.double(), 2 * seen.T @ seen / len(seen), rtol=1e-5, atol=1e-5)
+    assert torch.equal(acc.H[384:, :384], acc.H[:384, 384:].T)  # mirrored, not summed again
+
+
 def output_error(W, Wq, x):
     return ((x @ W.T - x @ Wq.T) ** 2).mean().item()
 
@@ -285,7 +298,9 @@ def test_lazy_batches_equal_columnwise_gptq_across_blocks(in_features, args, act
         d = (W - w.dequantize()).double()
         return torch.einsum("oi,ij,oj->", d, H.double(), d).item()
 
-    assert loss(q) < 1.01 * loss(ref)
+    # 2%: a tie rounded the other way moves the loss either way (576 inputs at g32 by group: 1.0125× with H
+    # rounded to fp32 from float64, 0.999× and 1.014× from two fp32 sums of the same batches)
+    assert loss(q) < 1.02 * loss(ref)
     if act_order == "group":
         assert torch.equal(q.g_idx, ref.g_idx)
 
@@ -416,7 +431,7 @@ def test_a_linear_alone_warns_with_its_own_width(tiny_llama):
 def test_stacked_linears_are_named_together_when_gptq_fails(tiny_llama):
     step, layer, linears = one_layer_step(tiny_llama, 64)
     qkv = step.hessians["l.self_attn.q_proj"]
-    qkv.H = -torch.eye(qkv.H.shape[0])  # no damping makes it positive definite
+    qkv.H.copy_(-torch.eye(qkv.H.shape[0]))  # no damping makes it positive definite
     with pytest.raises(
         SlimlmError,
         match=r"^l\.self_attn\.q_proj, l\.self_attn\.k_proj, l\.self_attn\.v_proj: "

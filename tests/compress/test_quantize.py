@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from slimlm import SlimlmError
+from slimlm.compress import quantize as quantize_module
 from slimlm.compress.quantize import compute_qparams, quantize, quantize_rtn
 from slimlm.formats.quantized import QuantArgs
 
@@ -37,6 +38,19 @@ def test_rtn_matches_definition(args):
     assert int(q.codes.min()) >= args.qmin and int(q.codes.max()) <= args.qmax
     assert q.scale.shape == (24, args.groups(256))
     torch.testing.assert_close(q.dequantize(), reference_rtn(w, args), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("args", [QuantArgs(4, 32, True), QuantArgs(8, -1, False)], ids=str)
+def test_rtn_in_slices_of_rows_is_rtn_of_the_whole_in_fp32(args, monkeypatch):
+    """A tall bf16 matrix (an lm_head) is quantized a few rows at a time, in fp32: the same codes, scales and zero
+    points as the whole matrix converted to fp32 at once."""
+    w = torch.randn(100, 64).bfloat16()
+    whole = quantize_rtn(w.float(), args)
+    monkeypatch.setattr(quantize_module, "RTN_SLICE_ELEMENTS", 7 * 64)  # slices of 7 rows, the last one of 2
+    sliced = quantize_rtn(w, args)
+    assert sliced.scale.dtype == torch.float32 and sliced.codes.shape == (100, 64)
+    assert torch.equal(sliced.codes, whole.codes) and torch.equal(sliced.scale, whole.scale)
+    assert (sliced.zero is None) == args.sym and (args.sym or torch.equal(sliced.zero, whole.zero))
 
 
 @pytest.mark.parametrize("sym", [True, False])
