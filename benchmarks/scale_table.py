@@ -5,9 +5,9 @@ through the runtime, against the float model's in the same table).
     .venv/bin/python benchmarks/scale_table.py --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \
         --out benchmarks/results/scale-qwen1.5b-2026-12-05 [--rows float,rtn-w4,...] [--samples 128]
 
-A row is done when its JSON is in --out: a rerun skips it, so the table can be filled over several sittings
-(`--rows` picks which; the table is rewritten from every row present). Checkpoints go to --work. Each command
-runs in its own process; its peak resident memory is that process tree's (getrusage of the children).
+A row is done when its JSON is in --out without an error: a rerun skips it, so the table can be filled over
+several sittings (`--rows` picks which; the table is rewritten from every row present). Checkpoints go to
+--work. Each command runs in its own process; its peak resident memory is that process tree's (getrusage).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -29,22 +30,29 @@ from slimlm.kernels.cpu_library import cpu_flags
 
 COMPRESS = [sys.executable, "-m", "slimlm.cli"]
 PROMPT = "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring."
+CODE = 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number, computed iteratively."""\n'
+BENCH_LINES = ("prefill tok/s", "decode b1 tok/s", "decode b8 tok/s", "decode b1 / floor", "decode b8 / floor")
+
+
+def shown(cmd: list[str]) -> str:
+    """A command as a shell would take it, on one line (`python -m` dropped)."""
+    return shlex.join(cmd[2:]).replace("\n", "\\n")
 
 
 def rows(a: argparse.Namespace) -> dict[str, list[list[str]]]:
     """Row name -> the commands it runs (a checkpoint row's first command writes work/NAME)."""
     w = a.work
     calib = ["--calib", "owt", "--num-samples", str(a.samples), "--seq-len", "512", "--overwrite"]
-    w4 = ["--bits", "4", "--group-size", "128"]
+    w4 = ["--bits", "4", "--group-size", str(a.group_size)]
 
     def make(name: str, *args: str) -> list[str]:
         return [*COMPRESS, *args, "--out", str(w / name)]
 
-    gen = ["--prompt", PROMPT, "--max-tokens", "128", "--kv-cache-memory", "512M"]
+    gen = ["--prompt", CODE, "--max-tokens", "128", "--kv-cache-memory", "512M"]
     return {
         "float": [],
         "rtn-w4": [make("rtn-w4", "rtn", "--model", a.model, *calib, *w4)],
-        "rtn-w8": [make("rtn-w8", "rtn", "--model", a.model, *calib, "--bits", "8", "--group-size", "128")],
+        "rtn-w8": [make("rtn-w8", "rtn", "--model", a.model, *calib, "--bits", "8", "--group-size", str(a.group_size))],
         "gptq-w4": [make("gptq-w4", "gptq", "--model", a.model, *calib, *w4)],
         "awq-w4": [make("awq-w4", "awq", "--model", a.model, *calib, *w4)],
         "awq-gptq-w4": [make("awq-gptq-w4", "awq", "--model", a.model, *calib, *w4, "--then", "gptq")],
@@ -86,7 +94,7 @@ def evaluate(a: argparse.Namespace, checkpoint: str, name: str) -> dict:
         return {"eval_error": log.strip().splitlines()[-1] if log.strip() else "failed"}
     result = json.loads(out.read_text())
     ppl = result.get("perplexity") or result["results"]["perplexity"]
-    return {"ppl": ppl, "eval_seconds": round(seconds, 1), "eval_peak_gb": peak, "eval_command": " ".join(cmd[2:])}
+    return {"ppl": ppl, "eval_seconds": round(seconds, 1), "eval_peak_gb": peak, "eval_command": shown(cmd)}
 
 
 def serve_row(a: argparse.Namespace) -> dict:
@@ -116,7 +124,7 @@ def serve_row(a: argparse.Namespace) -> dict:
             temperature=0,
         )
         return {
-            "command": " ".join(cmd[2:]),
+            "command": shown(cmd),
             "ready_seconds": round(ready, 1),
             "reply_seconds": round(time.time() - asked, 1),
             "completion_tokens": reply.usage.completion_tokens,
@@ -134,11 +142,19 @@ def run_row(a: argparse.Namespace, name: str, commands: list[list[str]]) -> dict
     for cmd in commands:
         seconds, peak, log = run_one(cmd)
         row["commands"].append(
-            {"command": " ".join(cmd[2:]), "seconds": round(seconds, 1), "peak_gb": peak, "tail": log[-1500:]}
+            {"command": shown(cmd), "seconds": round(seconds, 1), "peak_gb": peak, "tail": log[-1500:]}
+        )
+        lines = [line.strip() for line in log.splitlines()]
+        stats = [line for line in lines if line.startswith("[") and "tokens/s" in line]  # generate's last line
+        row["commands"][-1]["result"] = "; ".join(
+            stats[-1:] + [" ".join(line.split()) for line in lines if line.startswith(BENCH_LINES)]
         )
         if peak != peak:  # nan: the command failed
             row["error"] = log.strip().splitlines()[-1] if log.strip() else "failed"
             return row
+    if name == "speculative-w4":  # the same text as plain decoding (greedy)
+        texts = [c["tail"].split("MAXRSS_KB")[0].strip() for c in row["commands"]]
+        row["same_text"] = texts[0] == texts[1]
     checkpoint = a.model if name == "float" else a.work / name
     if name == "float" or (commands and commands[0][-1] == str(checkpoint)):
         path = models.resolve(a.model) if name == "float" else checkpoint
@@ -157,22 +173,23 @@ def table(a: argparse.Namespace) -> str:
         + f", SLIMLM_CPU_MARCH={os.environ.get('SLIMLM_CPU_MARCH', 'native')}"
     )
     lines = [
-        f"{a.model}: every command, {machine}; calibration {a.samples}×512 owt tokens; wiki perplexity over "
-        f"{a.ppl_tokens} tokens (512-token windows) through the runtime, the same tokens for every row.",
+        f"{a.model}: every command, {machine}; W4/W8 g{a.group_size}, calibration {a.samples}×512 owt tokens; "
+        f"wiki perplexity over {a.ppl_tokens} tokens (512-token windows) through the runtime, the same tokens for "
+        "every row.",
         "",
-        "| row | command | wall s | peak RSS GB | checkpoint GB | wiki ppl | vs float | eval s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| row | command | wall s | peak RSS GB | checkpoint GB | wiki ppl | vs float | eval s | result |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name in rows(a):
         r = done.get(name)
         if r is None:
-            lines.append(f"| {name} | not run | | | | | | |")
+            lines.append(f"| {name} | not run | | | | | | | |")
             continue
         if name == "serve-w4":
             info = r.get("error") or (
                 f"ready in {r['ready_seconds']} s; {r['completion_tokens']} tokens in {r['reply_seconds']} s"
             )
-            lines.append(f"| {name} | `{r.get('command', '')}` + openai client: {info} | | | | | | |")
+            lines.append(f"| {name} | `{r.get('command', '')}` + openai client | | | | | | | {info} |")
             continue
         cmds = r.get("commands", [])
         command = " ; ".join(f"`{c['command']}`" for c in cmds) or f"`{r.get('eval_command', '')}`"
@@ -181,9 +198,12 @@ def table(a: argparse.Namespace) -> str:
         ppl = r.get("ppl")
         vs = f"{ppl / base - 1:+.2%}" if ppl and base else ""
         err = f" **failed**: {r['error'][:100]}" if r.get("error") else ""
+        result = " / ".join(c.get("result", "") for c in cmds if c.get("result"))
+        if "same_text" in r:
+            result += f"; same text as plain decoding: {r['same_text']}"
         lines.append(
             f"| {name} | {command}{err} | {secs} | {peak} | {r.get('size_gb', '')} | "
-            f"{'' if ppl is None else f'{ppl:.3f}'} | {vs} | {r.get('eval_seconds', '')} |"
+            f"{'' if ppl is None else f'{ppl:.3f}'} | {vs} | {r.get('eval_seconds', '')} | {result} |"
         )
     return "\n".join(lines)
 
@@ -196,6 +216,7 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/slimlm-scale"), help="checkpoints")
     p.add_argument("--rows", help="comma-separated rows to run (default: every row not yet done)")
     p.add_argument("--samples", type=int, default=128, help="calibration windows of 512 tokens")
+    p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--ppl-tokens", type=int, default=16384)
     p.add_argument("--train-tokens", default="65536", help="gqa uptraining / prune distillation tokens")
     a = p.parse_args()
@@ -206,11 +227,11 @@ def main() -> None:
     if unknown:
         p.error(f"unknown rows {', '.join(sorted(unknown))}; choose from {', '.join(rows(a))}")
     if any(r.startswith("speculative") for r in wanted) and not (a.work / "draft-w4" / "config.json").exists():
-        draft = [*COMPRESS, "rtn", "--model", a.draft, "--bits", "4", "--group-size", "128"]
+        draft = [*COMPRESS, "rtn", "--model", a.draft, "--bits", "4", "--group-size", str(a.group_size)]
         run_one([*draft, "--out", str(a.work / "draft-w4"), "--overwrite"])
     for name in wanted:
         path = a.out / f"{name}.row.json"
-        if path.exists():
+        if path.exists() and "error" not in json.loads(path.read_text()):
             continue
         print(f"{time.strftime('%H:%M:%S')} {name} ...", flush=True)
         row = run_row(a, name, rows(a)[name])
