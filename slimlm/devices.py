@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
 from slimlm.errors import FieldError
@@ -49,20 +46,3 @@ def compute_dtype(choice: str, stored: torch.dtype, device: torch.device) -> tor
     if stored == torch.float16 and device.type == "cuda":
         return stored
     return torch.bfloat16 if fast_bf16_matmul(device) else torch.float32
-
-
-@contextlib.contextmanager
-def fp32_products_with_bf16_inputs(device: torch.device) -> Iterator[None]:
-    """Within: oneDNN may multiply fp32 matrices on a fast-bf16 CPU by rounding the inputs to bf16 and summing
-    in fp32 (torch.backends.mkldnn.matmul.fp32_precision "bf16"), about twice fp32's speed. Exact only for
-    inputs whose values are bf16 numbers already: on AMX CPUs an fp32 input loses its low 16 bits (measured:
-    512·(1 + 2⁻¹⁰)² came out 512). Elsewhere nothing changes."""
-    if device.type != "cpu" or not fast_bf16_matmul(device):
-        yield
-        return
-    settings = torch.backends.mkldnn.matmul
-    before, settings.fp32_precision = settings.fp32_precision, "bf16"
-    try:
-        yield
-    finally:
-        settings.fp32_precision = before

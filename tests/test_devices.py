@@ -71,25 +71,3 @@ def test_an_unknown_compute_dtype_is_named():
     with pytest.raises(SlimlmError) as e:
         devices.compute_dtype("fp8", torch.float32, torch.device("cpu"))
     assert str(e.value) == "compute_dtype 'fp8' is not one of auto, float32, bfloat16"
-
-
-def test_bf16_inputs_give_fp32_products_of_bf16_values():
-    """1 + 2⁻⁷ is a bf16 number and its square 1 + 2⁻⁶ + 2⁻¹⁴ is not: inputs rounded to bf16 lose nothing, and
-    the sum must stay fp32 (a bf16 result would read 516, not 512·(1 + 2⁻⁷)²)."""
-    x = torch.full((512, 64), 1 + 2**-7)
-    exact = 512 * (1 + 2**-7) ** 2
-    before = torch.backends.mkldnn.matmul.fp32_precision
-    with devices.fp32_products_with_bf16_inputs(torch.device("cpu")):
-        inside = torch.backends.mkldnn.matmul.fp32_precision
-        product = x.T @ x
-    assert torch.backends.mkldnn.matmul.fp32_precision == before  # put back
-    assert inside == ("bf16" if devices.fast_bf16_matmul(torch.device("cpu")) else before)
-    assert product.dtype == torch.float32
-    torch.testing.assert_close(product, torch.full((64, 64), exact), rtol=1e-6, atol=0)
-
-
-def test_fp32_products_are_left_alone_where_bf16_is_slow(monkeypatch):
-    monkeypatch.setattr(devices, "fast_bf16_matmul", lambda _dev: False)
-    before = torch.backends.mkldnn.matmul.fp32_precision
-    with devices.fp32_products_with_bf16_inputs(torch.device("cpu")):
-        assert torch.backends.mkldnn.matmul.fp32_precision == before

@@ -9,18 +9,17 @@ update to the remaining columns is one matrix product per block ("lazy batch upd
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-from slimlm import devices
 from slimlm.compress.pipeline import StepResult
 from slimlm.compress.quantize import compute_qparams
 from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats.quantized import QuantArgs, QuantizedWeight
+from slimlm.kernels import cpu_gram
 
 BLOCK = 128
 ACT_ORDERS = (None, "weight", "group")
@@ -29,29 +28,30 @@ ACT_ORDERS = (None, "weight", "group")
 class HessianAccumulator:
     """Running H = 2/n · Σ xxᵀ over every calibration token a linear layer sees.
 
-    H is symmetric, so each batch adds only the block rows on and above the diagonal (one product per block row:
-    56% of the full product's arithmetic at eight blocks; a Qwen2.5-1.5B down_proj's 8960² from 4096 tokens in
-    1.9 s against 3.3 s, same run on 2 cores); the rest is mirrored once when H is read."""
+    Summed in fp32 whatever the activations' dtype: a bf16 product rounds every entry of H to 8 bits, which hurt
+    (wiki ppl +1.3% on average, worse on each of three calibration seeds; see
+    benchmarks/results/gptq-hessian-dtype-2026-12-02.md). H is symmetric, so a batch adds only the 16×16 tiles on
+    and above the diagonal, and the rest is mirrored once when H is read:
+    - bf16 activations on a CPU with AVX-512 BF16: cpu_gram.c, exact products on the bf16 dot-product unit;
+    - otherwise fp32 products, one per block row (eight of them: 56% of the full product's arithmetic).
+    A Qwen2.5-1.5B down_proj's 8960² from 4096 bf16 tokens, same run on 2 EPYC cores: full fp32 product 3.3 s,
+    block rows 1.9 s, cpu_gram 0.9 s. The 2/n scale is applied to the sums, never to x, which stays exact."""
 
     def __init__(self, in_features: int, device: torch.device):
         self._H = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
-        self._block = max(384, -(-in_features // 8))
+        self._block = max(384, -(-in_features // 8 // cpu_gram.TILE) * cpu_gram.TILE)  # whole tiles
         self._mirrored = True
         self.tokens = 0
 
     def add(self, x: torch.Tensor) -> None:
-        # Summed in fp32 whatever the activations' dtype: a bf16 product rounds every entry of H to 8 bits, which
-        # hurt (wiki ppl +1.3% on average, worse on each of three calibration seeds; see
-        # benchmarks/results/gptq-hessian-dtype-2026-12-02.md). bf16 activations are multiplied as bf16 numbers
-        # summed in fp32, which is exact for them and twice as fast where the CPU has AMX; the 2/n scale comes
-        # after, so it cannot push their values off bf16.
         x = x.reshape(-1, x.shape[-1])
-        bf16_values = x.dtype == torch.bfloat16
-        x = x.float()
         n, d = x.shape
         self.tokens += n
         keep, scale = (self.tokens - n) / self.tokens, 2 / self.tokens
-        with devices.fp32_products_with_bf16_inputs(x.device) if bf16_values else contextlib.nullcontext():
+        if cpu_gram.applies(x):
+            cpu_gram.add_gram(self._H, x, scale, keep)
+        else:
+            x = x.float()
             for i in range(0, d, self._block):
                 rows = self._H[i : i + self._block, i:]
                 rows.addmm_(x[:, i : i + self._block].T, x[:, i:], beta=keep, alpha=scale)
@@ -60,8 +60,9 @@ class HessianAccumulator:
     @property
     def H(self) -> torch.Tensor:
         if not self._mirrored:
-            for i in range(self._block, self._H.shape[0], self._block):
-                self._H[i : i + self._block, :i] = self._H[:i, i : i + self._block].T
+            t = cpu_gram.TILE
+            for i in range(t, self._H.shape[0], t):
+                self._H[i : i + t, :i] = self._H[:i, i : i + t].T
             self._mirrored = True
         return self._H
 

@@ -1,4 +1,5 @@
-"""The CPU kernels (cpu_gemm.c, cpu_attention.c, and their AVX2 twins *_avx2.c; cpu_layer.c for either) as one
+"""The CPU kernels (cpu_gemm.c, cpu_attention.c, and their AVX2 twins *_avx2.c; cpu_layer.c for either;
+cpu_gram.c where the CPU has AVX-512 BF16) as one
 shared library: built with gcc -march=native on first use, cached by source hash, called through ctypes. Each
 ISA-specific source compiles to nothing on the other ISA, so the library holds the AVX-512 kernels or the AVX2 ones.
 
@@ -27,6 +28,7 @@ SOURCES = [
         for isa in ("", "_avx2")
     ),
     Path(__file__).with_name("cpu_layer.c"),
+    Path(__file__).with_name("cpu_gram.c"),
 ]
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-mprefer-vector-width=512"]  # gcc picks 256 otherwise
 
@@ -166,6 +168,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ]
         lib.slimlm_quant_matmul_f32_split.argtypes = [c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, c_int]
         lib.slimlm_quant_matmul_bf16.restype = lib.slimlm_quant_matmul_f32_split.restype = c_int
+    if hasattr(lib, "slimlm_bf16_gram"):  # built only where the CPU has AVX-512 BF16
+        lib.slimlm_bf16_gram.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ctypes.c_float, c_int]
+        lib.slimlm_bf16_gram.restype = c_int
     if hasattr(lib, "slimlm_quant_matmul_amx"):  # built only where the CPU has AMX
         lib.slimlm_amx_ready.argtypes, lib.slimlm_amx_ready.restype = [], c_int
         lib.slimlm_quant_matmul_amx.argtypes = lib.slimlm_quant_matmul_bf16.argtypes[:-2] + [c_int]

@@ -43,17 +43,21 @@ def test_the_hessian_is_fp32_accurate_for_fp32_and_bf16_activations(dtype):
     torch.testing.assert_close(acc.H, torch.full((64, 64), 2 * value**2), rtol=1e-6, atol=0)
 
 
-def test_the_hessian_summed_by_block_rows_is_the_full_symmetric_product():
-    """Only the block rows on and above the diagonal are summed; reading H mirrors the rest, and batches added
-    after a read are summed and mirrored again. 1000 columns: three block rows, the last one narrower."""
+@pytest.mark.parametrize(
+    ("dtype", "width"), [(torch.float32, 1000), (torch.bfloat16, 1000), (torch.bfloat16, 1024)], ids=str
+)
+def test_the_hessian_summed_above_the_diagonal_is_the_full_symmetric_product(dtype, width):
+    """Only the tiles on and above the diagonal are summed (fp32 block rows; bf16 widths of whole 16-tiles take
+    cpu_gram where it is built); reading H mirrors the rest, and batches added after a read are summed and
+    mirrored again. 1000 columns: three block rows, the last one narrower."""
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randn(rows, 1000, generator=g) for rows in (300, 200, 500)]
-    acc = HessianAccumulator(1000, torch.device("cpu"))
+    batches = [torch.randn(rows, width, generator=g).to(dtype) for rows in (301, 200, 500)]
+    acc = HessianAccumulator(width, torch.device("cpu"))
     for i, x in enumerate(batches):
         acc.add(x)
         seen = torch.cat(batches[: i + 1]).double()
         torch.testing.assert_close(acc.H.double(), 2 * seen.T @ seen / len(seen), rtol=1e-5, atol=1e-5)
-    assert torch.equal(acc.H[384:, :384], acc.H[:384, 384:].T)  # mirrored, not summed again
+    assert torch.equal(acc.H[400:, :400], acc.H[:400, 400:].T)  # mirrored, not summed again
 
 
 def output_error(W, Wq, x):
