@@ -94,7 +94,10 @@ def main() -> None:
         return
 
     model_dir = models.resolve(a.model)
-    if a.layers:
+    if a.layers is not None:
+        total = models.check(model_dir)["num_hidden_layers"]
+        if not 0 < a.layers <= total:
+            p.error(f"--layers {a.layers}: {a.model} has {total} decoder layers; give 1 to {total}")
         model_dir = first_layers(model_dir, a.layers, a.work / f"first-{a.layers}-layers")
     calib_file = write_calibration(model_dir, a.work, a.samples, a.seq_len, a.seed)
     base = perplexity(engine_for(str(model_dir), a.seq_len), "wiki", a.seq_len, a.ppl_tokens, progress=False)

@@ -222,10 +222,11 @@ def main() -> None:
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     a.work.mkdir(parents=True, exist_ok=True)
-    wanted = a.rows.split(",") if a.rows else list(rows(a))
-    unknown = set(wanted) - set(rows(a))
+    commands = rows(a)
+    wanted = a.rows.split(",") if a.rows else list(commands)
+    unknown = set(wanted) - set(commands)
     if unknown:
-        p.error(f"unknown rows {', '.join(sorted(unknown))}; choose from {', '.join(rows(a))}")
+        p.error(f"unknown rows {', '.join(sorted(unknown))}; choose from {', '.join(commands)}")
     if any(r.startswith("speculative") for r in wanted) and not (a.work / "draft-w4" / "config.json").exists():
         draft = [*COMPRESS, "rtn", "--model", a.draft, "--bits", "4", "--group-size", str(a.group_size)]
         run_one([*draft, "--out", str(a.work / "draft-w4"), "--overwrite"])
@@ -234,7 +235,7 @@ def main() -> None:
         if path.exists() and "error" not in json.loads(path.read_text()):
             continue
         print(f"{time.strftime('%H:%M:%S')} {name} ...", flush=True)
-        row = run_row(a, name, rows(a)[name])
+        row = run_row(a, name, commands[name])
         path.write_text(json.dumps(row, indent=2))
         print(json.dumps({k: v for k, v in row.items() if k != "commands"}), flush=True)
     text = table(a)
