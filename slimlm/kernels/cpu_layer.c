@@ -146,8 +146,8 @@ static void int4_row(const char *src, int bf16, int64_t dim, const float *offset
 }
 
 // One row of slimlm_rotary_kv_write, for a literal dtype: q rotated into q; k rotated and v copied into the
-// cache rows k, v, or quantized there with their heads' scales (8-bit kinds; NULL: 1; tmp: kv_heads·dim
-// scratch).
+// cache rows k, v, or quantized there with their heads' scales (8-bit kinds; NULL: 1; keys less k_offset when
+// given; tmp: kv_heads·dim scratch).
 static inline __attribute__((always_inline)) void rotary_row(const char *x, int64_t heads, int64_t kv_heads,
                                                              int64_t dim, const char *cos, const char *sin, char *k,
                                                              char *v, char *q, int bf16, int kind,
@@ -171,15 +171,16 @@ static inline __attribute__((always_inline)) void rotary_row(const char *x, int6
         return;
     }
     for (int64_t i = 0; i < kv_heads * dim; i++) {
-        k[i] = (char)quantized(load(tmp, i, bf16), k_scale ? k_scale[i / dim] : 1.f, kind);
+        const float key = load(tmp, i, bf16) - (k_offset ? k_offset[i] : 0.f);
+        k[i] = (char)quantized(key, k_scale ? k_scale[i / dim] : 1.f, kind);
         v[i] = (char)quantized(load(x + (heads + kv_heads) * head, i, bf16), v_scale ? v_scale[i / dim] : 1.f, kind);
     }
 }
 
 // qkv [rows, (heads + 2·kv_heads)·dim]: q rotated into q_out [rows, heads, dim]; k rotated and v copied into
 // the caches' slot slots[r] (caches [slots, kv_heads, dim]: qkv's dtype, or 8-bit codes of `kind` with
-// k_scale, v_scale [kv_heads], NULL for 1; or 4-bit rows [slots, kv_heads, dim/2 + 4], keys less k_offset
-// [kv_heads, dim] (NULL: none), both through `rotation` [dim, dim]). cos, sin [rows, dim].
+// k_scale, v_scale [kv_heads], NULL for 1; or 4-bit rows [slots, kv_heads, dim/2 + 4], both through `rotation`
+// [dim, dim]); quantized keys less k_offset [kv_heads, dim] (NULL: none). cos, sin [rows, dim].
 void slimlm_rotary_kv_write(const void *qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,
                             const void *cos, const void *sin, const int64_t *slots, void *k_cache, void *v_cache,
                             void *q_out, int bf16, int kind, const float *k_scale, const float *v_scale,

@@ -73,8 +73,8 @@ def rotary_kv_write(
     k_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotated q [T, Hq, D]; rotated keys and the values written at `slots` into the caches: float ones of qkv's
-    dtype, unscaled, 8-bit ones (int8, fp8 e4m3) with both per-head scales or neither (a scale of 1), or 4-bit rows
-    (keys less k_offset [Hkv, D])."""
+    dtype, unscaled, 8-bit ones (int8, fp8 e4m3) with both per-head scales or neither (a scale of 1), or 4-bit rows;
+    quantized keys less k_offset [Hkv, D] when given."""
     if not _c_writes(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale, k_offset):
         return reference.rotary_kv_write(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale, k_offset)
     kv_heads, dim = k_cache.shape[2], cos.shape[-1]
@@ -123,11 +123,12 @@ def _c_writes(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale, k
             and k_cache.shape[2] * cos.shape[-1] <= MAX_KV_VALUES
             and (k_offset is None or k_offset.is_contiguous())
         )
-    elif k_offset is not None:
-        return False
     elif k_cache.dtype in cpu_attention.EIGHT_BIT:
         fits = k_cache.shape[2] * k_cache.shape[3] <= MAX_KV_VALUES
-        caches = caches and (k_scale is None) == (v_scale is None) and fits
+        offset = k_offset is None or k_offset.is_contiguous()
+        caches = caches and (k_scale is None) == (v_scale is None) and fits and offset
+    elif k_offset is not None:
+        return False
     else:
         caches = caches and k_cache.dtype == qkv.dtype and k_scale is None and v_scale is None
     return qkv.dtype in DTYPES and flat and caches and slots.dtype == torch.int64 and slots.is_contiguous()

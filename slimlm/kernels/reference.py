@@ -50,15 +50,16 @@ def dequantized(kv: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
 def quantized_kv(
     kv: torch.Tensor, scale: torch.Tensor | None, cache_dtype: torch.dtype, offset: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """K or V [..., Hkv, D] as a cache of `cache_dtype` stores it: kv / scale rounded to the nearest fp8
-    (saturating at ±448) or integer (±127) with a per-head scale, or kv − offset ([Hkv, D], keys') to 4-bit rows; a
-    float cache takes kv as it is."""
+    """K or V [..., Hkv, D] as a cache of `cache_dtype` stores it, less `offset` ([Hkv, D], keys') when given:
+    4-bit rows, or (kv − offset) / scale rounded to the nearest fp8 (saturating at ±448) or integer (±127) with a
+    per-head scale; a float cache takes kv as it is."""
     if cache_dtype == torch.uint8:
         return kv_int4.quantize(kv, offset)
     if scale is None:
         return kv.to(cache_dtype)
     limit = KV_DTYPES["int8" if cache_dtype == torch.int8 else "fp8"][1]
-    x = (kv.float() / scale[:, None]).clamp_(-limit, limit)
+    x = (kv.float() if offset is None else kv.float() - offset.float()) / scale[:, None]
+    x = x.clamp_(-limit, limit)
     return (x.round_() if cache_dtype == torch.int8 else x).to(cache_dtype)
 
 

@@ -21,7 +21,7 @@ from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats.kv_cache import CACHE_DTYPES as KV_CACHE_DTYPES
 from slimlm.runtime.block_manager import BlockManager
 from slimlm.runtime.kv_policy import OBSERVATION, SINK_BLOCKS, KVPolicy, window_eviction
-from slimlm.runtime.model_runner import DTYPES, KEY_OFFSET_TEXT, ModelRunner
+from slimlm.runtime.model_runner import CENTERED_KEYS, DTYPES, KEY_OFFSET_TEXT, ModelRunner
 from slimlm.runtime.outputs import CompletionOutput, OutputProcessor, RequestOutput
 from slimlm.runtime.sampling import SamplingParams, sample, top_logprobs
 from slimlm.runtime.scheduler import Batch, Scheduler
@@ -131,7 +131,7 @@ class Engine:
             self.max_model_len,
             config.kv_cache_dtype,
         )
-        if self.runner.kv_cache.dtype == torch.uint8:  # a 4-bit cache: keys are stored less their mean
+        if self.runner.kv_cache.dtype in CENTERED_KEYS:  # keys are stored less their mean (model_runner says why)
             self.runner.set_key_offsets(self.tokenizer.encode(KEY_OFFSET_TEXT)[: self.max_model_len])
         self.capacity = self.runner.num_blocks * config.block_size  # tokens the pool holds
         if self.capacity < self.max_model_len and config.max_model_len is None:

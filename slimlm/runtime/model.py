@@ -120,7 +120,7 @@ class Attention(nn.Module):
         self.attention = kernels.paged_attention  # the load-time Backend's, once set_backend ran
         self.rotary_kv_write = kernels.reference.rotary_kv_write  # likewise
         self.k_scale = self.v_scale = None  # fp32 [kv_heads] for an fp8/int8 cache (loader.set_kv_cache)
-        self.k_offset = None  # fp32 [kv_heads, head_dim]: the mean key a 4-bit cache's keys lose (ModelRunner)
+        self.k_offset = None  # fp32 [kv_heads, head_dim]: the mean key a 4-bit or fp8 cache's keys lose (ModelRunner)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs, kv_cache: torch.Tensor

@@ -16,7 +16,13 @@ from slimlm.runtime.scheduler import Batch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # activation dtypes by name
 
-# What a 4-bit KV cache's key offsets are measured on at load (set_key_offsets): any ordinary text does, since the
+# The caches whose keys lose their mean before rounding: a 4-bit one (formats.kv_int4), and fp8, whose rounding
+# error is relative, so a key channel at 350 (Qwen2's key biases) loses up to ±11 of it; less its mean, the same
+# channel is ±1 and loses ±0.03. No softmax sees the mean: q·(k − μ) = q·k − q·μ shifts all keys of a query
+# alike. int8's error is absolute (the scale's step), which centering would not change.
+CENTERED_KEYS = (torch.uint8, torch.float8_e4m3fn)
+
+# What the key offsets are measured on at load (set_key_offsets): any ordinary text does, since the
 # offsets only need the part of each key channel that barely moves from token to token (a bias, in Qwen2 ±350
 # with ±1 around it). Measured on Qwen2.5-Coder-1.5B: wiki perplexity +1.30% over a float cache with these ~190
 # tokens, +1.67% for the simulated cache with means over 8,192 tokens of owt. Fixed: every load gets the same.
@@ -110,8 +116,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def set_key_offsets(self, ids: list[int]) -> None:
-        """Give each attention layer of a 4-bit cache its key offsets: the mean key (after RoPE) per KV head and
-        channel over `ids`, run once through a scratch float cache (formats.kv_int4 says why)."""
+        """Give each attention layer its key offsets (for a cache of CENTERED_KEYS): the mean key (after RoPE)
+        per KV head and channel over `ids`, run once through a scratch float cache."""
         attns = [layer.self_attn for layer in self.model.model.layers]
         n, bs, dtype = len(ids), self.block_size, self.model.model.norm.weight.dtype
         blocks = -(-n // bs)
@@ -126,10 +132,13 @@ class ModelRunner:
             query_start=torch.tensor([0, n], dtype=torch.int32, device=self.device),
             query_lens=[n],
         )
+        scales = [(attn.k_scale, attn.v_scale) for attn in attns]
+        for attn in attns:  # the scratch cache holds keys as they are, not divided by an 8-bit cache's scales
+            attn.k_scale = attn.v_scale = None
         self.model(torch.tensor(ids, device=self.device), step, scratch)
         keys = scratch[:, 0].flatten(1, 2)[:, :n].float().mean(1)  # [layers, kv_heads, head_dim]
-        for attn, offset in zip(attns, keys, strict=True):
-            attn.k_offset = offset
+        for attn, offset, (k_scale, v_scale) in zip(attns, keys, scales, strict=True):
+            attn.k_offset, attn.k_scale, attn.v_scale = offset, k_scale, v_scale
 
     def weight_bytes(self) -> int:
         """Bytes of weights a decode step reads (the embedding table is gathered from, not read)."""

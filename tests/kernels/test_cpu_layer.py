@@ -63,9 +63,11 @@ def test_silu_mul_matches_the_reference(dtype, rows, width):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("rows", [3, 20])
-def test_8bit_kv_writes_equal_the_reference_bit_for_bit(dtype, kv_dtype, rows):
-    """Keys and values quantized as quantized_kv does (divided, clamped, rounded to nearest even): values from
-    far below fp8's smallest subnormal to far past its largest normal, and int8's ties."""
+@pytest.mark.parametrize("centered", [False, True], ids=["", "keys-less-offset"])
+def test_8bit_kv_writes_equal_the_reference_bit_for_bit(dtype, kv_dtype, rows, centered):
+    """Keys (less their offsets, when given) and values quantized as quantized_kv does (divided, clamped,
+    rounded to nearest even): values from far below fp8's smallest subnormal to far past its largest normal,
+    and int8's ties."""
     heads, kv_heads, dim = 9, 3, 64
     g = torch.Generator().manual_seed(rows)
     magnitude = torch.exp2(torch.randint(-14, 12, (rows, (heads + 2 * kv_heads) * dim), generator=g).float())
@@ -74,10 +76,11 @@ def test_8bit_kv_writes_equal_the_reference_bit_for_bit(dtype, kv_dtype, rows):
     cos, sin = torch.randn(rows, dim, generator=g).to(dtype), torch.randn(rows, dim, generator=g).to(dtype)
     k_scale, v_scale = torch.rand(kv_heads, generator=g) + 0.5, torch.tensor([1.0, 0.7, 1.3])
     slots = torch.randperm(64, generator=g)[:rows]
+    offset = torch.randn(kv_heads, dim, generator=g) * 100 if centered else None
     caches = [torch.zeros(8, 8, kv_heads, dim, dtype=kv_dtype) for _ in range(4)]
-    expected = reference.rotary_kv_write(qkv, cos, sin, slots, caches[0], caches[1], k_scale, v_scale)
+    expected = reference.rotary_kv_write(qkv, cos, sin, slots, caches[0], caches[1], k_scale, v_scale, offset)
     with torch_threads(2):
-        got = cpu_layer.rotary_kv_write(qkv, cos, sin, slots, caches[2], caches[3], k_scale, v_scale)
+        got = cpu_layer.rotary_kv_write(qkv, cos, sin, slots, caches[2], caches[3], k_scale, v_scale, offset)
     assert torch.equal(got, expected)
     for ref, ours in ((caches[0], caches[2]), (caches[1], caches[3])):
         assert torch.equal(ref.view(torch.uint8), ours.view(torch.uint8))
@@ -157,6 +160,12 @@ def test_what_the_c_code_does_not_cover_runs_the_reference(reference_calls):
         reference_calls.clear()
         cpu_layer.rotary_kv_write(qkv, cos, sin, slots, *caches_, *(scales or (None, None)), k_offset=offset)
         assert reference_calls[0][1][-1] is offset
+    strided = torch.randn(1, 32)[:, ::2]  # an 8-bit cache's keys less a strided offset
+    reference_calls.clear()
+    cpu_layer.rotary_kv_write(
+        qkv, cos, sin, slots, *[torch.zeros(2, 4, 1, 16, dtype=torch.int8)] * 2, scale, scale, strided
+    )
+    assert reference_calls[0][1][-1] is strided
     # an int8 cache: both scales reach the reference, which quantizes K and V with them
     int8 = [torch.zeros(2, 4, 1, 16, dtype=torch.int8) for _ in range(2)]
     k_scale, v_scale = torch.tensor([0.1]), torch.tensor([0.05])

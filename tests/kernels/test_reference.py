@@ -102,6 +102,16 @@ def test_fp8_cache_rounds_to_nearest_fp8_and_saturates():
     assert reference.dequantized(stored, scale, torch.float32).flatten()[2] == 896.0
 
 
+def test_an_8bit_cache_stores_keys_less_their_offset():
+    """(kv − offset) / scale, per KV head and channel, then rounded as without one."""
+    scale, offset = torch.tensor([2.0, 0.5]), torch.tensor([[300.0, -1.0], [0.0, 40.0]])  # [Hkv, D]
+    kv = torch.tensor([[[303.0, -18.0], [0.75, 40.5]]])  # [1, Hkv, D]
+    fp8 = reference.quantized_kv(kv, scale, torch.float8_e4m3fn, offset)
+    assert fp8.float().tolist() == [[[1.5, -8.0], [1.5, 1.0]]]  # 3/2, -17/2 (a tie: to even), 0.75/0.5, 0.5/0.5
+    assert reference.quantized_kv(kv, scale, torch.int8, offset).tolist() == [[[2, -8], [2, 1]]]  # ties to even
+    assert fp8.float().tolist() != reference.quantized_kv(kv, scale, torch.float8_e4m3fn).float().tolist()
+
+
 def test_cached_kv_reads_a_sequence_through_its_block_table():
     cache = torch.arange(4 * 2 * 1 * 1, dtype=torch.float32).reshape(4, 2, 1, 1)  # 4 blocks of 2 slots
     got = reference.cached_kv(cache, None, torch.tensor([3, 0, 2], dtype=torch.int32), 5, torch.float64)

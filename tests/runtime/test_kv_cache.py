@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from slimlm import SlimlmError
+from slimlm import SlimlmError, models
 from slimlm.compress.job import CalibData, Quantization, quantize_weights
 from slimlm.compress.kv import KVCache
 from slimlm.formats import kv_cache, kv_int4
@@ -50,12 +50,40 @@ def _qdq(x: torch.Tensor, scale: torch.Tensor, kv_dtype: str) -> torch.Tensor:
     return y * s
 
 
+def mean_keys(model_dir, max_len: int) -> list[torch.Tensor]:
+    """Each layer's mean key (after RoPE) [Hkv, D] over KEY_OFFSET_TEXT's first max_len tokens, as transformers'
+    own attention computes the keys."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    from slimlm.runtime.model_runner import KEY_OFFSET_TEXT
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    keys, rotary = [], modeling_llama.apply_rotary_pos_emb
+
+    def grab(q, k, *args, **kwargs):
+        q, k = rotary(q, k, *args, **kwargs)
+        keys.append(k[0].mean(1))  # [H, D]
+        return q, k
+
+    modeling_llama.apply_rotary_pos_emb = grab
+    try:
+        with torch.no_grad():
+            model(torch.tensor([models.load_tokenizer(model_dir).encode(KEY_OFFSET_TEXT)[:max_len]]))
+    finally:
+        modeling_llama.apply_rotary_pos_emb = rotary
+    return keys
+
+
 def transformers_with_quantized_kv(model_dir, kv_dtype: str):
-    """transformers' Llama whose attention sees every K (after RoPE) and V as the quantized cache holds it."""
+    """transformers' Llama whose attention sees every K (after RoPE) and V as the quantized cache holds it: fp8
+    keys rounded less their layer's mean key μ and given it back (attention cannot tell: q·μ shifts every score
+    alike)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.llama import modeling_llama
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    offsets = mean_keys(model_dir, model.config.max_position_embeddings) if kv_dtype == "fp8" else None
     tensors = load_file(model_dir / "model.safetensors")
     heads = model.config.num_key_value_heads
     scales = [
@@ -67,7 +95,8 @@ def transformers_with_quantized_kv(model_dir, kv_dtype: str):
 
     def rotary_then_quantize(q, k, cos, sin, *args, **kwargs):
         q, k = rotary(q, k, cos, sin, *args, **kwargs)
-        return q, _qdq(k, scales[layer["i"]][0], kv_dtype)
+        shift = 0 if offsets is None else offsets[layer["i"]][:, None]  # [B, H, T, D] against μ [H, D]
+        return q, _qdq(k - shift, scales[layer["i"]][0], kv_dtype) + shift
 
     for i, block in enumerate(model.model.layers):
         attn = block.self_attn
@@ -242,33 +271,25 @@ def test_int4_prompt_logprobs_and_greedy_tokens_match_transformers_through_the_s
     assert_greedy_matches(llm, reference, (5, 19), 12)
 
 
-def test_int4_key_offsets_are_the_mean_key_of_a_fixed_text(tiny_llama, monkeypatch):
-    """Each layer's offset is its mean key (after RoPE) per KV head and channel over KEY_OFFSET_TEXT (its first
-    max_model_len tokens), as transformers' own attention computes the keys; the same on every load; none for
-    other caches."""
-    from transformers import AutoModelForCausalLM
-    from transformers.models.llama import modeling_llama
-
-    from slimlm.runtime.model_runner import KEY_OFFSET_TEXT
-
-    engine = Engine(str(tiny_llama), EngineConfig(kv_cache_dtype="int4", max_model_len=256))
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    keys, rotary = [], modeling_llama.apply_rotary_pos_emb
-
-    def grab(q, k, *args, **kwargs):
-        q, k = rotary(q, k, *args, **kwargs)
-        keys.append(k[0].mean(1))  # [H, D]
-        return q, k
-
-    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", grab)
-    with torch.no_grad():
-        model(torch.tensor([engine.tokenizer.encode(KEY_OFFSET_TEXT)[:256]]))  # as far as the context goes
-    offsets = [layer.self_attn.k_offset for layer in engine.model.model.layers]
-    for ours, theirs in zip(offsets, keys, strict=True):
+@pytest.mark.parametrize("kv_dtype", ["int4", "fp8"])
+def test_key_offsets_are_the_mean_key_of_a_fixed_text(tiny_llama, kv_dtype):
+    """A 4-bit or fp8 cache's offsets: each layer's mean key (after RoPE) per KV head and channel over
+    KEY_OFFSET_TEXT (its first max_model_len tokens), as transformers computes the keys; the same on every load;
+    none for int8 or float caches."""
+    config = EngineConfig(kv_cache_dtype=kv_dtype, max_model_len=256)
+    offsets = [layer.self_attn.k_offset for layer in Engine(str(tiny_llama), config).model.model.layers]
+    for ours, theirs in zip(offsets, mean_keys(tiny_llama, 256), strict=True):  # as far as the context goes
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
-    again = Engine(str(tiny_llama), EngineConfig(kv_cache_dtype="int4", max_model_len=256))
-    assert all(torch.equal(a, b.self_attn.k_offset) for a, b in zip(offsets, again.model.model.layers, strict=True))
+    again = Engine(str(tiny_llama), config).model.model.layers
+    assert all(torch.equal(a, b.self_attn.k_offset) for a, b in zip(offsets, again, strict=True))
     assert Engine(str(tiny_llama), EngineConfig(max_model_len=256)).model.model.layers[0].self_attn.k_offset is None
+
+
+def test_an_int8_cache_has_no_key_offsets(kv_checkpoint):
+    """int8 rounds to its scale's fixed step: centering would change no key's error, so it is not done."""
+    model_dir, _ = kv_checkpoint
+    engine = Engine(str(model_dir), EngineConfig(kv_cache_dtype="int8", max_model_len=256))
+    assert all(layer.self_attn.k_offset is None for layer in engine.model.model.layers)
 
 
 def test_int4_holds_head_dim_over_half_of_it_plus_4_times_the_tokens_of_int8(tiny_llama, kv_checkpoint):
