@@ -22,6 +22,15 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
+def available_memory(device: torch.device | str) -> int:
+    """Bytes still free on `device`: a GPU's free memory, or what Linux can hand out without swapping."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
 def fast_bf16_matmul(device: torch.device) -> bool:
     """Whether bf16 matrix products run faster than fp32 here: CUDA GPUs with bf16, and CPUs with AVX-512 BF16
     or AMX (measured here: 5.9× fp32's rate on one core). Elsewhere the CPU emulates bf16 far slower."""

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from slimlm import kernels
+from slimlm.devices import available_memory
 from slimlm.errors import SlimlmError
 from slimlm.formats import kv_int4
 from slimlm.runtime import kv_policy
@@ -36,14 +37,6 @@ KEY_OFFSET_TEXT = (
     "Visitors arrive by train from the capital, a journey of two hours, or by the coastal road. Each spring "
     "the town holds a festival of music and film that draws thousands of people to its streets and squares."
 )
-
-
-def _available_memory(device: str) -> int:
-    if torch.device(device).type == "cuda":
-        return torch.cuda.mem_get_info(torch.device(device))[0]
-    with open("/proc/meminfo") as f:  # what Linux can still hand out without swapping
-        fields = dict(line.split(":", 1) for line in f)
-    return int(fields["MemAvailable"].split()[0]) * 1024
 
 
 def step_inputs(batch: Batch, block_size: int, device: torch.device | str) -> tuple[torch.Tensor, StepInputs]:
@@ -105,7 +98,7 @@ class ModelRunner:
         # one preallocated pool: [layer, K/V, block, offset, kv_head, head_dim (a 4-bit cache: row bytes)]
         shape = (layers, 2, self.num_blocks, block_size, attn.kv_heads, row)
         pool = self.num_blocks * per_block
-        available = _available_memory(device)
+        available = available_memory(device)
         if pool > available:
             raise SlimlmError(
                 f"a KV cache pool of {pool / 2**30:.2f} GiB does not fit in the "

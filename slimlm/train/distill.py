@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from slimlm import devices
 from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats.atomic import staging
 from slimlm.formats.writer import state_tensors
@@ -152,6 +153,21 @@ def _diverged(step: int, start: int, config: TrainConfig, loss: float, grad_norm
     )
 
 
+def check_memory(params: list[nn.Parameter], device: torch.device, processes: int = 1) -> None:
+    """Refuse, before the first step, a run whose trained parameters' gradients and AdamW moments (three
+    copies of them, for each of `processes` sharing this memory) do not fit in what is free now, the models
+    loaded: without this the first step is killed for memory minutes in, with no message."""
+    count = sum(p.numel() for p in params)
+    need = processes * sum(3 * p.numel() * p.element_size() for p in params)
+    free = devices.available_memory(device)
+    if need > free:
+        raise SlimlmError(
+            f"training {count / 1e9:.2f} B parameters needs {need / 2**30:.1f} GiB for their gradients and AdamW "
+            f"moments (activations on top) and {free / 2**30:.1f} GiB is free on {device}; train part of the "
+            "model (--train, e.g. k_proj,v_proj) or use a machine with more memory"
+        )
+
+
 def _optimizer(student: nn.Module, config: TrainConfig):
     """The trained parameters, AdamW over them, and the warmup-then-cosine schedule."""
     params = trainable(student, config.train)
@@ -193,6 +209,7 @@ def train(
     check(config, len(windows), accelerator.num_processes)
     run_dir = Path(run_dir)
     params, optimizer, scheduler = _optimizer(student, config)
+    check_memory(params, accelerator.device, accelerator.num_processes if accelerator.device.type == "cpu" else 1)
     teacher.requires_grad_(False).eval().to(accelerator.device)
     student.train()
     student, optimizer = accelerator.prepare(student, optimizer)

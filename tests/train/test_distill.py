@@ -433,3 +433,31 @@ def test_train_parts_that_match_nothing_are_named(pair):
     with pytest.raises(SlimlmError, match="^train nope,nada matches no parameter of the model$"):
         trainable(pair[0], ("nope", "nada"))
     assert [p.requires_grad for p in trainable(pair[0], ("k_proj",))] == [True] * 2  # one k_proj a layer
+
+
+def test_a_run_whose_gradients_and_adamw_moments_cannot_fit_is_refused_before_it_starts(pair, tmp_path, monkeypatch):
+    """Three fp32 copies of the trained parameters (a gradient, two moments) against the memory free now, for
+    each process sharing it; refused before any step or file."""
+    from slimlm import devices
+    from slimlm.train.distill import check_memory
+
+    student, teacher = pair
+    kv = [p for n, p in student.named_parameters() if "k_proj" in n or "v_proj" in n]
+    need = 3 * 4 * sum(p.numel() for p in kv)
+    free = {"bytes": need}
+    monkeypatch.setattr(devices, "available_memory", lambda device: free["bytes"])
+    check_memory(kv, torch.device("cpu"))  # exactly fits
+    with pytest.raises(SlimlmError, match=r"^training 0\.00 B parameters needs .* GiB for their gradients"):
+        check_memory(kv, torch.device("cpu"), processes=2)
+    free["bytes"] = need - 1
+    with pytest.raises(SlimlmError, match=r"free on cpu; train part of the model \(--train, e.g. k_proj,v_proj\)"):
+        check_memory(kv, torch.device("cpu"))
+    windows = torch.randint(0, teacher.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    config = TrainConfig(train_tokens=48, seq_len=24, global_batch=2, micro_batch=2, train=("k_proj", "v_proj"))
+    before = copy.deepcopy(student.state_dict())
+    with pytest.raises(SlimlmError, match="gradients and AdamW moments"):
+        train(student, teacher, windows, config, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+    assert all(torch.equal(before[k], v) for k, v in student.state_dict().items())
+    free["bytes"] = need
+    train(student, teacher, windows, config, tmp_path / "run", progress=False)  # the same run fits
