@@ -48,6 +48,7 @@ def rows(a: argparse.Namespace) -> dict[str, list[list[str]]]:
     def make(name: str, *args: str) -> list[str]:
         return [*COMPRESS, *args, "--out", str(w / name)]
 
+    kv_only = ["--train", "k_proj,v_proj"]
     gen = ["--prompt", CODE, "--max-tokens", "128", "--kv-cache-memory", "512M"]
     return {
         "float": [],
@@ -58,10 +59,26 @@ def rows(a: argparse.Namespace) -> dict[str, list[list[str]]]:
         "awq-gptq-w4": [make("awq-gptq-w4", "awq", "--model", a.model, *calib, *w4, "--then", "gptq")],
         "kv-fp8": [make("kv-fp8", "kv", a.model, *calib, "--kv-dtype", "fp8")],
         "kv-int8": [make("kv-int8", "kv", a.model, *calib, "--kv-dtype", "int8")],
-        "gqa-1kv": [make("gqa-1kv", "gqa", "--model", a.model, "--kv-heads", "1", "--uptrain-tokens", a.train_tokens)],
-        "prune-60": [
-            make("prune-60", "prune", "--model", a.model, "--target-params", "0.6", "--distill-tokens", a.train_tokens)
+        # trained in part: the whole 1.5B's gradients and AdamW moments alone are 20 GiB (distill.check_memory)
+        "gqa-1kv": [
+            make("gqa-1kv", "gqa", "--model", a.model, "--kv-heads", "1", "--uptrain-tokens", a.train_tokens, *kv_only)
         ],
+        "prune-60": [
+            make(
+                "prune-60",
+                "prune",
+                "--model",
+                a.model,
+                "--target-params",
+                "0.6",
+                "--search-tokens",
+                "0",
+                "--distill-tokens",
+                a.train_tokens,
+                "--train",
+                "mlp",
+            )
+        ],  # fmt: skip
         "bench-w4": [
             [
                 *COMPRESS,
@@ -220,7 +237,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=128, help="calibration windows of 512 tokens")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--ppl-tokens", type=int, default=16384)
-    p.add_argument("--train-tokens", default="65536", help="gqa uptraining / prune distillation tokens")
+    p.add_argument("--train-tokens", default="8192", help="gqa uptraining / prune distillation tokens")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     a.work.mkdir(parents=True, exist_ok=True)
