@@ -71,6 +71,7 @@ class AWQ:
     """The scale search and clipping; `args` is the quantization the search optimises for."""
 
     needs_data = True
+    changes_layer = True
 
     def __init__(
         self, args: QuantArgs, search_batches: int = 2, clip: bool = True, grid: int = GRID, search_dtype: str = "auto"

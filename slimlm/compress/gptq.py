@@ -220,6 +220,7 @@ def _upper_triangular_inverse(R: torch.Tensor) -> torch.Tensor:
 
 class GPTQ:
     needs_data = True
+    changes_layer = True
 
     def __init__(self, args: QuantArgs, damp: float = 0.01, act_order: str | None = None):
         if not 0 < damp < 1:

@@ -51,6 +51,7 @@ class Step(Protocol):
     """A compression step, seen one decoder layer at a time."""
 
     needs_data: bool  # whether observe() needs the calibration batches run through the layer
+    changes_layer: bool  # whether apply() changes what the layer computes (False: KV scales, statistics)
 
     def observe(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> list[Any]:
         """Attach hooks that gather statistics during the pass that follows; return their handles."""
@@ -279,7 +280,9 @@ def run(
         )
         entry = {"layer": i}
         if with_data:
-            out = _run_layer(in_dtype(layer, compute_dtype), inputs)
+            # steps that change nothing leave the outputs of the float pass: a second pass would repeat it
+            unchanged = ref is not None and not any(step.changes_layer for step in steps)
+            out = ref if unchanged else _run_layer(in_dtype(layer, compute_dtype), inputs)
             _check_finite(out, f"the compressed outputs of decoder layer {i}")
             if report_error:
                 entry.update(_output_error(out, ref))

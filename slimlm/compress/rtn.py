@@ -13,6 +13,7 @@ from slimlm.formats.quantized import QuantArgs
 
 class RTN:
     needs_data = False
+    changes_layer = True
 
     def __init__(self, args: QuantArgs):
         self.args = args

@@ -83,6 +83,7 @@ class _Observer:
     """A pipeline step that changes nothing: it sums each layer's unit statistics as the calibration passes."""
 
     needs_data = True
+    changes_layer = False
 
     def __init__(self, config):
         self.heads, self.head_dim = config.num_attention_heads, arch.head_dim(config.to_dict())

@@ -14,6 +14,7 @@ class Identity:
     """Quantizes nothing; also counts how many calibration rows each linear saw during the float pass."""
 
     needs_data = True
+    changes_layer = False
 
     def __init__(self):
         self.rows: dict[str, int] = {}
@@ -59,6 +60,20 @@ def test_layer_by_layer_equals_full_forward(model):
     torch.testing.assert_close(layerwise, full, rtol=1e-5, atol=1e-5)
     assert all(r["relative_error"] == 0 for r in report)
     assert set(method.rows.values()) == {6 * 20}  # every linear saw every calibration token once
+
+
+@pytest.mark.parametrize("changes_layer", [False, True])
+def test_a_layer_runs_a_second_time_only_after_a_step_that_changes_it(model, changes_layer):
+    """The next layer's inputs are this layer's outputs as the steps left it: recomputed after a step that
+    changes the layer, the float pass's own when none does (KV scales, pruning statistics)."""
+    calib = torch.randint(0, model.config.vocab_size, (6, 20))
+    method = Identity()
+    method.changes_layer = changes_layer
+    calls = []
+    pipeline.decoder_layers(model)[-1].register_forward_pre_hook(lambda _m, _a: calls.append(1))
+    result = pipeline.run(model, [method], calib, pipeline.Passes(4, progress=False))
+    assert len(calls) == (4 if changes_layer else 2)  # two batches, one pass or two
+    assert all(r["relative_error"] == 0 for r in result.report)  # (test_layer_by_layer_... checks the values)
 
 
 def test_rtn_quantizes_every_decoder_linear_and_reports_error(model):
