@@ -199,7 +199,8 @@ def table(a: argparse.Namespace) -> str:
         "| row | command | wall s | peak RSS GB | checkpoint GB | wiki ppl | vs float | eval s | result |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in rows(a):
+    # rows of the table, then any earlier runs kept beside them under another name (e.g. before a fix)
+    for name in [*rows(a), *sorted(set(done) - set(rows(a)))]:
         r = done.get(name)
         if r is None:
             lines.append(f"| {name} | not run | | | | | | | |")
