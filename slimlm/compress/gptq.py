@@ -89,9 +89,10 @@ def gptq_quantize(
     if not torch.isfinite(W).all() or not torch.isfinite(H).all():
         raise SlimlmError(f"non-finite values (NaN/Inf) in the weights or calibration activations of {name}")
 
-    # Inputs that were always zero carry no information: fix their weights to 0 (and H's copy takes a 1 there).
+    # Inputs that were always zero carry no information: fix their weights to 0, and H (its copy) takes a 1 there.
     diag = torch.diag(H).float()
     W[:, diag == 0] = 0
+    diag[diag == 0] = 1
 
     # Static qparams come from the original weights, decided before any error is propagated; otherwise
     # each group's qparams come from its (already updated) columns when the group is reached.
@@ -184,7 +185,7 @@ def _inverse_hessian_factor(H: torch.Tensor, order: torch.Tensor, damp: float, n
     reversed_h = H[back[:, None], back].float()
     diag = reversed_h.diagonal()
     diag[diag == 0] = 1
-    mean_diag = diag.mean().item()
+    mean_diag = diag.flip(0).mean().item()  # summed in H' order: the same λ to the last bit whichever way H' lies
     added = 0.0
     for attempt in range(6):
         lam = damp * (10**attempt) * mean_diag

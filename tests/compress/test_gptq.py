@@ -381,14 +381,16 @@ def test_outputs_have_the_types_the_formats_expect(args, act_order):
     assert (q.g_idx is not None) == (act_order == "group")
 
 
-def test_dead_inputs_are_damped_as_in_the_reference():
+@pytest.mark.parametrize("act_order", [None, "group"])
+def test_dead_inputs_are_damped_as_in_the_reference(act_order):
     """A dead input's Hessian diagonal becomes 1, as in the reference code, and that 1 counts in the mean
-    diagonal the damping scales with: the same codes as column-by-column GPTQ on that Hessian."""
+    diagonal the damping scales with and in the act order (which decides the groups): the same codes as
+    column-by-column GPTQ on that Hessian."""
     x = correlated_inputs(1024, 256) * 0.05  # live diagonal ~0.05: the dead inputs' 1s move the damping a lot
     x[:, 100:228] = 0
     W, H = torch.randn(32, 256, generator=torch.Generator().manual_seed(3)), hessian(x)
-    q = gptq_quantize(W, H, QuantArgs(4, 64, True), damp=0.1)
-    assert torch.equal(q.codes, columnwise_gptq(W, H, QuantArgs(4, 64, True), 0.1, None).codes)
+    q = gptq_quantize(W, H, QuantArgs(4, 64, True), damp=0.1, act_order=act_order)
+    assert torch.equal(q.codes, columnwise_gptq(W, H, QuantArgs(4, 64, True), 0.1, act_order).codes)
 
 
 def test_an_unknown_act_order_is_named_by_gptq_quantize_too():
