@@ -559,3 +559,21 @@ def test_no_numeric_option_lets_nan_or_an_unintended_inf_through(capsys, command
             if isinstance(v, float):
                 assert not math.isnan(v), (command, flag, text)
                 assert math.isfinite(v) or (command, flag) in ALLOWS_INF, (command, flag, text)
+
+
+def test_gqa_training_that_cannot_fit_is_one_line_and_writes_nothing(
+    capsys, tiny_llama, calib_txt, tmp_path, monkeypatch
+):
+    """The training memory check (distill.check_memory) through the command: one line naming --train, exit 2,
+    no --out, and nothing but its lock in the run directory."""
+    monkeypatch.setattr(devices, "available_memory", lambda device: 1)
+    out = tmp_path / "gqa"
+    code, _, err = run_cli(
+        capsys, "gqa", "--model", str(tiny_llama), "--kv-heads", "1", "--uptrain-tokens", "256", "--seq-len", "32",
+        "--train-data", str(calib_txt), "--eval-data", str(calib_txt), "--calib", str(calib_txt),
+        "--num-samples", "2", "--out", str(out),
+    )  # fmt: skip
+    assert_one_line_error(code, err, "gradients and AdamW moments")
+    assert "--train, e.g. k_proj,v_proj" in err
+    assert not out.exists()
+    assert [p.name for p in (tmp_path / ".gqa.train").iterdir()] == [".lock"]  # the resumable run: no checkpoint
