@@ -43,15 +43,18 @@ def fast_bf16_matmul(device: torch.device) -> bool:
 COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def compute_dtype(choice: str, stored: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype calibration passes run in. auto: the machine's fast dtype, not the checkpoint's: bf16 where bf16
-    products are fast, else fp32 (a bf16 checkpoint on an AVX2 CPU ran its passes at 3.3 GFLOP/s in bf16 against
-    18 in fp32); fp16 weights stay fp16 on a GPU. Only activations and products change: the weights are quantized
-    from their stored values."""
-    if choice not in COMPUTE_DTYPES:
-        raise FieldError("compute_dtype", f"{choice!r} is not one of {', '.join(COMPUTE_DTYPES)}")
-    if choice != "auto":
-        return COMPUTE_DTYPES[choice]
+def fast_dtype(stored: torch.dtype, device: torch.device) -> torch.dtype:
+    """The machine's fast dtype, not the checkpoint's: bf16 where bf16 products are fast, else fp32 (a bf16
+    checkpoint on an AVX2 CPU ran its passes at 3.3 GFLOP/s in bf16 against 18 in fp32); fp16 weights stay
+    fp16 on a GPU. What `auto` means for calibration passes and for the runtime's activations alike."""
     if stored == torch.float16 and device.type == "cuda":
         return stored
     return torch.bfloat16 if fast_bf16_matmul(device) else torch.float32
+
+
+def compute_dtype(choice: str, stored: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype calibration passes run in: auto is `fast_dtype`. Only activations and products change: the
+    weights are quantized from their stored values."""
+    if choice not in COMPUTE_DTYPES:
+        raise FieldError("compute_dtype", f"{choice!r} is not one of {', '.join(COMPUTE_DTYPES)}")
+    return COMPUTE_DTYPES[choice] or fast_dtype(stored, device)

@@ -107,6 +107,12 @@ def context_length(config: dict) -> int:
     return context
 
 
+def stored_dtype(config: dict) -> torch.dtype:
+    """The dtype config.json says the float weights were saved in (transformers 5 writes `dtype`, 4 `torch_dtype`)."""
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return getattr(torch, name) if isinstance(getattr(torch, name, None), torch.dtype) else torch.float32
+
+
 def check(model_dir: Path) -> dict:
     """Supported architecture and intact weight files, or a one-line SlimlmError; returns config.json."""
     config = read_config(model_dir)

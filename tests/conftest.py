@@ -111,3 +111,27 @@ def smollm2_w4(smollm2, tmp_path_factory) -> Path:
     return quantize_weights(
         Quantization("rtn", [RTN(args)], args, "smollm2-135m", out, report_error=False), progress=False
     )
+
+
+@pytest.fixture(autouse=True, scope="session")
+def fp32_runtime():
+    """The runtime's default dtype, auto, is bf16 on CPUs with AVX-512 BF16 and fp32 on AVX2 ones, and CI's
+    machines are of both kinds: the suite's parity tests compare against fp32 transformers, so in this process
+    `auto` means fp32 whatever the machine (tests of auto itself take `machine_auto_dtype`; commands the tests
+    run as subprocesses resolve it as the machine does)."""
+    from slimlm.runtime import engine
+
+    real = engine.activation_dtype
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            engine, "activation_dtype", lambda name, *rest: torch.float32 if name == "auto" else real(name, *rest)
+        )
+        yield real
+
+
+@pytest.fixture
+def machine_auto_dtype(fp32_runtime, monkeypatch):
+    """The runtime's `auto` dtype as this machine resolves it (devices.fast_dtype), for tests of auto itself."""
+    from slimlm.runtime import engine
+
+    monkeypatch.setattr(engine, "activation_dtype", fp32_runtime)

@@ -82,7 +82,7 @@ def evaluate(
     results.pop("samples", None)
     results["slimlm"] = {
         "model": str(lm.engine.model_dir),
-        "engine": dataclasses.asdict(lm.engine.config),
+        "engine": {**dataclasses.asdict(lm.engine.config), "dtype": str(lm.engine.dtype).removeprefix("torch.")},
         "seconds": round(seconds, 1),
         "tokens_computed": lm.tokens_computed,
         "tokens_per_second": round(lm.tokens_computed / seconds, 1),

@@ -57,7 +57,7 @@ def perplexity(
         "tokens_scored": scored,
         "seconds": round(seconds, 2),
         "tokens_per_second": round(len(windows) * seq_len / seconds, 1),
-        "engine": {"dtype": engine.config.dtype, "device": str(engine.device)},
+        "engine": {"dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device)},
         "method": "non-overlapping windows of a passage stream joined with EOS; all but each window's first "
         "token scored, through the slimlm runtime",
     }

@@ -370,7 +370,7 @@ def against_bench(bench: dict, config: dict) -> list[dict]:
     """The bandwidth model's step for each decode step a `compress bench` run measured (its own bandwidth,
     its checkpoint's format), side by side with the measured time."""
     system = bench["systems"]["model"]
-    dtype = bench["config"]["dtype"]
+    dtype = bench.get("activation_dtype") or bench["config"]["dtype"]  # results before auto lack the former
     dims, weights = Dims.from_config(config), weight_format_of(config, dtype)
     measured = system["offline"]["kv_bytes_per_token"]
     kv = next((k for k in ("int4", "int8", "bf16", "fp32") if kv_bytes_per_token(dims, k) == measured), None)

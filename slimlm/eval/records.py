@@ -71,6 +71,7 @@ class Bench(Record):
     config: dict
     bandwidth_bytes_s: float
     matmul_flops: float
+    activation_dtype: str | None = None  # what config.dtype (auto) resolved to; older results lack it
     threads: int | None = None
     systems: dict[str, System]
     warnings: list[str] = []

@@ -8,15 +8,21 @@ from typing import Annotated
 from slimlm.formats.kv_cache import CACHE_DTYPES
 from slimlm.jobs.options import Job, Opt, Switch, parse_size, positive_int
 
-DTYPES = ("float32", "bfloat16", "float16")
-Dtype = Annotated[str, Opt(choices=DTYPES)]
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+Dtype = Annotated[
+    str,
+    Opt(
+        "activations: auto = bf16 where this machine multiplies bf16 fast (AVX-512 BF16, AMX, GPUs), else fp32",
+        choices=DTYPES,
+    ),
+]
 Device = Annotated[str | None, Opt("cpu or cuda[:N] (default: cuda when available, else cpu)")]
 
 
 class EngineMemory(Job):
     """What every engine a command builds needs: its dtype, KV pool, KV dtype and device."""
 
-    dtype: Dtype = "float32"
+    dtype: Dtype = "auto"
     kv_cache_memory: Annotated[int, Opt("KV block pool size (e.g. 512M, 2G)", parse=parse_size)] = 512 << 20
     kv_cache_dtype: Annotated[
         str, Opt("KV cache storage: auto = the checkpoint's kv_cache_scheme, else --dtype", choices=CACHE_DTYPES)

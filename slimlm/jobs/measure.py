@@ -12,7 +12,7 @@ from pydantic import Field
 
 from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats import atomic
-from slimlm.jobs.engine import DTYPES, EngineMemory
+from slimlm.jobs.engine import Dtype, EngineMemory
 from slimlm.jobs.options import (
     Job,
     Opt,
@@ -52,12 +52,18 @@ def task_list(text: str) -> list[str]:
 
 
 def measure_perplexity(
-    spec: str, source: str, seq_len: int, max_tokens: int, device: str | None, kv_cache_dtype: str = "auto"
+    spec: str,
+    source: str,
+    seq_len: int,
+    max_tokens: int,
+    device: str | None,
+    kv_cache_dtype: str = "auto",
+    dtype: str = "auto",
 ) -> dict:
     from slimlm.eval.perplexity import engine_for, perplexity
     from slimlm.formats import shards
 
-    engine = engine_for(spec, seq_len, device=device, kv_cache_dtype=kv_cache_dtype)
+    engine = engine_for(spec, seq_len, device=device, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
     from slimlm.eval import records
 
     result = perplexity(engine, source, seq_len=seq_len, max_tokens=max_tokens)
@@ -128,7 +134,7 @@ class Eval(EngineMemory):
         ppl = None
         if ppl_source:
             ppl = measure_perplexity(
-                self.model, ppl_source, self.seq_len, self.max_tokens, self.device, self.kv_cache_dtype
+                self.model, ppl_source, self.seq_len, self.max_tokens, self.device, self.kv_cache_dtype, self.dtype
             )
             print(
                 f"perplexity on {ppl_source}: {ppl['perplexity']:.3f} ({ppl['tokens_scored']} tokens, "
@@ -178,7 +184,7 @@ class Bench(Job):
     )
     slo_ttft: Annotated[float, Opt("goodput: time to first token at most, seconds", parse=positive_float)] = 2.0
     slo_itl: Annotated[float, Opt("goodput: mean inter-token latency at most, seconds", parse=positive_float)] = 0.2
-    dtype: Annotated[str, Opt(choices=DTYPES)] = "float32"
+    dtype: Dtype = "auto"
     kv_cache_memory: Annotated[
         int | None,
         Opt("KV block pool size (default: what the largest batch needs at --context, at least 512M)", parse=parse_size),

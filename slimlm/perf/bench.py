@@ -70,6 +70,7 @@ def in_turns(systems: dict[str, str], rounds: int, measure, part: str, log) -> d
 def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool = True) -> dict:
     """Both models, part by part (offline, then online), the baseline first in each part."""
     from slimlm import models
+    from slimlm.runtime import engine
 
     log = (lambda msg: print(msg, flush=True)) if progress else (lambda msg: None)
     systems = {"baseline": baseline, "model": model} if baseline else {"model": model}
@@ -83,12 +84,16 @@ def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool 
             if tokens > context:
                 raise SlimlmError(f"{flag}: {tokens} tokens are past {path}'s context of {context}; lower it")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    bandwidth, peak = plan.copy_bandwidth(device), plan.matmul_rate(config.dtype, device)
-    log(f"[bench] copy bandwidth {bandwidth / 1e9:.1f} GB/s, {config.dtype} matmul {peak / 1e9:.0f} GFLOP/s")
+    # what the engines run (auto: the machine's fast dtype), named in the result for plan.against_bench
+    hf_config = models.read_config(models.resolve(model))
+    dtype = str(engine.activation_dtype(config.dtype, hf_config, torch.device(device))).removeprefix("torch.")
+    bandwidth, peak = plan.copy_bandwidth(device), plan.matmul_rate(dtype, device)
+    log(f"[bench] copy bandwidth {bandwidth / 1e9:.1f} GB/s, {dtype} matmul {peak / 1e9:.0f} GFLOP/s")
     result = {
         "config": asdict(config),
         "bandwidth_bytes_s": bandwidth,
         "matmul_flops": peak,
+        "activation_dtype": dtype,
         "threads": torch.get_num_threads(),
         "systems": {name: {"path": path} for name, path in systems.items()},
     }

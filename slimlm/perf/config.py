@@ -18,7 +18,7 @@ class BenchConfig:
     steps: int = 5  # decode steps timed per batch size (the median is kept)
     rounds: int = 3  # measurements of each system, in turn (offline: each figure's median; online: the median run)
     kv_cache_memory: int | None = None  # None: what the largest decode batch at `context` needs
-    dtype: str = "float32"
+    dtype: str = "auto"
     requests: int = 24
     rate: float = 2.0  # Poisson arrivals per second
     prompt_len: tuple[int, int] = (64, 256)

@@ -15,7 +15,7 @@ import torch
 from slimlm import models
 from slimlm.errors import SlimlmError
 from slimlm.runtime.block_manager import BlockManager
-from slimlm.runtime.model_runner import DTYPES, ModelRunner
+from slimlm.runtime.model_runner import ModelRunner
 from slimlm.runtime.scheduler import Batch, ScheduledSeq
 from slimlm.runtime.sequence import Sequence
 from slimlm.runtime.speculative import Proposal, distributions
@@ -40,7 +40,7 @@ class DraftProposer:
         config = engine.config
         self.runner = ModelRunner(
             model_dir,
-            DTYPES[config.dtype],
+            engine.dtype,
             str(engine.device),
             config.kv_cache_memory,
             config.block_size,

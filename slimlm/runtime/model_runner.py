@@ -15,7 +15,10 @@ from slimlm.runtime.loader import load_model
 from slimlm.runtime.model import StepInputs
 from slimlm.runtime.scheduler import Batch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # activation dtypes by name
+# Activation dtypes by name. auto: bf16 where bf16 products are fast (AVX-512 BF16, AMX, GPUs), fp32 elsewhere
+# (devices.fast_dtype). On an AVX-512 BF16 CPU the W4 kernel computes an fp32 row as three bf16 rows (exact), so
+# fp32 activations cost ~3x the products of bf16 ones: prefill, batches and speculative verification all pay it.
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # The caches whose keys lose their mean before rounding: a 4-bit one (formats.kv_int4), and fp8, whose rounding
 # error is relative, so a key channel at 350 (Qwen2's key biases) loses up to ±11 of it; less its mean, the same

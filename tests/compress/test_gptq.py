@@ -384,13 +384,16 @@ def test_outputs_have_the_types_the_formats_expect(args, act_order):
 @pytest.mark.parametrize("act_order", [None, "group"])
 def test_dead_inputs_are_damped_as_in_the_reference(act_order):
     """A dead input's Hessian diagonal becomes 1, as in the reference code, and that 1 counts in the mean
-    diagonal the damping scales with and in the act order (which decides the groups): the same codes as
-    column-by-column GPTQ on that Hessian."""
+    diagonal the damping scales with and in the act order (which decides the groups): the same groups and, up to
+    floating point, the same codes as column-by-column GPTQ on that Hessian (an Intel AMX machine's BLAS rounds 11
+    of 8192 ties the other way by group, an AMD one none; dead inputs sorted as 0 change 1540)."""
     x = correlated_inputs(1024, 256) * 0.05  # live diagonal ~0.05: the dead inputs' 1s move the damping a lot
     x[:, 100:228] = 0
     W, H = torch.randn(32, 256, generator=torch.Generator().manual_seed(3)), hessian(x)
     q = gptq_quantize(W, H, QuantArgs(4, 64, True), damp=0.1, act_order=act_order)
-    assert torch.equal(q.codes, columnwise_gptq(W, H, QuantArgs(4, 64, True), 0.1, act_order).codes)
+    ref = columnwise_gptq(W, H, QuantArgs(4, 64, True), 0.1, act_order)
+    assert (q.codes != ref.codes).float().mean() < 0.01
+    assert (q.g_idx is None and ref.g_idx is None) or torch.equal(q.g_idx, ref.g_idx)
 
 
 def test_an_unknown_act_order_is_named_by_gptq_quantize_too():

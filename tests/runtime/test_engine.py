@@ -385,7 +385,7 @@ def test_prompt_top_logprobs_gather_over_every_chunk(tiny_llama, hf, prompts):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(dtype="fp64"), "dtype 'fp64' is not one of float32, bfloat16, float16"),
+        (dict(dtype="fp64"), "dtype 'fp64' is not one of auto, float32, bfloat16, float16"),
         (dict(kv_cache_dtype=8), "kv_cache_dtype 8 is not one of auto, fp8, int8, int4, float32, bfloat16, float16"),
         (
             dict(kv_cache_dtype="fp4"),
@@ -442,6 +442,20 @@ def test_the_engine_reads_context_and_eos_from_the_config(tiny_llama, tmp_path):
     shutil.rmtree(eos)
     none = edited_model(tiny_llama, tmp_path, eos_token_id=None)
     assert Engine(str(none)).eos_ids == {Engine(str(tiny_llama)).tokenizer.eos_token_id}
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_auto_runs_bf16_where_the_machine_multiplies_it_fast(tiny_llama, monkeypatch, machine_auto_dtype, fast):
+    from slimlm import devices
+
+    monkeypatch.setattr(devices, "fast_bf16_matmul", lambda _dev: fast)
+    llm = LLM(str(tiny_llama), max_model_len=64)  # an fp32 checkpoint
+    engine, want = llm.engine, torch.bfloat16 if fast else torch.float32
+    assert engine.dtype == want and engine.runner.model.model.norm.weight.dtype == want
+    assert engine.runner.kv_cache.dtype == want  # the KV cache's auto follows the activations
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert Engine(str(tiny_llama), EngineConfig(dtype="float32", max_model_len=64)).dtype == torch.float32
 
 
 def test_the_engine_builds_what_its_config_asks(tiny_llama):
