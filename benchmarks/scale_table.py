@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 from quant_vs_peers import run_one
 
 from slimlm import models
+from slimlm.eval.report import environment
 from slimlm.kernels.cpu_library import cpu_flags
 
 COMPRESS = [sys.executable, "-m", "slimlm.cli"]
@@ -183,35 +183,45 @@ def run_row(a: argparse.Namespace, name: str, commands: list[list[str]]) -> dict
     return row
 
 
+def machine() -> str:
+    """This CPU as a row records it: its name, cores and the instructions the kernels choose between."""
+    flags = cpu_flags()
+    isa = "AVX2"
+    if "avx512f" in flags:
+        isa = "AVX-512" + (" BF16" if "avx512_bf16" in flags else "") + (" + AMX" if "amx_bf16" in flags else "")
+    march = os.environ.get("SLIMLM_CPU_MARCH")
+    return f"{environment()['cpu']}, {os.cpu_count()} cores, {isa}" + (f", SLIMLM_CPU_MARCH={march}" if march else "")
+
+
 def table(a: argparse.Namespace) -> str:
     found = {p.name.removesuffix(".json"): json.loads(p.read_text()) for p in sorted(a.out.glob("*.row.json"))}
     done = {k.removesuffix(".row"): v for k, v in found.items()}
     base = done.get("float", {}).get("ppl")
-    machine = (
-        f"{platform.machine()}, {os.cpu_count()} cores, "
-        + ("AVX-512" + (" BF16" if "avx512_bf16" in cpu_flags() else "") if "avx512f" in cpu_flags() else "AVX2")
-        + f", SLIMLM_CPU_MARCH={os.environ.get('SLIMLM_CPU_MARCH', 'native')}"
-    )
+    machines = list(dict.fromkeys(r.get("machine", "not recorded") for r in done.values()))
     lines = [
-        f"{a.model}: every command, {machine}; W4/W8 g{a.group_size}, calibration {a.samples}×512 owt tokens; "
+        f"{a.model}: every command; W4/W8 g{a.group_size}, calibration {a.samples}×512 owt tokens; "
         f"wiki perplexity over {a.ppl_tokens} tokens (512-token windows) through the runtime in {a.eval_dtype} "
         "activations, the same tokens for every row; bench, generate, speculative and serve rows run the runtime's "
         "default dtype (auto: bf16 on AVX-512 BF16, fp32 on AVX2) unless their command says otherwise.",
         "",
-        "| row | command | wall s | peak RSS GB | checkpoint GB | wiki ppl | vs float | eval s | result |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Machines (only ratios within one row, or between rows on one machine, carry over): "
+        + "; ".join(f"M{i + 1}: {m}" for i, m in enumerate(machines)),
+        "",
+        "| row | machine | command | wall s | peak RSS GB | checkpoint GB | wiki ppl | vs float | eval s | result |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     # rows of the table, then any earlier runs kept beside them under another name (e.g. before a fix)
     for name in [*rows(a), *sorted(set(done) - set(rows(a)))]:
         r = done.get(name)
         if r is None:
-            lines.append(f"| {name} | not run | | | | | | | |")
+            lines.append(f"| {name} | | not run | | | | | | | |")
             continue
+        where = f"M{machines.index(r.get('machine', 'not recorded')) + 1}"
         if name.startswith("serve-w4"):  # also the runs kept under other names (serve-w4-fp32)
             info = r.get("error") or (
                 f"ready in {r['ready_seconds']} s; {r['completion_tokens']} tokens in {r['reply_seconds']} s"
             )
-            lines.append(f"| {name} | `{r.get('command', '')}` + openai client | | | | | | | {info} |")
+            lines.append(f"| {name} | {where} | `{r.get('command', '')}` + openai client | | | | | | | {info} |")
             continue
         cmds = r.get("commands", [])
         command = " ; ".join(f"`{c['command']}`" for c in cmds) or f"`{r.get('eval_command', '')}`"
@@ -224,7 +234,7 @@ def table(a: argparse.Namespace) -> str:
         if "same_text" in r:
             result += f"; same text as plain decoding: {r['same_text']}"
         lines.append(
-            f"| {name} | {command}{err} | {secs} | {peak} | {r.get('size_gb', '')} | "
+            f"| {name} | {where} | {command}{err} | {secs} | {peak} | {r.get('size_gb', '')} | "
             f"{'' if ppl is None else f'{ppl:.3f}'} | {vs} | {r.get('eval_seconds', '')} | {result} |"
         )
     return "\n".join(lines)
@@ -263,7 +273,7 @@ def main() -> None:
         if path.exists() and "error" not in json.loads(path.read_text()):
             continue
         print(f"{time.strftime('%H:%M:%S')} {name} ...", flush=True)
-        row = run_row(a, name, commands[name])
+        row = {"machine": machine(), **run_row(a, name, commands[name])}
         path.write_text(json.dumps(row, indent=2))
         print(json.dumps({k: v for k, v in row.items() if k != "commands"}), flush=True)
     text = table(a)

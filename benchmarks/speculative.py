@@ -113,7 +113,9 @@ def speed(args) -> list[dict]:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     rows, reference = [], {}
     for name, spec, k in systems:
-        llm = LLM(args.model, speculative=spec, num_speculative_tokens=k, max_num_batched_tokens=2048)
+        llm = LLM(args.model, speculative=spec, num_speculative_tokens=k, max_num_batched_tokens=2048, dtype=args.dtype)
+        if not rows:
+            print(f"activations: {str(llm.engine.dtype).removeprefix('torch.')} (--dtype {args.dtype})", flush=True)
         batch = prompts(llm.tokenizer, args.prompts, args.code)
         _run(llm, batch[:1], SamplingParams(max_tokens=8, temperature=0))  # warm-up
         for size in (1, 8):
@@ -228,9 +230,10 @@ def main() -> None:
     parser.add_argument("--top-ps", default="1.0,0.9", help="exactness: the top-p settings to test")
     parser.add_argument("--systems", default="ngram,rtn", help="speed: proposers besides plain decoding")
     parser.add_argument("--drafts", default="", help="speed: more draft models, NAME=DIR,... (e.g. a pruned one)")
+    parser.add_argument("--dtype", default="auto", help="the runtime's activations (auto: bf16 where fast, else fp32)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    print(f"{args.model}, fp32, {torch.get_num_threads()} threads", flush=True)
+    print(f"{args.model}, {torch.get_num_threads()} threads", flush=True)
     run_parts(args, {"speed": speed, "exactness": exactness})
 
 
