@@ -65,8 +65,9 @@ def evaluate(checkpoint: str, out: Path, a: argparse.Namespace) -> dict | None:
     return result
 
 
-def hf_compare(model_dir: str, a: argparse.Namespace) -> dict:
-    """lm-eval's hf backend on the float model, same tasks and documents: accuracy, agreement, wall time."""
+def hf_compare(model_dir: str, a: argparse.Namespace, dtype: str = "float32") -> dict:
+    """lm-eval's hf backend on the float model, same tasks and documents, both in `dtype`: accuracy,
+    agreement, wall time."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
@@ -77,8 +78,8 @@ def hf_compare(model_dir: str, a: argparse.Namespace) -> dict:
     manager = harness.task_manager(tasks)
     runs = {}
     for name, make in [
-        ("slimlm", lambda: SlimlmLM(pretrained=model_dir, progress=False)),
-        ("hf", lambda: HFLM(pretrained=model_dir, batch_size=a.hf_batch_size, device="cpu", dtype="float32")),
+        ("slimlm", lambda: SlimlmLM(pretrained=model_dir, progress=False, dtype=dtype)),
+        ("hf", lambda: HFLM(pretrained=model_dir, batch_size=a.hf_batch_size, device="cpu", dtype=dtype)),
     ]:
         lm = make()
         start = time.time()
