@@ -2,6 +2,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from slimlm import SlimlmError, models
 
@@ -57,3 +58,17 @@ def test_hub_endpoint_port_is_probed(monkeypatch):
     assert hub.hub_address() == ("mirror.local", 8080)
     monkeypatch.setenv("HF_ENDPOINT", "https://hf.example.org")
     assert hub.hub_address() == ("hf.example.org", 443)
+
+
+@pytest.mark.parametrize(
+    ("config", "want"),
+    [
+        ({"dtype": "bfloat16"}, torch.bfloat16),
+        ({"torch_dtype": "float16"}, torch.float16),  # transformers 4's key
+        ({"dtype": "float32", "torch_dtype": "bfloat16"}, torch.float32),  # transformers 5's key wins
+        ({}, torch.float32),
+        ({"dtype": "Tensor"}, torch.float32),  # a torch attribute that is not a dtype
+    ],
+)
+def test_the_stored_dtype_is_read_from_config(config, want):
+    assert models.stored_dtype(config) == want
