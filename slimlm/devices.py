@@ -40,6 +40,11 @@ def fast_bf16_matmul(device: torch.device) -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype as configs and results spell it: bfloat16, not torch.bfloat16."""
+    return str(dtype).removeprefix("torch.")
+
+
 COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

@@ -107,9 +107,14 @@ def context_length(config: dict) -> int:
     return context
 
 
-def stored_dtype(config: dict) -> torch.dtype:
+def stored_dtype_name(config: dict) -> str:
     """The dtype config.json says the float weights were saved in (transformers 5 writes `dtype`, 4 `torch_dtype`)."""
-    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return config.get("dtype") or config.get("torch_dtype") or "float32"
+
+
+def stored_dtype(config: dict) -> torch.dtype:
+    """stored_dtype_name as a torch dtype (float32 where it names none)."""
+    name = stored_dtype_name(config)
     return getattr(torch, name) if isinstance(getattr(torch, name, None), torch.dtype) else torch.float32
 
 

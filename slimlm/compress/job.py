@@ -26,10 +26,6 @@ def default_group_size(model_dir: Path) -> int:
     return next((g for g in sorted(SUPPORTED_GROUP_SIZES, reverse=True) if g > 0 and all(d % g == 0 for d in dims)), -1)
 
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _check_lm_head(model: torch.nn.Module, args: QuantArgs) -> None:
     hidden = model.lm_head.in_features
     if args.group_size != -1 and hidden % args.group_size:
@@ -107,7 +103,7 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
             )
             log(
                 f"[{job.method}] {source.dir.name}: {len(samples)}×{calibration.seq_len} calibration tokens from "
-                f"'{calibration.source}', {source.device}, passes in {_name(passes)}"
+                f"'{calibration.source}', {source.device}, passes in {devices.dtype_name(passes)}"
             )
         else:
             log(f"[{job.method}] {source.dir.name}: no calibration data needed, on {source.device}")
@@ -135,7 +131,7 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
                 "num_samples": calibration.num_samples,
                 "seq_len": calibration.seq_len,
                 "seed": calibration.seed,
-                "compute_dtype": _name(passes),
+                "compute_dtype": devices.dtype_name(passes),
             }
             if with_data
             else None,
@@ -265,5 +261,5 @@ def _finish(
     named = {name: q.args for name, q in quantized.items() if q.args != job.args}
     patch["quantization_config"] = writer.quantization_config(job.fmt, job.args, ignored, source.method_args, named)
     if layers.as_stored:  # the float weights' dtype is the source's, and config.json says so
-        patch["dtype"] = source.config.get("dtype") or source.config.get("torch_dtype") or "float32"
+        patch["dtype"] = models.stored_dtype_name(source.config)
     return patch

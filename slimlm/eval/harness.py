@@ -8,6 +8,7 @@ import json
 import logging
 import time
 
+from slimlm import devices
 from slimlm.errors import SlimlmError
 from slimlm.eval import taskpack
 
@@ -82,7 +83,7 @@ def evaluate(
     results.pop("samples", None)
     results["slimlm"] = {
         "model": str(lm.engine.model_dir),
-        "engine": {**dataclasses.asdict(lm.engine.config), "dtype": str(lm.engine.dtype).removeprefix("torch.")},
+        "engine": {**dataclasses.asdict(lm.engine.config), "dtype": devices.dtype_name(lm.engine.dtype)},
         "seconds": round(seconds, 1),
         "tokens_computed": lm.tokens_computed,
         "tokens_per_second": round(lm.tokens_computed / seconds, 1),

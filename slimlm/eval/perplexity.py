@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 
-from slimlm import data, models
+from slimlm import data, devices, models
 from slimlm.errors import FieldError, SlimlmError
 from slimlm.eval import batch
 from slimlm.runtime.engine import Engine, EngineConfig
@@ -57,7 +57,7 @@ def perplexity(
         "tokens_scored": scored,
         "seconds": round(seconds, 2),
         "tokens_per_second": round(len(windows) * seq_len / seconds, 1),
-        "engine": {"dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device)},
+        "engine": {"dtype": devices.dtype_name(engine.dtype), "device": str(engine.device)},
         "method": "non-overlapping windows of a passage stream joined with EOS; all but each window's first "
         "token scored, through the slimlm runtime",
     }

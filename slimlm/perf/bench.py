@@ -9,6 +9,7 @@ from dataclasses import asdict
 
 import torch
 
+from slimlm import devices
 from slimlm.errors import SlimlmError
 from slimlm.eval import plan, records
 from slimlm.perf.config import BenchConfig, max_seqs
@@ -86,7 +87,7 @@ def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # what the engines run (auto: the machine's fast dtype), named in the result for plan.against_bench
     hf_config = models.read_config(models.resolve(model))
-    dtype = str(engine.activation_dtype(config.dtype, hf_config, torch.device(device))).removeprefix("torch.")
+    dtype = devices.dtype_name(engine.activation_dtype(config.dtype, hf_config, torch.device(device)))
     bandwidth, peak = plan.copy_bandwidth(device), plan.matmul_rate(dtype, device)
     log(f"[bench] copy bandwidth {bandwidth / 1e9:.1f} GB/s, {dtype} matmul {peak / 1e9:.0f} GFLOP/s")
     result = {
