@@ -258,15 +258,17 @@ int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache
                         int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, float scale, int amx, float *out,
                         int nthreads);  // kind: 0 fp32, 1 bf16 (the step's dtype here), 2 int8, 3 fp8
 
-// One packed linear, as cpu_gemm.quant_matmul would call it for this many rows (the loop chosen in Python)
+// One packed linear, as cpu_gemm.quant_matmul would call it for this many rows (the loop chosen in Python),
+// and its bias in the step's dtype (NULL for none: Qwen2's q/k/v have one)
 typedef struct {
     const void *codes, *scales, *zeros;
     int64_t blocks, group, bits, in_features, out_features, code_rows;
     int64_t loop;  // 0: bf16 x and y; 1: fp32 split into bf16 planes; 2: the fused fp32 loop (padded y);
                    // 3: bf16 x and y on the AMX tile unit
+    const void *bias;
 } Linear;
 
-static int linear(const Linear *w, const void *x, int64_t m, void *y, float *padded, int nthreads) {
+static int product(const Linear *w, const void *x, int64_t m, void *y, float *padded, int nthreads) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (w->loop == 3)
         return slimlm_quant_matmul_amx((int)w->bits, x, m, w->in_features, w->codes, w->scales, w->zeros, w->blocks,
@@ -282,6 +284,18 @@ static int linear(const Linear *w, const void *x, int64_t m, void *y, float *pad
                         padded, nthreads);
     for (int64_t r = 0; r < m; r++)  // drop the padding features
         memcpy((float *)y + r * w->out_features, padded + r * w->blocks * 64, sizeof(float) * w->out_features);
+    return 0;
+}
+
+// y = x·Wᵀ + bias, the bias added to the rounded product and rounded again, as torch's `y + bias` does
+static int linear(const Linear *w, const void *x, int64_t m, void *y, float *padded, int bf16, int nthreads) {
+    if (product(w, x, m, y, padded, nthreads)) return -1;
+    if (w->bias)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t j = 0; j < w->out_features; j++) {
+                const int64_t i = r * w->out_features + j;
+                store(y, i, load(y, i, bf16) + load(w->bias, j, bf16), bf16);
+            }
     return 0;
 }
 
@@ -333,7 +347,7 @@ static int decode_layer(void *x, void *residual, const Layer *layer, float eps, 
     slimlm_add_rms_norm(x, residual, layer->norm1, b->h, rows, hidden, eps, bf16, nthreads);
     PHASE(0);
     if (!residual) residual = x;
-    if (linear(&w[0], b->h, rows, b->qkv, b->padded, nthreads)) return -1;
+    if (linear(&w[0], b->h, rows, b->qkv, b->padded, bf16, nthreads)) return -1;
     PHASE(1);
     slimlm_rotary_kv_write(b->qkv, rows, heads, kv_heads, dim, cos, sin, slots, k_cache, v_cache, b->q, bf16, kind,
                            layer->k_scale, layer->v_scale, NULL, NULL, nthreads);
@@ -345,15 +359,15 @@ static int decode_layer(void *x, void *residual, const Layer *layer, float eps, 
         return -1;
     for (int64_t i = 0; i < rows * heads * dim; i++) store(b->attn, i, of[i], bf16);
     PHASE(3);
-    if (linear(&w[1], b->attn, rows, out, b->padded, nthreads)) return -1;
+    if (linear(&w[1], b->attn, rows, out, b->padded, bf16, nthreads)) return -1;
     PHASE(4);
     slimlm_add_rms_norm(out, residual, layer->norm2, b->h, rows, hidden, eps, bf16, nthreads);
     PHASE(5);
-    if (linear(&w[2], b->h, rows, b->gu, b->padded, nthreads)) return -1;
+    if (linear(&w[2], b->h, rows, b->gu, b->padded, bf16, nthreads)) return -1;
     PHASE(6);
     slimlm_silu_mul(b->gu, b->act, rows, inter, bf16, nthreads);
     PHASE(7);
-    const int status = linear(&w[3], b->act, rows, out, b->padded, nthreads);
+    const int status = linear(&w[3], b->act, rows, out, b->padded, bf16, nthreads);
     PHASE(8);
     return status;
 }

@@ -135,10 +135,14 @@ def _c_writes(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale, k
 
 
 class _Linear(ctypes.Structure):  # cpu_layer.c's Linear
-    _fields_ = [(name, ctypes.c_void_p) for name in ("codes", "scales", "zeros")] + [
-        (name, ctypes.c_int64)
-        for name in ("blocks", "group", "bits", "in_features", "out_features", "code_rows", "loop")
-    ]
+    _fields_ = (
+        [(name, ctypes.c_void_p) for name in ("codes", "scales", "zeros")]
+        + [
+            (name, ctypes.c_int64)
+            for name in ("blocks", "group", "bits", "in_features", "out_features", "code_rows", "loop")
+        ]
+        + [("bias", ctypes.c_void_p)]
+    )
 
 
 LOOPS = {"bf16-codes": 0, "bf16-weights": 0, "fp32-split": 1, "fused": 2, "bf16-amx": 3}  # cpu_gemm.path -> C loop
@@ -150,14 +154,14 @@ class _Layer(ctypes.Structure):  # cpu_layer.c's Layer
 
 
 class DecodeStack:
-    """A decode step through every decoder layer as a single C call: each layer's RMSNorm weights and four packed
-    linears (joined q/k/v, o, joined gate/up, down) and the attention shape, bound once; called with one token
-    per sequence. kv_scales() gives each layer's (k_scale, v_scale) for an 8-bit KV cache; it is asked when a
-    plan is first made (the scales are set after the model's backend)."""
+    """A decode step through every decoder layer as a single C call: each layer's RMSNorm weights, four packed
+    linears (joined q/k/v, o, joined gate/up, down) with their biases (None for none) and the attention shape,
+    bound once; called with one token per sequence. kv_scales() gives each layer's (k_scale, v_scale) for an
+    8-bit KV cache; it is asked when a plan is first made (the scales are set after the model's backend)."""
 
     def __init__(
         self,
-        layers: list[tuple[tuple[torch.Tensor, torch.Tensor], list[PackedWeight]]],
+        layers: list[tuple[tuple[torch.Tensor, torch.Tensor], list[PackedWeight], list[torch.Tensor | None]]],
         eps: float,
         heads: int,
         kv_heads: int,
@@ -170,14 +174,21 @@ class DecodeStack:
 
     @staticmethod
     def applies(
-        dtype: torch.dtype, linears: list[PackedWeight | None], heads: int, kv_heads: int, head_dim: int
+        dtype: torch.dtype,
+        linears: list[PackedWeight | None],
+        biases: list[torch.Tensor | None],
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
     ) -> bool:
-        """Whether a layer of this dtype, these linears and this attention shape can run in the C call here."""
+        """Whether a layer of this dtype, these linears and biases and this attention shape can run in the C call
+        here (biases of the layer's dtype, laid out flat)."""
         return (
             cpu_library.available()
             and hasattr(cpu_library.load(), "slimlm_decode_layers")
             and dtype in DTYPES
             and all(w is not None and w.perm is None for w in linears)
+            and all(b is None or (b.dtype == dtype and b.is_contiguous()) for b in biases)
             and cpu_attention.kernel_takes(heads, kv_heads, head_dim)
         )
 
@@ -188,7 +199,7 @@ class DecodeStack:
         if key not in self._plans:
             scales = self.kv_scales() if self.kv_scales else [(None, None)] * len(self.layers)
             layers, held = [], []
-            for (norms, linears), (k_scale, v_scale) in zip(self.layers, scales, strict=True):
+            for (norms, linears, biases), (k_scale, v_scale) in zip(self.layers, scales, strict=True):
                 loops = [LOOPS.get(cpu_gemm.path(rows, dtype, w)) for w in linears]
                 bf16 = dtype == torch.bfloat16  # bf16 x runs the bf16 loops only, fp32 x the others
                 if (
@@ -199,9 +210,10 @@ class DecodeStack:
                     layers = None
                     break
                 code_rows = [cpu_gemm.CODE_MAX_ROWS.get(w.bits, 0) for w in linears]  # dense fp32: none
+                bias = [None if b is None else b.data_ptr() for b in biases]
                 linear = [
-                    _Linear(*w.kernel_args, w.bits, w.in_features, w.out_features, rows, loop)
-                    for w, rows, loop in zip(linears, code_rows, loops, strict=True)
+                    _Linear(*w.kernel_args, w.bits, w.in_features, w.out_features, rows, loop, b)
+                    for w, rows, loop, b in zip(linears, code_rows, loops, bias, strict=True)
                 ]
                 pointers, tensors = cpu_attention._scales(k_scale, v_scale)
                 held.append(tensors)

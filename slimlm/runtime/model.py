@@ -229,17 +229,15 @@ class CausalLM(nn.Module):
 
     def _decode_stack(self, factory):
         """Every layer in one call for decode steps (kernels' DecodeStack), or None unless all of them allow it:
-        the four projections packed (q/k/v and gate/up joined), no biases, attention the C kernel's shape."""
+        the four projections packed (q/k/v and gate/up joined), attention the C kernel's shape."""
         dtype, layers = self.model.norm.weight.dtype, []
         attn = self.model.layers[0].self_attn
         for layer in self.model.layers:
             parts = [*layer.self_attn.qkv, layer.self_attn.o_proj, *layer.mlp.gate_up, layer.mlp.down_proj]
-            linears = [p.packed for p in parts]
-            if len(parts) != 4 or any(p.bias is not None for p in parts):
+            linears, biases = [p.packed for p in parts], [p.bias for p in parts]
+            if len(parts) != 4 or not factory.applies(dtype, linears, biases, attn.heads, attn.kv_heads, attn.head_dim):
                 return None
-            if not factory.applies(dtype, linears, attn.heads, attn.kv_heads, attn.head_dim):
-                return None
-            layers.append(((layer.input_layernorm.weight, layer.post_attention_layernorm.weight), linears))
+            layers.append(((layer.input_layernorm.weight, layer.post_attention_layernorm.weight), linears, biases))
         scales = [layer.self_attn for layer in self.model.layers]  # their KV scales come after (loader.set_kv_cache)
         return factory(
             layers,

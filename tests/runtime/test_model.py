@@ -98,6 +98,38 @@ def joinable_w4(joinable):
     return quantize(joinable, joinable.parent / "w4", "rtn", QuantArgs(4, 32, False))
 
 
+@pytest.fixture(scope="module")
+def joinable_qwen2_w4(tmp_path_factory):
+    """A tiny Qwen2 (q/k/v biases, drawn large: transformers initialises them to zero) that joins like
+    joinable, quantized RTN W4 g32."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tests.conftest import make_text, make_tokenizer
+    from tests.runtime.test_loader import quantize
+
+    root, tokenizer = tmp_path_factory.mktemp("joinable-qwen2"), make_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(root / "m")
+    tokenizer.save_pretrained(root / "m")
+    (root / "calib.txt").write_text(make_text(50))
+    return quantize(root / "m", root / "w4", "rtn", QuantArgs(4, 32, False))
+
+
 def decode_step(model, rows: int, kv_dtype: torch.dtype, seed: int = 0):
     from slimlm.perf.offline import decode_inputs
 
@@ -118,10 +150,14 @@ def forward(model, ids, step, cache):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("amx", [True, False], ids=["as-found", "without-amx"])
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn], ids=["kv-as-model", "int8", "fp8"])
-def test_one_call_stack_equals_the_modules(joinable_w4, dtype, rows, amx, kv_dtype, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, added in the C call
+def test_one_call_stack_equals_the_modules(request, arch, dtype, rows, amx, kv_dtype, monkeypatch):
     if not amx:  # the loops a CPU without AMX runs (here too when it has none)
         monkeypatch.setattr(cpu_library, "has_amx", lambda: False)
-    model = load_model(joinable_w4, dtype, "cpu", 128, "auto")
+    model = load_model(
+        request.getfixturevalue(f"joinable{'_qwen2' if arch == 'qwen2' else ''}_w4"), dtype, "cpu", 128, "auto"
+    )
+    assert (model.model.layers[0].self_attn.qkv_proj.bias is not None) == (arch == "qwen2")
     assert model.decode_stack is not None and len(model.decode_stack.layers) == 3
     ids, step, cache = decode_step(model, rows, kv_dtype or dtype)
     if kv_dtype is not None:  # an 8-bit cache: each layer's per-head scales, as loader.set_kv_cache sets them
