@@ -376,6 +376,31 @@ static inline void write_block(const float *acc, int64_t m0, int64_t m1, void *y
     }
 }
 
+// The code tiles' segments: inputs inside one group and one chunk, of even length.
+static inline int64_t segment(int64_t group) {
+    int64_t seg = group < KC ? group : KC;
+    while (group % seg != 0 || seg % 2 != 0) seg--;
+    return seg;
+}
+
+// Σ x over each segment of each of the M rows of x (rows `stride` apart): a new [M, K / seg] array, or NULL.
+static float *segment_sums(const uint16_t *x, int64_t M, int64_t K, int64_t stride, int64_t seg) {
+    const int64_t S = K / seg;
+    float *xs = malloc(sizeof(float) * M * S);
+    for (int64_t m = 0; xs != NULL && m < M; m++)
+        for (int64_t j = 0; j < S; j++) {
+            float sum = 0.0f;
+            for (int64_t k = j * seg; k < (j + 1) * seg; k++) {
+                const uint32_t word = (uint32_t)x[m * stride + k] << 16;  // bf16 -> fp32: the same top half
+                float v;
+                memcpy(&v, &word, sizeof v);
+                sum += v;
+            }
+            xs[m * S + j] = sum;
+        }
+    return xs;
+}
+
 // y[M, y_cols] = x[M, K] bf16 · Wᵀ, as fp32 or bf16 (y_bf16), code tiles up to `code_rows` rows of x and
 // weight tiles above. K and the group size must be even. Returns -1 if out of memory.
 int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
@@ -383,25 +408,9 @@ int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, 
                              void *y, int64_t y_cols, int y_bf16, int64_t code_rows, int nthreads) {
     const int64_t G = K / group;
     const int codes_only = M <= code_rows;
-    int64_t seg = group < KC ? group : KC;  // segments lie inside one group and one chunk and have even length
-    while (group % seg != 0 || seg % 2 != 0) seg--;
-    const int64_t S = K / seg, chunk = KC / seg * seg;
+    const int64_t seg = segment(group), S = K / seg, chunk = KC / seg * seg;
     float *xs = NULL;  // Σ x over each segment, per row (code tiles of codes only)
-    if (codes_only && bits != 16) {
-        xs = malloc(sizeof(float) * M * S);
-        if (xs == NULL) return -1;
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t j = 0; j < S; j++) {
-                float sum = 0.0f;
-                for (int64_t k = j * seg; k < (j + 1) * seg; k++) {
-                    const uint32_t word = (uint32_t)x[m * K + k] << 16;  // bf16 -> fp32: the same top half
-                    float v;
-                    memcpy(&v, &word, sizeof v);
-                    sum += v;
-                }
-                xs[m * S + j] = sum;
-            }
-    }
+    if (codes_only && bits != 16 && (xs = segment_sums(x, M, K, K, seg)) == NULL) return -1;
     const int64_t parts = row_parts(nblocks, M, CODE_ROWS, nthreads), part_rows = (M + parts - 1) / parts;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(|| : failed)
@@ -559,6 +568,52 @@ static void amx_streamed_row_tile(int bits, int64_t group, const uint8_t *codes,
     amx_results_store(acc, acc + 16, acc + 32, acc + 48);
 }
 
+// The same single row tile from the codes as they are: each tile step's weights are the code tiles' exact
+// pairs (bf16 1 + c/16, or c), which take half the unpacking work of dequantized weights, and the tile unit's
+// sums take each segment's scale and zero point as the code tiles' do. So a step of up to 16 rows costs about
+// what one row's code tile costs. rows: x's real rows (acc gets those); xs: Σ x per segment, S a row;
+// seg a multiple of TK.
+static inline __attribute__((always_inline)) void
+amx_code_tile(int bits, int64_t group, int64_t seg, const uint8_t *codes, const uint16_t *scales,
+              const uint8_t *zeros, int64_t K, const uint16_t *x, int64_t stride, int64_t rows, const float *xs,
+              int64_t S, __m512i *buf, float *acc) {
+    const float offset = bits == 4 ? 16.0f : 0.0f;  // 4-bit pairs hold (16 + c)/16, 8-bit ones c
+    const __m512 unit = _mm512_set1_ps(bits == 4 ? 16.0f : 1.0f);
+    const int64_t row_bytes = BN * bits / 8;
+    float sums[TM * BN] __attribute__((aligned(64)));  // one segment's raw sums, from the result tiles
+    for (int64_t sk = 0; sk < K; sk += seg) {
+        amx_results_start(sums, sums + 16, sums + 32, sums + 48, 1);
+        for (int64_t k = sk; k < sk + seg; k += TK) {
+            __m512i *w = buf + k / TK % RING * (TK / 2 * 4);
+            for (int64_t p = 0; p < TK / 2; p++) {
+                prefetch_codes(bits, codes + (k + 2 * p) * row_bytes);
+                code_pairs(bits, codes + (k + 2 * p) * row_bytes, w + 4 * p);
+            }
+            amx_row_step(x + k, stride, w);
+        }
+        amx_results_store(sums, sums + 16, sums + 32, sums + 48);
+        __m512 s[4], zs[4];
+        group_scales(scales + sk / group * BN, zeros + sk / group * BN, offset, s, zs);
+        for (int64_t r = 0; r < rows; r++) {  // acc += scale · unit · sums − scale · (zero + offset) · Σx
+            const __m512 sum = _mm512_set1_ps(xs[r * S + sk / seg]);
+            for (int i = 0; i < 4; i++) {
+                float *a = acc + r * BN + 16 * i;
+                const __m512 v = sk == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(a);
+                const __m512 scaled = _mm512_fmadd_ps(_mm512_loadu_ps(sums + r * BN + 16 * i), _mm512_mul_ps(s[i], unit), v);
+                _mm512_storeu_ps(a, _mm512_fnmadd_ps(zs[i], sum, scaled));
+            }
+        }
+    }
+}
+
+// amx_code_tile with a literal `bits` (as dequantize_tiles, for the same reason)
+static void amx_code_row_tile(int bits, int64_t group, int64_t seg, const uint8_t *codes, const uint16_t *scales,
+                              const uint8_t *zeros, int64_t K, const uint16_t *x, int64_t stride, int64_t rows,
+                              const float *xs, int64_t S, __m512i *buf, float *acc) {
+    if (bits == 4) amx_code_tile(4, group, seg, codes, scales, zeros, K, x, stride, rows, xs, S, buf, acc);
+    else amx_code_tile(8, group, seg, codes, scales, zeros, K, x, stride, rows, xs, S, buf, acc);
+}
+
 // For each of n blocks b: acc + b·acc_step [rows, 64] (+)= x[rows, 0 : kc] · the chunk in buf + b·buf_step;
 // rows a multiple of TM, x's rows `stride` bf16 apart. Row tiles outermost: their x tiles stay in cache while
 // every block multiplies them.
@@ -596,6 +651,13 @@ int slimlm_quant_matmul_amx(int bits, const uint16_t *x, int64_t M, int64_t K, c
     }
     const int64_t parts = row_parts(nblocks, Mp, TM, nthreads), part_rows = (Mp / TM + parts - 1) / parts * TM;
     const int64_t together = parts == 1 ? amx_group(Mp, Kp, nblocks, nthreads) : 1;
+    // one row tile of codes (amx_code_row_tile) where the segments are whole tile steps: Σ x per segment
+    const int64_t seg = segment(group), S = K / seg;
+    float *xs = NULL;
+    if (Mp == TM && bits != 16 && seg % TK == 0 && (xs = segment_sums(x, M, K, K, seg)) == NULL) {
+        free(xp);
+        return -1;
+    }
     const int64_t groups = (nblocks + together - 1) / together, buf_step = KC / 2 * 4, acc_step = BN * part_rows;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(|| : failed)
@@ -625,6 +687,9 @@ int slimlm_quant_matmul_amx(int bits, const uint16_t *x, int64_t M, int64_t K, c
                     float *a = acc + (nb - nb0) * acc_step;
                     if (m1 - m0 == TM && bits == 16)
                         amx_row_tile(xp + m0 * Kp, Kp, K, (const __m512i *)(codes + nb * K * (BN * 2)), a, 1);
+                    else if (m1 - m0 == TM && xs != NULL)
+                        amx_code_row_tile(bits, group, seg, codes + nb * K * (BN * bits / 8), scales + nb * G * BN,
+                                          zeros + nb * G * BN, K, xp + m0 * Kp, Kp, M - m0, xs + m0 * S, S, buf, a);
                     else if (m1 - m0 == TM)
                         amx_streamed_row_tile(bits, group, codes + nb * K * (BN * bits / 8), scales + nb * G * BN,
                                               zeros + nb * G * BN, K, xp + m0 * Kp, Kp, buf, a);
@@ -636,6 +701,7 @@ int slimlm_quant_matmul_amx(int bits, const uint16_t *x, int64_t M, int64_t K, c
         free(buf);
         free(acc);
     }
+    free(xs);
     free(xp);
     return failed ? -1 : 0;
 }

@@ -4,8 +4,9 @@ Which loop runs, by CPU and by x (thresholds measured with benchmarks/kernels_cp
 
     AVX-512 BF16, bf16 x      up to CODE_MAX_ROWS[bits] rows: code tiles (exact codes into the bf16 dot
                               products, scales applied per segment); above: dequantized bf16 weight tiles;
-                              with AMX, from AMX_MIN_ROWS rows on: the same weight tiles multiplied on the
-                              AMX tile unit (2-4× any AVX-512 loop there)
+                              with AMX, from AMX_MIN_ROWS rows on, the tile unit: up to 16 rows the code
+                              tiles' exact pairs (as cheap to unpack as one row's code tile, so a step of 2-16
+                              rows costs about one row's), above that the weight tiles (2-4× any AVX-512 loop)
     AVX-512 BF16, fp32 x      up to a third of that: each row split exactly into three bf16 rows for the code
                               tiles (fp32 accuracy); above: the fused fp32 loop. With AMX: the fused loop up
                               to FUSED_MAX_ROWS_AMX rows (it beat the split 1.2–3.3× there, measured; the split
@@ -38,8 +39,9 @@ from slimlm.kernels import cpu_library
 from slimlm.kernels.packed import BLOCK_N, PackedWeight
 
 CODE_MAX_ROWS = {4: 32, 8: 16, 16: 4}  # AVX-512 BF16: code tiles up to here (bf16 rows), weight tiles above
-AMX_MIN_ROWS = {4: 6, 8: 6, 16: 3}  # AMX CPUs, bf16 x: the tile unit from here on, by bits; code tiles below
-# (measured on Sapphire Rapids: dense weights, with nothing to unpack, gain from 3 rows)
+AMX_MIN_ROWS = {4: 2, 8: 2, 16: 3}  # AMX CPUs, bf16 x: the tile unit from here on, by bits; code tiles below
+# (measured on an AMX Xeon, Qwen2.5-1.5B's shapes: 2 rows 0.74-0.92× the code tiles' time, 4 rows 0.46-0.75×;
+# dense weights, with nothing to unpack, gain from 3 rows)
 FUSED_MAX_ROWS_BF16 = 16  # AVX-512 without BF16: above this, bf16 matmul on dequantized slices wins
 FUSED_MAX_ROWS_AVX2 = 24  # AVX2: above this, fp32 matmul on dequantized slices wins, for either dtype of x
 FUSED_MAX_ROWS_AMX = 96  # AMX CPUs, fp32 x: above this, fp32 matmul on dequantized fp32 slices wins

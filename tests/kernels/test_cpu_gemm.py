@@ -52,21 +52,36 @@ needs_amx = pytest.mark.skipif(
 )
 
 
+def whole_tile_steps(group_size: int, k: int) -> bool:
+    """Whether the code tiles' segments (inside one group, ≤ 1024 inputs, even) are whole AMX tile steps of 32
+    inputs: then one row tile multiplies the codes themselves."""
+    group = k if group_size == -1 else group_size
+    seg = min(group, 1024)
+    while group % seg or seg % 2:
+        seg -= 1
+    return seg % 32 == 0
+
+
 @needs_amx
 @pytest.mark.parametrize("bits,group_size,sym,act_order,n,k", SHAPES)
-@pytest.mark.parametrize("m", [cpu_gemm.AMX_MIN_ROWS[4], 16, 17, 40])
+@pytest.mark.parametrize("m", [cpu_gemm.AMX_MIN_ROWS[4], 7, 16, 17, 40])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_amx_tiles_round_the_weights_as_torch(poisoned, bits, group_size, sym, act_order, n, k, m, threads):
-    """From AMX_MIN_ROWS bf16 rows on, an AMX CPU multiplies the weight tiles on the tile unit: the same
-    bf16-rounded weights as the AVX-512 weight tiles, so the float64 product with exactly those weights up to
-    fp32 accumulation. Up to 16 rows: one row tile, unpacked as it streams; 17: a pair of row tiles over
-    chunks; 40: a pair and a last single tile; with two threads a narrow layer splits its row tiles too."""
+    """From AMX_MIN_ROWS bf16 rows on, an AMX CPU multiplies on the tile unit. Up to 16 rows, one row tile: of
+    the codes themselves where the segments are whole tile steps, exact in the weights as the code tiles
+    (the float64 product of the real weights up to fp32 accumulation), else of the weights unpacked as they
+    stream. Above: the AVX-512 weight tiles' bf16-rounded weights (the float64 product with exactly those
+    weights); 17: a pair of row tiles over chunks; 40: a pair and a last single tile; with two threads a
+    narrow layer splits its row tiles too."""
     _, w = quantized_weight(n, k, bits, group_size, sym, act_order, seed=m)
     x = torch.randn(m, k).bfloat16()
     assert cpu_gemm.path(m, torch.bfloat16, w) == "bf16-amx"
     assert cpu_gemm.path(m, torch.float32, w) != "bf16-amx"
     x_perm = x if w.perm is None else x[:, w.perm]
-    ref = x_perm.double() @ dequantize(w).bfloat16().double()[: w.out_features].T
+    if m <= 16 and whole_tile_steps(group_size, k):
+        ref = reference.quant_matmul(x.double(), w)
+    else:
+        ref = x_perm.double() @ dequantize(w).bfloat16().double()[: w.out_features].T
     with torch_threads(threads):
         y = cpu_gemm.quant_matmul(x, w)
         assert y.shape == (m, n) and y.dtype == torch.bfloat16
