@@ -109,7 +109,7 @@ def speed(args) -> list[dict]:
         systems.append(("draft RTN W4 k=4", draft_model(args.cache, args.model), 4))
     for entry in filter(None, args.drafts.split(",")):
         name, path = entry.split("=", 1)
-        systems.append((f"draft {name} k=4", path, 4))
+        systems += [(f"draft {name} k={k}", path, k) for k in map(int, args.draft_ks.split(","))]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     rows, reference = [], {}
     for name, spec, k in systems:
@@ -221,6 +221,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="speed,exactness")
     parser.add_argument("--model", default=MODEL, help="the target: asset, directory or hub id")
+    parser.add_argument("--draft-ks", default="4", help="speed: tokens each --drafts model proposes, e.g. 2,3,4")
     parser.add_argument("--code", action="store_true", help="speed: code-writing prompts, not input-grounded ones")
     parser.add_argument("--cache", type=Path, default=Path("out/spec-checkpoints"))
     parser.add_argument("--prompts", type=int, default=8)

@@ -80,17 +80,25 @@ class DraftProposer:
                 break
             ends = torch.tensor([item.num_tokens for item in items]).cumsum(0) - 1
             logits = self.runner.run(Batch(items), ends.tolist())
-            dist = distributions(logits, [item.seq.params for item in items])
+            # a greedy request's draft distribution is a point mass at the argmax: drawn and kept as that
+            sampled = [i for i, item in enumerate(items) if not item.seq.params.greedy]
+            dist = dict(
+                zip(sampled, distributions(logits[sampled], [items[i].seq.params for i in sampled]), strict=True)
+            )
+            best = logits.argmax(-1).tolist()
             for i, item in enumerate(items):
                 shadow = item.seq
-                token = int(torch.multinomial(dist[i], 1, generator=shadow.generator))
+                token = int(torch.multinomial(dist[i], 1, generator=shadow.generator)) if i in dist else best[i]
                 shadow.num_computed += item.num_tokens
                 self.blocks.register_full_blocks(shadow)  # before the draft joins: what was computed
                 shadow.token_ids.append(token)
                 drafts[shadow.seq_id].append(token)
-                probs[shadow.seq_id].append(dist[i])
+                if i in dist:
+                    probs[shadow.seq_id].append(dist[i])
         return [
-            Proposal(drafts[s.seq_id], torch.stack(probs[s.seq_id])) if drafts.get(s.seq_id) else Proposal([], None)
+            Proposal(drafts[s.seq_id], torch.stack(probs[s.seq_id]) if probs[s.seq_id] else None)
+            if drafts.get(s.seq_id)
+            else Proposal([], None)
             for s in seqs
         ]
 

@@ -25,7 +25,7 @@ from slimlm.runtime.outputs import CompletionOutput, OutputProcessor, RequestOut
 from slimlm.runtime.sampling import SamplingParams, sample, top_logprobs
 from slimlm.runtime.scheduler import Batch, Scheduler
 from slimlm.runtime.sequence import Sequence
-from slimlm.runtime.speculative import NgramProposer, Proposal, distributions, verify
+from slimlm.runtime.speculative import NgramProposer, Proposal, distributions, verify, verify_greedy
 
 __all__ = ["CompletionOutput", "Engine", "EngineConfig", "EngineStats", "RequestOutput"]
 
@@ -436,8 +436,10 @@ class Engine:
         """Accept or correct the drafts (logits [1 + k, V] at the last token and each draft), emit the
         tokens, and forget the rejected drafts' KV."""
         k = len(proposal.tokens)
-        q = distributions(logits, [seq.params] * (k + 1))
-        tokens, accepted = verify(q, proposal, seq.generator)
+        if seq.params.greedy:
+            tokens, accepted = verify_greedy(logits, proposal.tokens)
+        else:
+            tokens, accepted = verify(distributions(logits, [seq.params] * (k + 1)), proposal, seq.generator)
         del seq.token_ids[-k:]
         seq.num_computed += k + 1
         self.blocks.release_last(seq, k - accepted)

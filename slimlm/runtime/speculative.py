@@ -79,6 +79,16 @@ def verify(q: torch.Tensor, proposal: Proposal, generator: torch.Generator) -> t
     return drafts + [_draw(q[k], generator)], k
 
 
+def verify_greedy(logits: torch.Tensor, drafts: list[int]) -> tuple[list[int], int]:
+    """verify() for a greedy request, without its distributions: q is one-hot at each row's argmax and a greedy
+    draft's p a point mass, so the drafts are accepted while they are the argmax, and the argmax follows."""
+    best = logits.argmax(-1).tolist()
+    accepted = next(
+        (i for i, (draft, top) in enumerate(zip(drafts, best[:-1], strict=True)) if draft != top), len(drafts)
+    )
+    return drafts[:accepted] + [best[accepted]], accepted
+
+
 class NgramProposer:
     """Prompt lookup decoding: match the last n tokens (n from max_n down to min_n) against the sequence's
     earlier tokens, latest occurrence first, and propose the k tokens that followed it."""

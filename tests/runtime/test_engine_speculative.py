@@ -46,6 +46,10 @@ def test_greedy_output_equals_non_speculative_greedy(sharp_pair, proposer):
     want = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
     outs = spec.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == want
+    # beside sampled requests in the same steps (the draft keeps distributions for those only)
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True)
+    mixed = spec.generate(prompts, [params if i % 2 else sampled for i in range(len(prompts))])
+    assert [o.outputs[0].token_ids for o in mixed[1::2]] == want[1::2]
     drafted = sum(o.outputs[0].num_drafted for o in outs)
     accepted = sum(o.outputs[0].num_accepted for o in outs)
     assert drafted > 0

@@ -9,7 +9,7 @@ import torch
 
 from slimlm.runtime import speculative
 from slimlm.runtime.sampling import SamplingParams
-from slimlm.runtime.speculative import NgramProposer, Proposal, verify
+from slimlm.runtime.speculative import NgramProposer, Proposal, verify, verify_greedy
 
 
 def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -87,6 +87,10 @@ def test_greedy_drafts_are_accepted_iff_they_are_the_argmax():
     assert verify(q, Proposal([3, 1, 4], None), g) == ([3, 1, 4, 0], 3)
     assert verify(q, Proposal([3, 2, 4], None), g) == ([3, 1], 1)
     assert verify(q, Proposal([0, 1, 4], None), g) == ([3], 0)
+    logits = torch.randn(4, 5) + 8 * q  # greedy requests skip the distributions: the same rule on the argmax
+    for drafts in ([3, 1, 4], [3, 2, 4], [0, 1, 4], [3, 1, 0]):
+        assert verify_greedy(logits, drafts) == verify(q, Proposal(drafts, None), g)
+    assert verify_greedy(logits[:1], []) == ([3], 0)
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
