@@ -188,12 +188,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch, logit_rows: list[int], observe: list[int] | None = None) -> torch.Tensor:
-        """Forward pass over the batch; fp32 logits [len(logit_rows), vocab] for the requested token rows. A
-        step with prompt tokens of a sequence that scores its prompt (prompt_logprobs: eval, echo) runs with
-        exact activations, logits included, so those log-probabilities are transformers' on every CPU
-        (kernels.exact_activations); every other step, prompts included, takes the kernels' fastest loop (on
-        AVX2 x quantized to int8, as llama.cpp's prompt processing does too). The queries of the `observe` rows
-        are kept, per layer, in self.observed (a snapkv sequence's observation window)."""
+        """Forward pass over the batch; logits [len(logit_rows), vocab] in the model's dtype for the requested
+        token rows (whoever reads them converts its own rows to fp32). A step with prompt tokens of a sequence
+        that scores its prompt (prompt_logprobs: eval, echo) runs with exact activations, logits included, so
+        those log-probabilities are transformers' on every CPU (kernels.exact_activations); every other step,
+        prompts included, takes the kernels' fastest loop (on AVX2 x quantized to int8, as llama.cpp's prompt
+        processing does too). The queries of the `observe` rows are kept, per layer, in self.observed (a snapkv
+        sequence's observation window)."""
         self.copy_blocks(batch.copies)
         ids, step = self.inputs(batch)
         if observe:
