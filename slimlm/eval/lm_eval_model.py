@@ -60,7 +60,7 @@ class SlimlmLM(TemplateLM):
         if engine_args.get("device") == "cuda:0" and not torch.cuda.is_available():
             engine_args["device"] = None  # lm-eval's command line passes its default, cuda:0, on every machine
         seqs = _int_or_none(batch_size) or _int_or_none(max_batch_size) or 128
-        engine_args = {"max_num_seqs": seqs, "max_num_batched_tokens": 2048, **engine_args}
+        engine_args = {"max_num_seqs": seqs, **engine_args}
         self.engine = Engine(pretrained, EngineConfig(**engine_args))
         self.tokenizer = self.engine.tokenizer
         self.add_bos_token = add_bos_token

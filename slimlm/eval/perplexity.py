@@ -22,7 +22,7 @@ from slimlm.runtime.sampling import SamplingParams
 def engine_for(model: str, seq_len: int, **config) -> Engine:
     """An engine sized for scoring windows of `seq_len` (its context need not be the model's)."""
     _check_window(seq_len, models.context_length(models.read_config(models.resolve(model))))
-    return Engine(model, EngineConfig(max_model_len=seq_len + 1, max_num_batched_tokens=2048, **config))
+    return Engine(model, EngineConfig(max_model_len=seq_len + 1, **config))
 
 
 def _check_window(seq_len: int, context: int) -> None:
