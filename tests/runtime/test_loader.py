@@ -33,18 +33,22 @@ def ids_for(model_dir: Path, n: int = 40) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
-def tiny(path: Path, kind: str) -> Path:
+def tiny(path: Path, kind: str, **sizes) -> Path:
+    """A tiny random model of `kind`, its biases drawn large; `sizes` override the config's widths and depth."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
     tok = make_tokenizer()
-    common = dict(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+    common = (
+        dict(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        )
+        | sizes
     )
     config = {
         "qwen2": lambda: Qwen2Config(**common, tie_word_embeddings=False),  # q/k/v biases, separate lm_head

@@ -100,32 +100,12 @@ def joinable_w4(joinable):
 
 @pytest.fixture(scope="module")
 def joinable_qwen2_w4(tmp_path_factory):
-    """A tiny Qwen2 (q/k/v biases, drawn large: transformers initialises them to zero) that joins like
-    joinable, quantized RTN W4 g32."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A tiny Qwen2 (q/k/v biases, drawn large) that joins like joinable, quantized RTN W4 g32."""
+    from tests.conftest import make_text
+    from tests.runtime.test_loader import quantize, tiny
 
-    from tests.conftest import make_text, make_tokenizer
-    from tests.runtime.test_loader import quantize
-
-    root, tokenizer = tmp_path_factory.mktemp("joinable-qwen2"), make_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
-    model.save_pretrained(root / "m")
-    tokenizer.save_pretrained(root / "m")
+    root = tmp_path_factory.mktemp("joinable-qwen2")
+    tiny(root / "m", "qwen2", hidden_size=128, intermediate_size=128, num_hidden_layers=3)
     (root / "calib.txt").write_text(make_text(50))
     return quantize(root / "m", root / "w4", "rtn", QuantArgs(4, 32, False))
 
