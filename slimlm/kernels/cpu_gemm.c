@@ -383,15 +383,15 @@ static inline int64_t segment(int64_t group) {
     return seg;
 }
 
-// Σ x over each segment of each of the M rows of x (rows `stride` apart): a new [M, K / seg] array, or NULL.
-static float *segment_sums(const uint16_t *x, int64_t M, int64_t K, int64_t stride, int64_t seg) {
+// Σ x over each segment of each of the M rows of x [M, K]: a new [M, K / seg] array, or NULL.
+static float *segment_sums(const uint16_t *x, int64_t M, int64_t K, int64_t seg) {
     const int64_t S = K / seg;
     float *xs = malloc(sizeof(float) * M * S);
     for (int64_t m = 0; xs != NULL && m < M; m++)
         for (int64_t j = 0; j < S; j++) {
             float sum = 0.0f;
             for (int64_t k = j * seg; k < (j + 1) * seg; k++) {
-                const uint32_t word = (uint32_t)x[m * stride + k] << 16;  // bf16 -> fp32: the same top half
+                const uint32_t word = (uint32_t)x[m * K + k] << 16;  // bf16 -> fp32: the same top half
                 float v;
                 memcpy(&v, &word, sizeof v);
                 sum += v;
@@ -410,7 +410,7 @@ int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, 
     const int codes_only = M <= code_rows;
     const int64_t seg = segment(group), S = K / seg, chunk = KC / seg * seg;
     float *xs = NULL;  // Σ x over each segment, per row (code tiles of codes only)
-    if (codes_only && bits != 16 && (xs = segment_sums(x, M, K, K, seg)) == NULL) return -1;
+    if (codes_only && bits != 16 && (xs = segment_sums(x, M, K, seg)) == NULL) return -1;
     const int64_t parts = row_parts(nblocks, M, CODE_ROWS, nthreads), part_rows = (M + parts - 1) / parts;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(|| : failed)
@@ -654,7 +654,7 @@ int slimlm_quant_matmul_amx(int bits, const uint16_t *x, int64_t M, int64_t K, c
     // one row tile of codes (amx_code_row_tile) where the segments are whole tile steps: Σ x per segment
     const int64_t seg = segment(group), S = K / seg;
     float *xs = NULL;
-    if (Mp == TM && bits != 16 && seg % TK == 0 && (xs = segment_sums(x, M, K, K, seg)) == NULL) {
+    if (Mp == TM && bits != 16 && seg % TK == 0 && (xs = segment_sums(x, M, K, seg)) == NULL) {
         free(xp);
         return -1;
     }

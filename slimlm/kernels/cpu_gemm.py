@@ -40,7 +40,7 @@ from slimlm.kernels.packed import BLOCK_N, PackedWeight
 
 CODE_MAX_ROWS = {4: 32, 8: 16, 16: 4}  # AVX-512 BF16: code tiles up to here (bf16 rows), weight tiles above
 AMX_MIN_ROWS = {4: 2, 8: 2, 16: 3}  # AMX CPUs, bf16 x: the tile unit from here on, by bits; code tiles below
-# (measured on an AMX Xeon, Qwen2.5-1.5B's shapes: 2 rows 0.74-0.92× the code tiles' time, 4 rows 0.46-0.75×;
+# (benchmarks/amx_rows.py on an AMX Xeon, Qwen2.5-1.5B's linears: 2 rows 0.72-0.97× the code tiles' time;
 # dense weights, with nothing to unpack, gain from 3 rows)
 FUSED_MAX_ROWS_BF16 = 16  # AVX-512 without BF16: above this, bf16 matmul on dequantized slices wins
 FUSED_MAX_ROWS_AVX2 = 24  # AVX2: above this, fp32 matmul on dequantized slices wins, for either dtype of x
