@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from slimlm.errors import SlimlmError
 
+DTYPE_CHOICE = ("auto", "float32", "bfloat16")  # devices.COMPUTE_DTYPES, without importing torch
+
 
 @dataclass(frozen=True)
 class Switch:

@@ -15,9 +15,7 @@ from slimlm import assets
 from slimlm.errors import FieldError
 from slimlm.formats.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from slimlm.jobs.measure import measure_perplexity
-from slimlm.jobs.options import Job, Opt, Switch, finite_float, integer, positive_int, seed_int
-
-DTYPE_CHOICE = ("auto", "float32", "bfloat16")
+from slimlm.jobs.options import DTYPE_CHOICE, Job, Opt, Switch, finite_float, integer, positive_int, seed_int
 
 
 class Calibration(Job):

@@ -9,7 +9,7 @@ from typing import Annotated
 
 from slimlm import assets
 from slimlm.errors import FieldError
-from slimlm.jobs.options import Job, Opt, finite_float, nonnegative_int, positive_int, seed_int
+from slimlm.jobs.options import DTYPE_CHOICE, Job, Opt, finite_float, nonnegative_int, positive_int, seed_int
 
 
 class Training(Job):
@@ -28,6 +28,14 @@ class Training(Job):
     checkpoint_every: Annotated[int, Opt("steps between resumable checkpoints", parse=positive_int)] = 25
     eval_every: Annotated[int, Opt("steps between evaluations", parse=positive_int)] = 25
     seed: Annotated[int, Opt(parse=seed_int)] = 0
+    compute_dtype: Annotated[
+        str,
+        Opt(
+            "dtype of the passes (weights and optimizer stay fp32); auto: bf16 autocast where bf16 products are "
+            "fast, else fp32",
+            choices=DTYPE_CHOICE,
+        ),
+    ] = "auto"
     out: Annotated[Path, Opt("output checkpoint directory")]
     overwrite: Annotated[bool, Opt("replace --out if it exists")] = False
 
@@ -52,6 +60,7 @@ class Training(Job):
             checkpoint_every=self.checkpoint_every,
             eval_every=self.eval_every,
             seed=self.seed,
+            compute_dtype=self.compute_dtype,
         )
 
     def run_config(self, tokens: int):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -52,35 +53,113 @@ class TrainConfig:
     checkpoint_every: int = 25
     eval_every: int = 25
     seed: int = 0
+    compute_dtype: str = "auto"  # the passes' dtype (devices.COMPUTE_DTYPES); the trained weights stay fp32
 
     @property
     def steps(self) -> int:
         return self.train_tokens // (self.global_batch * self.seq_len)
 
 
+def precision(config: TrainConfig) -> torch.dtype:
+    """The dtype the passes run in: auto is bf16 autocast where bf16 products are fast (CUDA, AVX-512 BF16,
+    AMX), else fp32. The student's weights and AdamW stay fp32 either way; the teacher may be held in it."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return devices.compute_dtype(config.compute_dtype, torch.float32, device)
+
+
+def autocast(config: TrainConfig, device: torch.device):
+    """The passes in their precision: bf16 autocast (fp32 weights, bf16 products) or plain. Not accelerate's
+    mixed_precision: its state is per process, and one process may train with several configs."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision(config) == torch.bfloat16)
+
+
+LOGIT_ELEMENTS = 2**25  # logits in one slice of tokens (128 MiB of fp32): 220 tokens at the 1.5B's 151,936
+
+
+def final_hidden(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The last decoder layer's normed output [B, S, H], through the model's own forward (so DDP sees the
+    pass) but without its head: `logits_to_keep` of no position computes no logits at all."""
+    none = torch.zeros(0, dtype=torch.long, device=x.device)
+    return model(x, output_hidden_states=True, logits_to_keep=none, use_cache=False).hidden_states[-1]
+
+
+def _slices(tokens: int, vocab: int) -> list[slice]:
+    rows = max(1, LOGIT_ELEMENTS // vocab)
+    return [slice(start, start + rows) for start in range(0, tokens, rows)]
+
+
+class _HeadLoss(torch.autograd.Function):
+    """distill_loss from the last hidden states through both heads, a slice of tokens at a time: the logits
+    are never whole (1,024 tokens × 151,936 fp32 logits are 622 MB and the loss needs several such arrays),
+    and each slice's gradient is taken with it (softmax minus target), so the backward pass recomputes
+    nothing; it only scales what the forward pass kept: the gradients of the hidden states and the head."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, targets, temperature, lm_weight):
+        t = temperature
+        h, ht = hidden.flatten(0, 1), teacher_hidden.flatten(0, 1)
+        tokens, scored = len(h), int((targets >= 0).sum())
+        grad_h = torch.zeros_like(h)
+        exact = torch.promote_types(h.dtype, torch.float32)  # softmax and sums at least in fp32
+        grad_w = torch.zeros_like(weight, dtype=exact) if ctx.needs_input_grad[1] else None
+        kl, ce = h.new_zeros((), dtype=exact), h.new_zeros((), dtype=exact)
+        for rows in _slices(tokens, len(weight)):
+            z = F.linear(h[rows], weight).to(exact)
+            log_q = F.log_softmax(z / t, dim=-1)
+            log_p = F.log_softmax(F.linear(ht[rows], teacher_weight).to(exact) / t, dim=-1)
+            p = log_p.exp()
+            kl += (p * (log_p - log_q)).sum()
+            # d/dz of T²·KL(p ‖ softmax(z/T)) is T·(softmax(z/T) − p)
+            grad_z = (log_q.exp() - p) * ((1 - lm_weight) * t / tokens)
+            if lm_weight:
+                log_s = log_q if t == 1 else F.log_softmax(z, dim=-1)
+                kept = targets[rows] >= 0  # the window's last token has no next token to predict
+                index = targets[rows][kept].unsqueeze(1)
+                ce -= log_s[kept].gather(1, index).sum()
+                one_hot = torch.zeros_like(log_s[kept]).scatter_(1, index, 1.0)
+                grad_z[kept] += (log_s[kept].exp() - one_hot) * (lm_weight / scored)
+            grad_h[rows] = (grad_z.to(weight.dtype) @ weight).to(h.dtype)
+            if grad_w is not None:
+                grad_w += grad_z.t() @ h[rows].to(exact)
+        ctx.save_for_backward(grad_h.view_as(hidden), grad_w)
+        ctx.weight_dtype = weight.dtype
+        loss = (1 - lm_weight) * kl * t * t / tokens
+        return loss + lm_weight * ce / scored if lm_weight else loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        grad_w = None if grad_w is None else (grad_w * grad_loss).to(ctx.weight_dtype)
+        return grad_h * grad_loss, grad_w, None, None, None, None, None
+
+
 def distill_loss(
-    student: torch.Tensor, teacher: torch.Tensor, ids: torch.Tensor, temperature: float, lm_weight: float
+    hidden: torch.Tensor,
+    head: nn.Linear,
+    teacher_hidden: torch.Tensor,
+    teacher_head: nn.Linear,
+    ids: torch.Tensor,
+    temperature: float,
+    lm_weight: float,
 ) -> torch.Tensor:
-    """Mean over tokens of T²·KL(p_teacher ‖ p_student) at temperature T, mixed with next-token cross entropy."""
-    t = temperature
-    log_s = F.log_softmax(student.float() / t, dim=-1)
-    log_t = F.log_softmax(teacher.float() / t, dim=-1)
-    kl = (log_t.exp() * (log_t - log_s)).sum(-1).mean() * t * t
-    if lm_weight == 0:
-        return kl
-    ce = F.cross_entropy(student[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-    return (1 - lm_weight) * kl + lm_weight * ce
+    """Mean over tokens of T²·KL(p_teacher ‖ p_student) at temperature T, mixed with next-token cross entropy,
+    from the models' last hidden states [B, S, H] and their (bias-free) heads."""
+    targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -1)], dim=1).flatten()
+    return _HeadLoss.apply(hidden, head.weight, teacher_hidden, teacher_head.weight, targets, temperature, lm_weight)
 
 
 @torch.no_grad()
 def mean_nll(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> float:
-    """Mean next-token negative log-likelihood of `windows` (exp of it is the perplexity)."""
+    """Mean next-token negative log-likelihood of `windows` (exp of it is the perplexity), the logits a slice
+    of tokens at a time."""
+    head = model.get_output_embeddings()
     total, count = 0.0, 0
     for start in range(0, len(windows), batch_size):
-        x = windows[start : start + batch_size].to(next(model.parameters()).device)
-        logits = model(x).logits[:, :-1].float()
-        total += F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum").item()
-        count += x[:, 1:].numel()
+        x = windows[start : start + batch_size].to(head.weight.device)
+        h, targets = final_hidden(model, x)[:, :-1].flatten(0, 1), x[:, 1:].flatten()
+        for rows in _slices(len(h), len(head.weight)):
+            total += F.cross_entropy(head(h[rows]).float(), targets[rows], reduction="sum").item()
+        count += len(h)
     return total / count
 
 
@@ -131,14 +210,17 @@ def _backward(
     """One optimizer step's passes over this process's windows `mine`, micro-batch by micro-batch: the
     gradients accumulated in the student; returns the step's loss."""
     micro_steps = len(mine) // config.micro_batch
+    head, teacher_head = accelerator.unwrap_model(student).get_output_embeddings(), teacher.get_output_embeddings()
     total = torch.zeros((), device=accelerator.device)
     for m in range(micro_steps):
         x = mine[m * config.micro_batch : (m + 1) * config.micro_batch].to(accelerator.device)
-        with torch.no_grad(), accelerator.autocast():
-            target = teacher(x).logits
+        with torch.no_grad(), autocast(config, accelerator.device):
+            target = final_hidden(teacher, x)
         last = m == micro_steps - 1  # gradients are averaged over processes once, on the last micro-batch
-        with nullcontext() if last else accelerator.no_sync(student), accelerator.autocast():
-            loss = distill_loss(student(x).logits, target, x, config.temperature, config.lm_weight) / micro_steps
+        with nullcontext() if last else accelerator.no_sync(student), autocast(config, accelerator.device):
+            hidden = final_hidden(student, x)
+            loss = distill_loss(hidden, head, target, teacher_head, x, config.temperature, config.lm_weight)
+            loss = loss / micro_steps
         accelerator.backward(loss)
         total += loss.detach()
     return total
@@ -153,19 +235,41 @@ def _diverged(step: int, start: int, config: TrainConfig, loss: float, grad_norm
     )
 
 
-def check_memory(params: list[nn.Parameter], device: torch.device, processes: int = 1) -> None:
-    """Refuse, before the first step, a run whose trained parameters' gradients and AdamW moments (three
-    copies of them, for each of `processes` sharing this memory) do not fit in what is free now, the models
-    loaded: without this the first step is killed for memory minutes in, with no message."""
+def activation_bytes(config, tokens: int) -> tuple[int, int]:
+    """An upper estimate of what one micro-batch of `tokens` keeps for its backward pass: plainly, and with
+    each decoder layer recomputed there (gradient checkpointing: only the layers' inputs are kept). Per token
+    and layer a pass keeps about 10 hidden-wide and 4 MLP-wide fp32 tensors (the norms' and projections'
+    inputs, q, k, v, the attention output, the MLP's gate, up and product); the head's slices on top."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    ffn = config.intermediate_size
+    ffn = max(ffn) if isinstance(ffn, list) else ffn
+    layer = tokens * (10 * hidden + 4 * ffn) * 4
+    head = 6 * min(tokens * config.vocab_size, LOGIT_ELEMENTS) * 4  # a slice's logits, both distributions, ...
+    return layers * layer + head, layers * tokens * hidden * 4 + layer + head
+
+
+def check_memory(
+    params: list[nn.Parameter], device: torch.device, processes: int = 1, activations: tuple[int, int] = (0, 0)
+) -> bool:
+    """Whether the run must recompute its layers in the backward pass to fit (gradient checkpointing), or a
+    one-line refusal, before the first step, of a run whose trained parameters' gradients and AdamW moments
+    (three copies of them) and `activation_bytes` do not fit in what is free now, the models loaded, for each
+    of `processes` sharing this memory: without this the first step is killed for memory minutes in, with no
+    message (the 1.5B at 24 GB)."""
     count = sum(p.numel() for p in params)
-    need = processes * sum(3 * p.numel() * p.element_size() for p in params)
+    optimizer = sum(3 * p.numel() * p.element_size() for p in params)
     free = devices.available_memory(device)
-    if need > free:
-        raise SlimlmError(
-            f"training {count / 1e9:.2f} B parameters needs {need / 2**30:.1f} GiB for their gradients and AdamW "
-            f"moments (activations on top) and {free / 2**30:.1f} GiB is free on {device}; train part of the "
-            "model (--train, e.g. k_proj,v_proj) or use a machine with more memory"
-        )
+    plain, recomputed = activations
+    if processes * (optimizer + plain) <= free:
+        return False
+    if processes * (optimizer + recomputed) <= free:
+        return True
+    raise SlimlmError(
+        f"training {count / 1e9:.2f} B parameters needs {processes * optimizer / 2**30:.1f} GiB for their gradients "
+        f"and AdamW moments and {processes * recomputed / 2**30:.1f} GiB of activations (each layer recomputed), "
+        f"and {free / 2**30:.1f} GiB is free on {device}; train part of the model (--train, e.g. k_proj,v_proj), "
+        "lower --micro-batch or --seq-len, or use a machine with more memory"
+    )
 
 
 def _optimizer(student: nn.Module, config: TrainConfig):
@@ -177,12 +281,13 @@ def _optimizer(student: nn.Module, config: TrainConfig):
     return params, optimizer, scheduler
 
 
-def _evaluated(accelerator, student: nn.Module, evaluate: Callable[[nn.Module], dict]) -> dict:
+def _evaluated(accelerator, student: nn.Module, evaluate: Callable[[nn.Module], dict], config: TrainConfig) -> dict:
     """evaluate(student), in eval mode, on the main process while the others wait: {} on the others."""
     figures = {}
     if accelerator.is_main_process:
         student.eval()
-        figures = evaluate(accelerator.unwrap_model(student))
+        with autocast(config, accelerator.device):  # the model as it trains: in its compute dtype
+            figures = evaluate(accelerator.unwrap_model(student))
         student.train()
     accelerator.wait_for_everyone()
     return figures
@@ -204,12 +309,23 @@ def train(
     from accelerate import Accelerator
     from tqdm import tqdm
 
-    bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="bf16" if bf16 else "no")
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
     check(config, len(windows), accelerator.num_processes)
     run_dir = Path(run_dir)
     params, optimizer, scheduler = _optimizer(student, config)
-    check_memory(params, accelerator.device, accelerator.num_processes if accelerator.device.type == "cpu" else 1)
+    sharing = accelerator.num_processes if accelerator.device.type == "cpu" else 1
+    activations = activation_bytes(student.config, config.micro_batch * config.seq_len)
+    recompute = check_memory(params, accelerator.device, sharing, activations)
+    if recompute:  # ~1/3 more work: the layers run twice
+        student.activation_checkpointing_enable({"use_reentrant": False})
+        if progress and accelerator.is_main_process:
+            print(
+                f"training: the activations of {config.micro_batch}×{config.seq_len} tokens "
+                f"(~{activations[0] / 2**30:.1f} GiB) do not fit beside the models: each layer is recomputed "
+                "in the backward pass (gradient checkpointing)",
+                file=sys.stderr,
+                flush=True,
+            )
     teacher.requires_grad_(False).eval().to(accelerator.device)
     student.train()
     student, optimizer = accelerator.prepare(student, optimizer)
@@ -217,7 +333,7 @@ def train(
     fingerprint = {**_fingerprint(config), "identity": identity or {}}
     start, log = _resume(run_dir, fingerprint, accelerator.unwrap_model(student), optimizer, scheduler, main)
     if start == 0 and evaluate is not None:  # where the curve starts: the changed model before training
-        figures = _evaluated(accelerator, student, evaluate)
+        figures = _evaluated(accelerator, student, evaluate, config)
         if main:
             log.append({"step": 0, "tokens": 0, **figures})
             _append_log(run_dir, log[-1])
@@ -248,7 +364,7 @@ def train(
             "grad_norm": float(grad_norm),
         }
         if evaluate is not None and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
-            entry.update(_evaluated(accelerator, student, evaluate))
+            entry.update(_evaluated(accelerator, student, evaluate, config))
         log.append(entry)
         tokens_per_s = (step + 1 - start) * config.global_batch * config.seq_len / (time.perf_counter() - clock)
         bar.set_postfix(loss=f"{entry['loss']:.4f}", tok_s=f"{tokens_per_s:.0f}")
@@ -261,6 +377,8 @@ def train(
             accelerator.wait_for_everyone()
     bar.close()
     student = accelerator.unwrap_model(student)
+    if recompute:
+        student.activation_checkpointing_disable()
     student.eval()
     if main:
         plot(log, run_dir / "curve.png")

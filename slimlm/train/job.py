@@ -20,7 +20,7 @@ from slimlm import data, models
 from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats import atomic, shards, writer
 from slimlm.train import gqa, prune
-from slimlm.train.distill import TrainConfig, check, mean_nll, train
+from slimlm.train.distill import TrainConfig, check, mean_nll, precision, train
 
 GROUPINGS = ("similarity", "mean")  # similarity: heads chosen by their outputs; mean: contiguous heads
 EVAL_TOKENS = 8192  # the curve's points: the first tokens of --eval-data, which training never reads
@@ -123,6 +123,8 @@ def _finish(job: _Job, student: torch.nn.Module, meta: dict, run: Run, tag: str)
                 default=str,
             )
         )
+        # the teacher is not needed after this run: held in the passes' dtype it takes half the memory in bf16
+        job.teacher.to(precision(train_config))
         busy = f"another run is training in {run_dir} now (the same --out); wait for it or name another --out"
         with atomic.hold(run_dir, busy) if state.is_main_process else contextlib.nullcontext():
             history = train(student, job.teacher, job.windows, train_config, run_dir, evaluate, progress, identity)
@@ -134,7 +136,11 @@ def _finish(job: _Job, student: torch.nn.Module, meta: dict, run: Run, tag: str)
         }
     if state.is_main_process:
         with atomic.atomic_dir(out, run.overwrite, sources=[job.model_dir]) as tmp:
-            files = shards.write(tmp, writer.state_tensors(student))
+            # in the source's dtype: a bf16 model trained in fp32 stays a bf16 checkpoint of the source's size
+            stored = models.stored_dtype(models.read_config(job.model_dir))
+            tensors = writer.state_tensors(student)
+            files = shards.write(tmp, {k: v.to(stored) if v.is_floating_point() else v for k, v in tensors.items()})
+            student.config.dtype = stored
             writer.write_metadata(
                 tmp,
                 files,
