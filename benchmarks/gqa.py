@@ -8,6 +8,8 @@
             minutes on 2 cores here): perplexity before, right after, along the curve and after; the
             share of the lost perplexity that uptraining recovered; the curve as PNG
   capacity  one KV budget at context 2048: sequences held and Poisson throughput, 3 vs 1 KV heads
+  precision the mqa uptraining (--precision-tokens) with its passes in fp32 and under bf16 autocast
+            (--compute-dtype): wall time and perplexity of each, the ratios (what `auto` picks on a CPU)
 
 Perplexity is `wiki` through the runtime (--ppl-tokens); the curve's points are the first 8192 wiki
 tokens scored during training. Training reads `owt`, never the wiki text.
@@ -52,14 +54,18 @@ def sizes(model: str) -> dict:
     }
 
 
-def convert(out: Path, source: str, kv_heads: int, tokens: int = 0, **kwargs) -> tuple[str, float]:
+def convert(
+    out: Path, source: str, kv_heads: int, tokens: int = 0, compute_dtype: str = "auto", **kwargs
+) -> tuple[str, float]:
     """`compress gqa` (made once per cache directory); its wall time."""
     from slimlm.train.distill import TrainConfig
     from slimlm.train.job import Run, convert_gqa
 
     if not (out / "slimlm.json").exists():
         start = time.perf_counter()
-        config = TrainConfig(train_tokens=tokens, checkpoint_every=10**9, eval_every=8) if tokens else None
+        config = None
+        if tokens:
+            config = TrainConfig(train_tokens=tokens, checkpoint_every=10**9, eval_every=8, compute_dtype=compute_dtype)
         convert_gqa(Run(source, out, train_config=config, overwrite=True), kv_heads, **kwargs)
         (out / "wall.txt").write_text(f"{time.perf_counter() - start:.1f}")
     return str(out), float((out / "wall.txt").read_text())
@@ -159,6 +165,22 @@ def mqa(args) -> list[dict]:
     return rows
 
 
+def precision(args) -> list[dict]:
+    tokens, rows = args.precision_tokens, []
+    for dtype in ("float32", "bfloat16"):
+        out, wall = convert(args.cache / f"mqa-{tokens}-{dtype}", MODEL, 1, tokens, compute_dtype=dtype)
+        rows.append({"model": f"MQA, uptrained {tokens} tokens, {dtype} passes", "wiki_ppl": ppl(out, args.ppl_tokens)})
+        rows[-1]["train_seconds"] = wall
+        print(f"{rows[-1]['model']:48} wiki ppl {rows[-1]['wiki_ppl']:.2f} [{wall:.0f} s]", flush=True)
+    fp32, bf16 = rows
+    print(
+        f"bf16 autocast against fp32 passes: {fp32['train_seconds'] / bf16['train_seconds']:.2f}x the speed, "
+        f"{bf16['wiki_ppl'] / fp32['wiki_ppl']:.2f}x the perplexity",
+        flush=True,
+    )
+    return rows
+
+
 def capacity(args) -> list[dict]:
     mqa_dir, _ = convert(args.cache / "mqa-0", MODEL, 1)
     rows = [
@@ -177,11 +199,12 @@ def capacity(args) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="mha,mqa,capacity")
+    parser.add_argument("--parts", default="mha,mqa,capacity,precision")
     parser.add_argument("--cache", type=Path, default=Path("out/gqa-checkpoints"))
     parser.add_argument("--ppl-tokens", type=int, default=16384)
     parser.add_argument("--uptrain-tokens", type=int, default=65536)
     parser.add_argument("--mha-uptrain-tokens", type=int, default=16384)
+    parser.add_argument("--precision-tokens", type=int, default=32768)
     parser.add_argument("--curve-png", type=Path, help="copy the MQA uptraining curve here")
     parser.add_argument("--budget", type=int, default=192, help="KV memory budget for capacity, MiB")
     parser.add_argument("--prompt-len", type=int, default=1984)
@@ -191,7 +214,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     print(f"{MODEL}, fp32, {torch.get_num_threads()} threads", flush=True)
-    run_parts(args, {"mha": mha, "mqa": mqa, "capacity": capacity})
+    run_parts(args, {"mha": mha, "mqa": mqa, "capacity": capacity, "precision": precision})
 
 
 if __name__ == "__main__":

@@ -61,8 +61,9 @@ class TrainConfig:
 
 
 def precision(config: TrainConfig) -> torch.dtype:
-    """The dtype the passes run in: auto is bf16 autocast where bf16 products are fast (CUDA, AVX-512 BF16,
-    AMX), else fp32. The student's weights and AdamW stay fp32 either way; the teacher may be held in it."""
+    """The dtype the passes run in: auto is bf16 autocast where bf16 products are fast (GPUs with bf16, CPUs
+    with AVX-512 BF16 or AMX), else fp32. Both models keep fp32 weights: a teacher held in bf16 runs its
+    residual stream in bf16 too, and the student learned from it far worse (benchmarks/gqa.py, precision)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return devices.compute_dtype(config.compute_dtype, torch.float32, device)
 

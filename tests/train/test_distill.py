@@ -531,3 +531,26 @@ def test_a_run_that_cannot_fit_is_refused_before_it_starts_and_one_that_fits_rec
     for (name, mine), theirs in zip(student.state_dict().items(), reference.state_dict().values(), strict=True):
         assert torch.allclose(mine, theirs, atol=1e-6, rtol=0), name
     assert not all(torch.equal(before[k], v) for k, v in student.state_dict().items())
+
+
+def test_passes_run_in_the_fast_dtype_or_the_one_asked_for(pair, tmp_path, monkeypatch):
+    """auto is bf16 autocast where bf16 products are fast, else fp32; bfloat16 runs the passes under bf16
+    autocast with the weights still fp32, so the same first step's loss moves by its rounding and no more."""
+    from slimlm import devices
+    from slimlm.train.distill import precision
+
+    for fast, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(devices, "fast_bf16_matmul", lambda device, fast=fast: fast)
+        assert precision(TrainConfig(train_tokens=1)) == dtype
+    assert precision(TrainConfig(train_tokens=1, compute_dtype="bfloat16")) == torch.bfloat16
+    assert precision(TrainConfig(train_tokens=1, compute_dtype="float32")) == torch.float32
+    student, teacher = pair
+    windows = torch.randint(0, teacher.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        config = TrainConfig(train_tokens=48, seq_len=24, global_batch=2, micro_batch=1, compute_dtype=dtype)
+        trained = copy.deepcopy(student)
+        losses[dtype] = train(trained, teacher, windows, config, tmp_path / dtype, progress=False)
+        assert {p.dtype for p in [*trained.parameters(), *teacher.parameters()]} == {torch.float32}
+    first = {dtype: log[0]["loss"] for dtype, log in losses.items()}
+    assert first["float32"] != first["bfloat16"] and first["bfloat16"] == pytest.approx(first["float32"], rel=0.05)
