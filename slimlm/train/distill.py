@@ -68,6 +68,17 @@ def precision(config: TrainConfig) -> torch.dtype:
     return devices.compute_dtype(config.compute_dtype, torch.float32, device)
 
 
+def compact_teacher(teacher: nn.Module, config: TrainConfig) -> None:
+    """Under bf16 autocast, the teacher's linear weights held in bf16: autocast multiplies in bf16 anyway, so
+    the products are the same (tested) at half the memory (the 1.5B: 2.6 GB), and its embeddings and norms
+    stay fp32, so its residual stream does too. In place: for a teacher that nothing needs after the run."""
+    if precision(config) == torch.bfloat16:
+        embeddings = teacher.get_input_embeddings().weight  # a head tied to them stays fp32 with them
+        for module in teacher.modules():
+            if isinstance(module, nn.Linear) and module.weight is not embeddings:
+                module.to(torch.bfloat16)
+
+
 def autocast(config: TrainConfig, device: torch.device):
     """The passes in their precision: bf16 autocast (fp32 weights, bf16 products) or plain. Not accelerate's
     mixed_precision: its state is per process, and one process may train with several configs."""

@@ -20,7 +20,7 @@ from slimlm import data, models
 from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats import atomic, shards, writer
 from slimlm.train import gqa, prune
-from slimlm.train.distill import TrainConfig, check, mean_nll, train
+from slimlm.train.distill import TrainConfig, check, compact_teacher, mean_nll, train
 
 GROUPINGS = ("similarity", "mean")  # similarity: heads chosen by their outputs; mean: contiguous heads
 EVAL_TOKENS = 8192  # the curve's points: the first tokens of --eval-data, which training never reads
@@ -123,6 +123,7 @@ def _finish(job: _Job, student: torch.nn.Module, meta: dict, run: Run, tag: str)
                 default=str,
             )
         )
+        compact_teacher(job.teacher, train_config)  # the last use of the teacher
         busy = f"another run is training in {run_dir} now (the same --out); wait for it or name another --out"
         with atomic.hold(run_dir, busy) if state.is_main_process else contextlib.nullcontext():
             history = train(student, job.teacher, job.windows, train_config, run_dir, evaluate, progress, identity)

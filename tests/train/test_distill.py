@@ -537,7 +537,7 @@ def test_passes_run_in_the_fast_dtype_or_the_one_asked_for(pair, tmp_path, monke
     """auto is bf16 autocast where bf16 products are fast, else fp32; bfloat16 runs the passes under bf16
     autocast with the weights still fp32, so the same first step's loss moves by its rounding and no more."""
     from slimlm import devices
-    from slimlm.train.distill import precision
+    from slimlm.train.distill import compact_teacher, precision
 
     for fast, dtype in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr(devices, "fast_bf16_matmul", lambda device, fast=fast: fast)
@@ -554,3 +554,10 @@ def test_passes_run_in_the_fast_dtype_or_the_one_asked_for(pair, tmp_path, monke
         assert {p.dtype for p in [*trained.parameters(), *teacher.parameters()]} == {torch.float32}
     first = {dtype: log[0]["loss"] for dtype, log in losses.items()}
     assert first["float32"] != first["bfloat16"] and first["bfloat16"] == pytest.approx(first["float32"], rel=0.05)
+    # the teacher's linears held in bf16 under bf16 autocast: the same products, the same run
+    compact_teacher(teacher, config)
+    assert teacher.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert teacher.model.embed_tokens.weight.dtype == teacher.model.norm.weight.dtype == torch.float32
+    assert teacher.lm_head.weight is teacher.model.embed_tokens.weight  # tied: kept fp32 with the embeddings
+    log = train(copy.deepcopy(student), teacher, windows, config, tmp_path / "compact", progress=False)
+    assert [e["loss"] for e in log] == [e["loss"] for e in losses["bfloat16"]]
