@@ -62,8 +62,9 @@ class TrainConfig:
 
 def precision(config: TrainConfig) -> torch.dtype:
     """The dtype the passes run in: auto is bf16 autocast where bf16 products are fast (GPUs with bf16, CPUs
-    with AVX-512 BF16 or AMX), else fp32. Both models keep fp32 weights: a teacher held in bf16 runs its
-    residual stream in bf16 too, and the student learned from it far worse (benchmarks/gqa.py, precision)."""
+    with AVX-512 BF16 or AMX), else fp32. The student's weights stay fp32, and so do the teacher's embeddings
+    and norms (compact_teacher): a teacher held wholly in bf16 runs its residual stream in bf16, and the
+    student learned from it far worse (benchmarks/gqa.py --parts precision)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return devices.compute_dtype(config.compute_dtype, torch.float32, device)
 
