@@ -285,6 +285,24 @@ def check_memory(
     )
 
 
+def _fit_memory(accelerator, student: nn.Module, params: list[nn.Parameter], config: TrainConfig, progress: bool):
+    """check_memory for this run; when only recomputed layers fit, turns recomputation on and says so."""
+    sharing = accelerator.num_processes if accelerator.device.type == "cpu" else 1
+    activations = activation_bytes(student.config, config.micro_batch * config.seq_len)
+    recompute = check_memory(params, accelerator.device, sharing, activations)
+    if recompute:  # ~1/3 more work: the layers run twice
+        student.activation_checkpointing_enable({"use_reentrant": False})
+        if progress and accelerator.is_main_process:
+            print(
+                f"training: the activations of {config.micro_batch}×{config.seq_len} tokens "
+                f"(~{activations[0] / 2**30:.1f} GiB) do not fit beside the models: each layer is recomputed "
+                "in the backward pass (gradient checkpointing)",
+                file=sys.stderr,
+                flush=True,
+            )
+    return recompute
+
+
 def _optimizer(student: nn.Module, config: TrainConfig):
     """The trained parameters, AdamW over them, and the warmup-then-cosine schedule."""
     params = trainable(student, config.train)
@@ -326,19 +344,7 @@ def train(
     check(config, len(windows), accelerator.num_processes)
     run_dir = Path(run_dir)
     params, optimizer, scheduler = _optimizer(student, config)
-    sharing = accelerator.num_processes if accelerator.device.type == "cpu" else 1
-    activations = activation_bytes(student.config, config.micro_batch * config.seq_len)
-    recompute = check_memory(params, accelerator.device, sharing, activations)
-    if recompute:  # ~1/3 more work: the layers run twice
-        student.activation_checkpointing_enable({"use_reentrant": False})
-        if progress and accelerator.is_main_process:
-            print(
-                f"training: the activations of {config.micro_batch}×{config.seq_len} tokens "
-                f"(~{activations[0] / 2**30:.1f} GiB) do not fit beside the models: each layer is recomputed "
-                "in the backward pass (gradient checkpointing)",
-                file=sys.stderr,
-                flush=True,
-            )
+    recompute = _fit_memory(accelerator, student, params, config, progress)
     teacher.requires_grad_(False).eval().to(accelerator.device)
     student.train()
     student, optimizer = accelerator.prepare(student, optimizer)
