@@ -253,9 +253,7 @@ def activation_bytes(config, tokens: int) -> tuple[int, int]:
     each decoder layer recomputed there (gradient checkpointing: only the layers' inputs are kept). Per token
     and layer a pass keeps about 10 hidden-wide and 4 MLP-wide fp32 tensors (the norms' and projections'
     inputs, q, k, v, the attention output, the MLP's gate, up and product); the head's slices on top."""
-    hidden, layers = config.hidden_size, config.num_hidden_layers
-    ffn = config.intermediate_size
-    ffn = max(ffn) if isinstance(ffn, list) else ffn
+    hidden, layers, ffn = config.hidden_size, config.num_hidden_layers, config.intermediate_size
     layer = tokens * (10 * hidden + 4 * ffn) * 4
     head = 6 * min(tokens * config.vocab_size, LOGIT_ELEMENTS) * 4  # a slice's logits, both distributions, ...
     return layers * layer + head, layers * tokens * hidden * 4 + layer + head
