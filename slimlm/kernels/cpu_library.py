@@ -171,6 +171,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     if hasattr(lib, "slimlm_bf16_gram"):  # built only where the CPU has AVX-512 BF16
         lib.slimlm_bf16_gram.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ctypes.c_float, c_int]
         lib.slimlm_bf16_gram.restype = c_int
+    if hasattr(lib, "slimlm_bf16_gram_amx"):  # and where it has AMX
+        lib.slimlm_bf16_gram_amx.argtypes = lib.slimlm_bf16_gram.argtypes
+        lib.slimlm_bf16_gram_amx.restype = c_int
     if hasattr(lib, "slimlm_quant_matmul_amx"):  # built only where the CPU has AMX
         lib.slimlm_amx_ready.argtypes, lib.slimlm_amx_ready.restype = [], c_int
         lib.slimlm_quant_matmul_amx.argtypes = lib.slimlm_quant_matmul_bf16.argtypes[:-2] + [c_int]

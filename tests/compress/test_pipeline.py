@@ -111,10 +111,25 @@ def test_group_size_that_does_not_divide_names_layers(model):
     assert "fit every layer: 32, -1" in msg
 
 
-def test_nan_weights_fail_loudly(model):
-    model.get_submodule("model.layers.1.mlp.up_proj").weight.data[0, 0] = float("nan")
-    with pytest.raises(SlimlmError, match="decoder layer 1"):
-        pipeline.run(model, [RTN(QuantArgs(4, 32))], torch.randint(0, 100, (2, 8)), QUIET)
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_weights_fail_loudly(model, value, dtype):
+    model.get_submodule("model.layers.1.mlp.up_proj").weight.data[0, 0] = value
+    passes = pipeline.Passes(compute_dtype=dtype, progress=False)
+    with pytest.raises(SlimlmError, match=r"non-finite values \(NaN/Inf\) in the float outputs of decoder layer 1"):
+        pipeline.run(model, [RTN(QuantArgs(4, 32))], torch.randint(0, 100, (2, 8)), passes)
+
+
+def test_one_non_finite_output_anywhere_is_found():
+    """_all_finite reads only the extremes: NaN and ±inf at any position in any dtype still make it False."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(64, 96).to(dtype)
+        assert pipeline._all_finite(x)
+        for value in (float("nan"), float("inf"), -float("inf")):
+            for pos in (0, 1, 4095, 6143):
+                y = x.clone()
+                y.view(-1)[pos] = value
+                assert not pipeline._all_finite(y), (dtype, value, pos)
 
 
 def test_offloaded_layers_give_the_same_checkpoint(tiny_llama):
