@@ -35,6 +35,7 @@ from slimlm.compress.gptq import GPTQ
 from slimlm.compress.offload import LazyWeights
 from slimlm.compress.rtn import RTN
 from slimlm.formats.quantized import QuantArgs
+from slimlm.kernels import cpu_gram, cpu_library
 from slimlm.kernels.cpu_library import cpu_flags
 
 
@@ -87,8 +88,16 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--compute-dtype", default="auto", choices=list(devices.COMPUTE_DTYPES))
+    p.add_argument(
+        "--hessian-unit",
+        choices=["auto", "vector"],
+        default="auto",
+        help="vector: GPTQ's Hessians on the bf16 dot-product unit even where the CPU has AMX tiles (the earlier loop)",
+    )
     p.add_argument("--json")
     a = p.parse_args()
+    if a.hessian_unit == "vector":
+        cpu_gram.uses_amx = lambda width: False
 
     model_dir = models.resolve(a.model)
     cfg = models.check(model_dir)
@@ -117,6 +126,8 @@ def main() -> None:
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, " + (
         "AVX-512" if "avx512f" in cpu_flags() else "AVX2"
     )
+    if cpu_library.available() and cpu_library.has_amx():
+        machine += f" + AMX (Hessians on the {'tile unit' if cpu_gram.uses_amx(cfg['hidden_size']) else 'vector unit'})"
     if os.environ.get("ONEDNN_MAX_CPU_ISA"):  # how an AVX2-only machine's products are emulated on a newer one
         caps = os.environ["ONEDNN_MAX_CPU_ISA"], os.environ.get("MKL_ENABLE_INSTRUCTIONS")
         machine += f" (oneDNN capped at {caps[0]}, MKL at {caps[1]})"
