@@ -1,7 +1,8 @@
 """Run a fixed list of prompts through the engine, the way evaluation wants it: a bounded number in
 flight (the scheduler always has work, memory stays bounded), progress shown, outputs in input order, and
-optional ordering — request i starts only after request after[i] has finished, so a context several
-requests share is computed once and then served to the others from the prefix cache."""
+optional ordering — request i starts only after request after[i] has finished, so a prefix several
+requests share is computed once and then served to the others from the prefix cache (`leaders` picks the
+order)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,25 @@ from tqdm import tqdm
 
 from slimlm.runtime.engine import Engine, RequestOutput
 from slimlm.runtime.sampling import SamplingParams
+
+MIN_SHARED = 8  # tokens a request must share with an earlier one to wait for it
+
+
+def leaders(prefixes: list[list[int]]) -> list[int]:
+    """`after` for run(), given what each request could take from the prefix cache: every request waits for
+    the one it shares the most with among those before it in sorted order (if that is at least MIN_SHARED
+    tokens), or for that one's own leader when the leader shares as much: the answers to one question all
+    wait for the first of them, not for each other in turn. Sentences that differ only after their first
+    words (WinoGrande's two options) share those words too."""
+    order = sorted(range(len(prefixes)), key=prefixes.__getitem__)
+    after, shared = list(range(len(prefixes))), [0] * len(prefixes)
+    for prev, i in zip(order, order[1:], strict=False):
+        a, b = prefixes[prev], prefixes[i]
+        n = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        if n >= MIN_SHARED:
+            lead = after[prev]
+            after[i], shared[i] = (lead if lead != prev and shared[prev] >= n else prev), n
+    return after
 
 
 def run(

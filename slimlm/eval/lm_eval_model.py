@@ -2,8 +2,9 @@
 
 Every request runs through the engine, batched by its scheduler:
 - loglikelihood: one prefill of context + continuation that returns the continuation's log-probabilities
-  (prompt_logprobs_from = where the continuation starts). Continuations of one context wait until the
-  first of them has been computed, so the context's full KV blocks come from the prefix cache for the rest.
+  (prompt_logprobs_from = where the continuation starts). Requests that share the start of their contexts
+  (the continuations of one context, sentences that differ after a few words) wait until the first of them
+  has been computed, so what they share comes from the prefix cache for the rest (batch.leaders).
 - loglikelihood_rolling: lm-eval's own disjoint rolling windows, each scored the same way.
 - generate_until: generation with lm-eval's stop strings and token budget (greedy unless do_sample).
 Tokenization follows lm-eval's `hf` backend (TemplateLM's context/continuation split, the same special-token
@@ -105,15 +106,15 @@ class SlimlmLM(TemplateLM):
     # ---- scoring --------------------------------------------------------------------------------------
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        prompts, params, starts, leaders = [], [], [], []
-        first_with_context: dict[tuple[int, ...], int] = {}
-        for i, (_, context, continuation) in enumerate(requests):
+        prompts, params, starts = [], [], []
+        for _, context, continuation in requests:
             tokens = (context + continuation)[-self.max_length :]  # left-truncated, as the hf backend does
             start = max(1, len(tokens) - len(continuation))
             prompts.append(tokens)
             starts.append(start)
             params.append(SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1, prompt_logprobs_from=start))
-            leaders.append(first_with_context.setdefault(tuple(tokens[:start]), i))
+        # the position before `start` is computed whatever the cache holds: its logits score the first token
+        leaders = batch.leaders([tokens[: start - 1] for tokens, start in zip(prompts, starts, strict=True)])
         outputs = self._run(prompts, params, leaders, "loglikelihood", disable_tqdm)
         results = []
         for (cache_key, _, _), tokens, start, out in zip(requests, prompts, starts, outputs, strict=True):

@@ -12,6 +12,12 @@ Only a sequence's last block is ever written. It is private unless the sequence 
 shared last block is copied before the write (copy-on-write), and the runner performs the copies listed in
 `pending_copies` before the next forward pass.
 
+Sharing reaches the token, not only the block. Each block filled after a prefix of full blocks is filed
+under that prefix's hash (the last FILED_PER_PREFIX of them), the partial last block of a finished sequence
+too: a later sequence whose own blocks stop matching there takes as many tokens as it shares with the best of
+them, and copies that block before it writes its own. The candidate answers of a multiple-choice question
+thus share all of the question, not only its full blocks.
+
 A KV policy (kv_policy.py) may drop blocks from the middle of a sequence's table (`evict`) or move a selection
 of its tokens into fresh blocks (`compact`): the table then holds the sequence's resident tokens in order, and
 every count here is of resident tokens. Such a sequence publishes no more blocks: what it computes next saw a
@@ -24,6 +30,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from slimlm.runtime.sequence import Sequence
+
+FILED_PER_PREFIX = 8  # blocks filed after one prefix: every prompt's first block is filed after the same root
 
 
 @dataclass
@@ -50,6 +58,8 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # chain hash -> block id
+        self.filed: dict[int | str | None, list[int]] = {}  # chain hash -> blocks filled after it, oldest first
+        self.filed_under: dict[int, int | str | None] = {}  # the reverse
         self.pending_copies: list[tuple[int, int]] = []  # (source, destination) block ids
 
     @property
@@ -63,8 +73,16 @@ class BlockManager:
         block = self.blocks[self.free.popitem(last=False)[0]]
         if block.hash is not None and self.cached.get(block.hash) == block.block_id:
             del self.cached[block.hash]  # its old contents are about to be overwritten
+        self._unfile(block.block_id)
         block.hash, block.tokens, block.ref_count = None, (), 1
         return block
+
+    def _unfile(self, block_id: int) -> None:
+        if block_id in self.filed_under:
+            parent = self.filed_under.pop(block_id)
+            self.filed[parent].remove(block_id)
+            if not self.filed[parent]:
+                del self.filed[parent]
 
     def _share(self, block: Block) -> None:
         if block.ref_count == 0:
@@ -107,8 +125,26 @@ class BlockManager:
             seq.block_hashes.append(h)
             seq.num_computed += self.block_size
             parent = h
+        self._take_partial(seq, parent, reusable)
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed
+
+    def _take_partial(self, seq: Sequence, parent: int | str | None, reusable: int) -> None:
+        """Of the blocks filed after `parent`, the one that starts with the most of the sequence's next tokens
+        (the latest of equals): shared, to be copied before the sequence writes into it."""
+        start = seq.num_computed
+        wanted = seq.token_ids[start : max(start, reusable)]
+        best, best_id = 0, None
+        for block_id in self.filed.get(parent, ()):
+            tokens, shared = self.blocks[block_id].tokens, 0
+            while shared < min(len(tokens), len(wanted)) and tokens[shared] == wanted[shared]:
+                shared += 1
+            if shared and shared >= best:
+                best, best_id = shared, block_id
+        if best_id is not None:
+            self._share(self.blocks[best_id])
+            seq.block_table.append(best_id)
+            seq.num_computed += best
 
     def can_append(self, seq: Sequence, num_new: int) -> bool:
         needed = self.blocks_needed(seq.num_resident + num_new) - len(seq.block_table)
@@ -116,8 +152,10 @@ class BlockManager:
 
     def _needs_copy(self, seq: Sequence, num_new: int) -> int:
         written = seq.num_resident // self.block_size  # index of the block the first new token lands in
-        shared = written < len(seq.block_table) and self.blocks[seq.block_table[written]].ref_count > 1
-        return int(num_new > 0 and shared)
+        if num_new == 0 or written >= len(seq.block_table):
+            return 0
+        block_id = seq.block_table[written]  # a filed block is shared with whoever takes it next
+        return int(self.blocks[block_id].ref_count > 1 or block_id in self.filed_under)
 
     def append(self, seq: Sequence, num_new: int) -> bool:
         """Blocks for `num_new` more tokens of `seq` (copying a shared block before it is written).
@@ -149,6 +187,7 @@ class BlockManager:
             if block.hash is None:
                 block.hash, block.tokens = h, tokens
                 self.cached.setdefault(h, block.block_id)
+                self._file(block.block_id, seq.block_hashes[-2] if i else chain_root(seq))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares all of the parent's blocks, including the partial last one."""
@@ -174,6 +213,7 @@ class BlockManager:
             if last is not None and last.ref_count == 1 and last.hash is not None:
                 if self.cached.get(last.hash) == last.block_id:
                     del self.cached[last.hash]  # about to be overwritten with other tokens
+                self._unfile(last.block_id)
                 last.hash, last.tokens = None, ()
             del seq.block_hashes[full:]
 
@@ -208,4 +248,26 @@ class BlockManager:
     def free_sequence(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):  # the tail is least likely to be shared: evict it first
             self._release(block_id)
+        self._file_partial(seq)
         seq.block_table, seq.block_hashes, seq.num_computed, seq.num_evicted = [], [], 0, 0
+
+    def _file_partial(self, seq: Sequence) -> None:
+        """File a freed sequence's partial last block under the full blocks before it, if nobody holds it
+        (a forked sibling still writing into it would change it)."""
+        full, extra = divmod(seq.num_computed, self.block_size)
+        if not (self.prefix_caching and extra and not seq.num_evicted and len(seq.block_hashes) == full):
+            return
+        if full >= len(seq.block_table) or self.blocks[seq.block_table[full]].ref_count:
+            return
+        block = self.blocks[seq.block_table[full]]
+        if block.block_id in self.filed_under:  # taken from the files and given back unwritten
+            return
+        block.tokens = tuple(seq.token_ids[full * self.block_size : seq.num_computed])
+        self._file(block.block_id, seq.block_hashes[-1] if full else chain_root(seq))
+
+    def _file(self, block_id: int, parent: int | str | None) -> None:
+        blocks = self.filed.setdefault(parent, [])
+        blocks.append(block_id)
+        self.filed_under[block_id] = parent
+        if len(blocks) > FILED_PER_PREFIX:
+            del self.filed_under[blocks.pop(0)]

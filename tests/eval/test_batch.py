@@ -7,7 +7,7 @@ from slimlm.runtime.sampling import SamplingParams
 
 def test_outputs_in_input_order_and_followers_reuse_the_leaders_context(tiny_llama):
     engine = Engine(str(tiny_llama), EngineConfig(max_num_seqs=2, block_size=16))
-    context = list(range(3, 53))  # 3 full blocks of 16
+    context = list(range(3, 53))  # 3 full blocks of 16 and 2 tokens
     prompts = [context + [60 + i] for i in range(5)] + [list(range(100, 130))]
     params = [
         SamplingParams(
@@ -40,7 +40,8 @@ def test_outputs_in_input_order_and_followers_reuse_the_leaders_context(tiny_lla
     engine.add_request, engine.step = counting_add, counting_step
     outputs = batch.run(engine, prompts, params, after, progress=False)
     assert [o.prompt_token_ids for o in outputs] == prompts
-    assert outputs[0].num_cached_tokens == 0 and all(o.num_cached_tokens == 48 for o in outputs[1:5])
+    # all of the context but its last token, whose logits score each follower's answer
+    assert outputs[0].num_cached_tokens == 0 and all(o.num_cached_tokens == 49 for o in outputs[1:5])
     assert peak <= 2 * engine.config.max_num_seqs
     assert finished.index(outputs[0].request_id) < min(finished.index(o.request_id) for o in outputs[1:5])
     # the scores do not depend on where the context's K/V came from
@@ -49,3 +50,23 @@ def test_outputs_in_input_order_and_followers_reuse_the_leaders_context(tiny_lla
     for a, b in zip(outputs, alone, strict=True):
         assert abs(a.prompt_logprobs[0] - b.prompt_logprobs[0]) < 1e-5
     assert batch.computed_tokens(prompts, outputs) < batch.computed_tokens(prompts, alone)
+
+
+def test_leaders_make_a_star_of_equal_contexts_and_wait_only_for_long_enough_shared_starts():
+    question = list(range(100, 120))
+    winogrande = list(range(200, 212))  # two sentences that differ after 12 words
+    prefixes = [
+        question + [1],  # 0: the first answer's context
+        winogrande + [5, 6],  # 1
+        question + [1],  # 2: the second and third answers wait for the first, not for each other
+        list(range(100, 100 + batch.MIN_SHARED - 1)) + [9],  # 3: shares one token too few with the question
+        winogrande + [7, 8],  # 4: the other option waits for the first
+        question + [1],  # 5
+        question + [1, 2, 3],  # 6: shares all of the others' context and more: waits for the first
+    ]
+    assert batch.leaders(prefixes) == [0, 1, 0, 3, 1, 0, 0]
+
+
+def test_leaders_wait_for_the_closest_when_it_shares_more_than_its_own_leader():
+    a, b, c = [1] * 10, [1] * 10 + [2] * 10, [1] * 10 + [2] * 10 + [3]
+    assert batch.leaders([c, b, a]) == [1, 2, 2]  # b shares 10 with a; c shares 20 with b, only 10 with a

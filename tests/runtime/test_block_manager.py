@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from slimlm.runtime import block_manager
 from slimlm.runtime.block_manager import BlockManager
 from slimlm.runtime.sampling import SamplingParams
 from slimlm.runtime.sequence import Sequence
@@ -36,7 +37,9 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
     run_prefill(bm, a)
     b = seq(list(range(8)), seq_id=1)
     bm.allocate_prefix(b)
-    assert b.num_computed == 4  # the second block is not taken: its last token must run for the logits
+    assert b.num_computed == 7  # all but the last token, which must run for the logits
+    assert b.block_table == a.block_table  # the second block lends three of its tokens
+    assert bm.append(b, 1) and b.block_table[1] != a.block_table[1]  # and is copied before b writes
 
 
 def test_freed_blocks_stay_reusable_until_handed_out_again():
@@ -158,7 +161,7 @@ def test_recycling_a_duplicate_block_keeps_the_original_cached():
     assert c.block_table == a.block_table[:1] and c.num_computed == 4
 
 
-@pytest.mark.parametrize("logprobs_from, reused", [(8, 4), (9, 8), (13, 12)])
+@pytest.mark.parametrize("logprobs_from, reused", [(8, 7), (9, 8), (13, 12)])
 def test_prompt_logprobs_leave_the_scored_positions_to_compute(logprobs_from, reused):
     """Scoring prompt token i needs the logits of position i − 1, so it must not come from the cache; the
     blocks before it come from another scored sequence's, never from a plain one's (see chain_root)."""
@@ -283,3 +286,81 @@ def test_compaction_moves_the_kept_tokens_to_fresh_blocks_and_refuses_when_the_p
     for bad in (0, 16, 17):
         with pytest.raises(ValueError, match=f"cannot keep {bad} of 16 resident tokens"):
             short.compact(t, bad)
+
+
+def test_a_freed_sequences_partial_block_lends_its_tokens_and_is_copied_before_a_write():
+    """The answers of a multiple-choice question: each takes the question's full blocks and the tokens of its
+    partial last block it shares, and copies that block before writing its own tokens into it. The block stays
+    filed for the next answer; what a sequence needs to compute (its scored positions) is never taken."""
+    bm = BlockManager(num_blocks=12, block_size=4)
+    a = seq(list(range(10)))  # [0..3] [4..7] [8, 9]
+    run_prefill(bm, a)
+    table, partial = list(a.block_table), a.block_table[2]
+    bm.free_sequence(a)
+    b = seq(list(range(9)) + [70, 71], seq_id=1)  # shares token 8 of the partial block's 8, 9
+    bm.allocate_prefix(b)
+    assert b.num_computed == 9 and b.block_table == table
+    assert bm.append(b, 2)
+    assert b.block_table[2] != partial and bm.pending_copies == [(partial, b.block_table[2])]
+    assert bm.blocks[partial].ref_count == 0 and bm.filed  # back in the pool, still filed
+    c = seq(list(range(10)) + [5], seq_id=2, prompt_logprobs=0, prompt_logprobs_from=10)
+    bm.allocate_prefix(c)
+    assert c.num_computed == 0  # a scored prompt chains from its own root: a's blocks are not its
+    d = seq(list(range(10)) + [5, 6], seq_id=3, prompt_logprobs=0, prompt_logprobs_from=10)
+    bm.allocate_prefix(d)
+    assert d.num_computed == 0
+    e = seq(list(range(10)) + [5], seq_id=4)
+    bm.allocate_prefix(e)
+    assert e.num_computed == 10 and e.block_table[2] == partial  # both of its tokens
+    f = seq(list(range(8)) + [9, 9], seq_id=5)
+    bm.allocate_prefix(f)
+    assert f.num_computed == 8  # its first token after the full blocks differs: the partial block lends none
+
+
+def test_a_partial_block_is_filed_only_when_nobody_holds_it_and_forgotten_once_handed_out():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    parent = seq(list(range(6)))
+    run_prefill(bm, parent)
+    child = seq(list(range(6)), seq_id=1)
+    bm.fork(parent, child)
+    partial = parent.block_table[1]
+    bm.free_sequence(parent)  # the child still holds (and may write) the partial block
+    assert partial not in bm.filed_under
+    bm.free_sequence(child)
+    after_first_block = bm.filed_under[partial]
+    assert bm.filed[after_first_block] == [partial]
+    taker = seq(list(range(5)) + [9], seq_id=2)  # shares token 4 of the partial block's 4, 5
+    bm.allocate_prefix(taker)
+    assert taker.num_computed == 5
+    bm.free_sequence(taker)  # taken but never written (the scheduler gave it back): still filed, unchanged
+    assert partial in bm.filed_under and bm.blocks[partial].tokens == (4, 5)
+    filler = seq([99] * 16, seq_id=3)  # needs every block: the partial one is recycled
+    run_prefill(bm, filler)
+    assert partial not in bm.filed.get(after_first_block, [])
+    bm.free_sequence(filler)
+    again = seq(list(range(6)) + [9], seq_id=4)
+    bm.allocate_prefix(again)
+    assert again.num_computed == 0
+
+
+def test_the_best_of_the_blocks_filed_after_a_prefix_is_taken_and_only_the_latest_few_are_kept():
+    """Every prompt's first block is filed after the same root: a new prompt takes the one it shares the most
+    with, not merely the latest; only the last FILED_PER_PREFIX are kept."""
+    bm = BlockManager(num_blocks=64, block_size=4)
+    starts = [[1, 2, 3], [1, 2, 7], [5, 6, 7]]  # three short prompts, freed in turn: [5, 6, 7] is filed last
+    for i, tokens in enumerate(starts):
+        s = seq(tokens, seq_id=i)
+        run_prefill(bm, s)
+        bm.free_sequence(s)
+    c = seq([1, 2, 3, 4, 0], seq_id=9)
+    bm.allocate_prefix(c)
+    assert c.num_computed == 3 and bm.blocks[c.block_table[0]].tokens == (1, 2, 3)
+    bm.free_sequence(c)
+    for i in range(block_manager.FILED_PER_PREFIX):  # as many more after the root: the first three go
+        s = seq([20 + i], seq_id=10 + i)
+        run_prefill(bm, s)
+        bm.free_sequence(s)
+    assert len(bm.filed[None]) == block_manager.FILED_PER_PREFIX
+    d = seq([1, 2, 3, 4, 0], seq_id=30)
+    bm.allocate_prefix(d)
+    assert d.num_computed == 0

@@ -97,7 +97,8 @@ def test_a_lone_prompt_longer_than_the_token_budget_is_computed_whole(tiny_llama
 
 def test_scoring_continuations_reuses_the_context_and_matches_transformers(tiny_llama, hf, prompts):
     """lm-eval's pattern: one context, several continuations, only the continuations scored. The context's
-    full blocks come from the prefix cache; the scores equal transformers' on the whole sequence."""
+    blocks come from the prefix cache, its partial last one too (copied before each continuation is written
+    into it); the scores equal transformers' on the whole sequence."""
     context = prompts[7][:70]  # 4 full blocks of 16 and a partial one
     conts = [prompts[6][:5], prompts[5][:9], prompts[4][:3]]
     llm = LLM(str(tiny_llama), max_num_batched_tokens=32)
@@ -107,7 +108,7 @@ def test_scoring_continuations_reuses_the_context_and_matches_transformers(tiny_
         expected = hf_logprobs(hf, context + cont)[len(context) - 1 :]
         assert torch.allclose(torch.tensor(out.prompt_logprobs), expected, atol=1e-5)
         assert len(out.prompt_top_logprobs) == len(cont)
-        assert out.num_cached_tokens == (0 if i == 0 else 64)  # context - 1 tokens, rounded down to blocks
+        assert out.num_cached_tokens == (0 if i == 0 else 69)  # the context less its last token (it scores)
     # scoring the whole prompt again must compute it all, although its blocks are cached
     again = llm.generate([context + conts[0]], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     assert again.num_cached_tokens == 0
