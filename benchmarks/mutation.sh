@@ -50,6 +50,7 @@ declare -A TESTS=(
   [slimlm/train/gqa.py]="tests/train/test_gqa.py"
   [slimlm/train/distill.py]="tests/train/test_distill.py::test_one_step_equals_a_hand_written_distillation_step tests/train/test_distill.py::test_the_sliced_loss_and_its_gradients_equal_the_definition_on_whole_logits tests/train/test_distill.py::test_the_last_hidden_state_through_the_head_is_the_models_logits tests/train/test_distill.py::test_passes_run_in_the_fast_dtype_or_the_one_asked_for tests/train/test_distill.py::test_a_run_that_cannot_fit_is_refused_before_it_starts_and_one_that_fits_recomputed_recomputes tests/train/test_distill.py::test_the_learning_rate_warms_up_then_decays_to_zero tests/train/test_distill.py::test_budgets_and_batches_that_cannot_run_are_named tests/train/test_distill.py::test_a_checkpoint_resumes_only_the_same_source_options_and_data tests/train/test_distill.py::test_two_runs_never_train_in_one_run_directory tests/train/test_distill.py::test_the_loop_logs_checkpoints_and_resumes_in_process tests/train/test_distill.py::test_the_curve_plots_loss_and_evaluation_perplexity_against_tokens tests/train/test_distill.py::test_train_parts_that_match_nothing_are_named tests/train/test_gqa.py tests/train/test_prune.py"
   [slimlm/eval/plan.py]="tests/eval/test_plan.py"
+  [slimlm/eval/batch.py]="tests/eval/test_batch.py tests/eval/test_lm_eval_model.py"
   [slimlm/perf/bench.py]="tests/perf/test_bench.py"
   [slimlm/eval/report.py]="tests/eval/test_report.py tests/eval/test_records.py"
   [slimlm/jobs/options.py]="tests/jobs tests/test_cli.py"
