@@ -25,12 +25,16 @@ def leaders(prefixes: list[list[int]]) -> list[int]:
     order = sorted(range(len(prefixes)), key=prefixes.__getitem__)
     after, shared = list(range(len(prefixes))), [0] * len(prefixes)
     for prev, i in zip(order, order[1:], strict=False):
-        a, b = prefixes[prev], prefixes[i]
-        n = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        n = common_prefix(prefixes[prev], prefixes[i])
         if n >= MIN_SHARED:
             lead = after[prev]
             after[i], shared[i] = (lead if lead != prev and shared[prev] >= n else prev), n
     return after
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens a and b share from the start."""
+    return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def run(

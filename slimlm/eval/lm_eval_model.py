@@ -2,9 +2,11 @@
 
 Every request runs through the engine, batched by its scheduler:
 - loglikelihood: one prefill of context + continuation that returns the continuation's log-probabilities
-  (prompt_logprobs_from = where the continuation starts). Requests that share the start of their contexts
+  (prompt_logprobs_from = where the continuation starts). Requests that share the start of their tokens
   (the continuations of one context, sentences that differ after a few words) wait until the first of them
-  has been computed, so what they share comes from the prefix cache for the rest (batch.leaders).
+  has been computed (batch.leaders), so what they share comes from the prefix cache; where the shared part
+  reaches into a continuation (two answers that begin alike), its tokens' scores are the first request's
+  too — the same tokens before a position give the same logits there — and are not computed again.
 - loglikelihood_rolling: lm-eval's own disjoint rolling windows, each scored the same way.
 - generate_until: generation with lm-eval's stop strings and token budget (greedy unless do_sample).
 Tokenization follows lm-eval's `hf` backend (TemplateLM's context/continuation split, the same special-token
@@ -106,21 +108,40 @@ class SlimlmLM(TemplateLM):
     # ---- scoring --------------------------------------------------------------------------------------
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        prompts, params, starts = [], [], []
+        prompts, starts = [], []
         for _, context, continuation in requests:
             tokens = (context + continuation)[-self.max_length :]  # left-truncated, as the hf backend does
-            start = max(1, len(tokens) - len(continuation))
             prompts.append(tokens)
-            starts.append(start)
-            params.append(SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1, prompt_logprobs_from=start))
-        # the position before `start` is computed whatever the cache holds: its logits score the first token
-        leaders = batch.leaders([tokens[: start - 1] for tokens, start in zip(prompts, starts, strict=True)])
-        outputs = self._run(prompts, params, leaders, "loglikelihood", disable_tqdm)
+            starts.append(max(1, len(tokens) - len(continuation)))
+        after = batch.leaders([tokens[:-1] for tokens in prompts])  # the last token is always computed
+        # Scores of token t (the logits at t - 1) a request shares with its leader, which scored them: taken
+        # from it. Its own scoring starts at `own`, and the prefix cache serves what is before own - 1.
+        own = [
+            starts[i]
+            if j == i or starts[j] > starts[i]
+            else max(starts[i], min(batch.common_prefix(prompts[i], prompts[j]), len(prompts[i]) - 1))
+            for i, j in enumerate(after)
+        ]
+        params = [SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1, prompt_logprobs_from=f) for f in own]
+        outputs = self._run(prompts, params, after, "loglikelihood", disable_tqdm)
+        scores: dict[int, tuple[list[float], list[bool]]] = {}  # request -> its scored tokens' (logprob, greedy)
+
+        def scored(i: int) -> tuple[list[float], list[bool]]:
+            if i not in scores:
+                out, tokens = outputs[i], prompts[i]
+                greedy = [top[0][0] == t for top, t in zip(out.prompt_top_logprobs, tokens[own[i] :], strict=True)]
+                logprobs, j = list(out.prompt_logprobs), after[i]
+                if own[i] > starts[i]:  # the leader's scores of tokens starts[i] .. own[i] - 1 come first
+                    lead_logprobs, lead_greedy = scored(j)
+                    first, last = starts[i] - starts[j], own[i] - starts[j]
+                    logprobs, greedy = lead_logprobs[first:last] + logprobs, lead_greedy[first:last] + greedy
+                scores[i] = logprobs, greedy
+            return scores[i]
+
         results = []
-        for (cache_key, _, _), tokens, start, out in zip(requests, prompts, starts, outputs, strict=True):
-            scored = tokens[start:]
-            greedy = all(top[0][0] == t for top, t in zip(out.prompt_top_logprobs, scored, strict=True))
-            result = (float(sum(out.prompt_logprobs)), greedy)
+        for i, (cache_key, _, _) in enumerate(requests):
+            logprobs, greedy = scored(i)
+            result = (float(sum(logprobs)), all(greedy))
             if cache_key is not None:
                 self.cache_hook.add_partial("loglikelihood", cache_key, result)
             results.append(result)

@@ -43,6 +43,7 @@ SIGNATURES = {  # name: (argument types, return type)
     ),
     "slimlm_add_rms_norm": ([ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, c_int, c_int], None),
     "slimlm_silu_mul": ([ptr, ptr, i64, i64, c_int, c_int], None),
+    "slimlm_row_logprobs": ([ptr, i64, i64, c_int, ptr, ptr, ptr, ptr, c_int], None),
     "slimlm_rotary_kv_write": (
         [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, ptr, c_int],
         None,

@@ -73,6 +73,13 @@ def add_rms_norm(
     return weight * F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype), h
 
 
+def row_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each row of logits [R, V]: log p(target), the largest log p and its token (the first of equals), fp32."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best, best_ids = logprobs.max(dim=-1)
+    return logprobs.gather(-1, targets[:, None])[:, 0], best, best_ids
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up for gate_up = [gate | up] along the last dimension (the MLP's joined projection)."""
     gate, up = gate_up.chunk(2, dim=-1)

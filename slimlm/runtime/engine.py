@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slimlm import devices, models
+from slimlm import devices, kernels, models
 from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats.kv_cache import CACHE_DTYPES as KV_CACHE_DTYPES
 from slimlm.runtime.block_manager import BlockManager
@@ -472,10 +472,16 @@ class Engine:
 
     def _prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, lo: int, hi: int) -> None:
         targets = seq.token_ids[lo + 1 : hi + 1]
+        k = seq.params.prompt_logprobs
+        if k <= 1:  # evaluations' case (the target's, and whether it was the most likely): no log-softmax written
+            chosen, best, best_ids = kernels.row_logprobs(logits, torch.tensor(targets, device=logits.device))
+            seq.prompt_logprobs += chosen.tolist()
+            if k:
+                seq.prompt_top_logprobs += [[pair] for pair in zip(best_ids.tolist(), best.tolist(), strict=True)]
+            return
         lp = torch.log_softmax(logits.float(), dim=-1)
         seq.prompt_logprobs += lp[torch.arange(len(targets)), targets].tolist()
-        if seq.params.prompt_logprobs:
-            seq.prompt_top_logprobs += top_logprobs(lp, [seq.params.prompt_logprobs] * len(targets))
+        seq.prompt_top_logprobs += top_logprobs(lp, [k] * len(targets))
 
     def _fork_if_first(self, seq: Sequence) -> list[Sequence]:
         """At the end of its prompt, a request with n > 1 splits into n sequences sharing the prompt's blocks."""

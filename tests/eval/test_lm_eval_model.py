@@ -9,7 +9,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
 from slimlm import SlimlmError
-from slimlm.eval import harness, taskpack
+from slimlm.eval import batch, harness, taskpack
 from slimlm.eval.lm_eval_model import SlimlmLM
 
 
@@ -31,15 +31,22 @@ def test_loglikelihood_equals_the_hf_backend(backends):
         (context, "runs away"),
         (context, "sleeps"),
         (context, " eats a very small apple"),
+        (context, " eats a very small pear"),  # its first scored tokens are the apple's: scored once
+        (context, " eats a very"),  # all of its tokens but the last are the apple's
+        (context, "runs away"),  # the very same request again
         ("", "alone"),
         ("a question ", "with a trailing space"),
         ("short", " one"),
     ]
+    before = ours.tokens_computed
     mine = ours.loglikelihood(instances("loglikelihood", args))
     theirs = hf.loglikelihood(instances("loglikelihood", args))
     for (lp, greedy), (lp_hf, greedy_hf) in zip(mine, theirs, strict=True):
         assert lp == pytest.approx(lp_hf, abs=1e-4) and greedy == greedy_hf
-    assert ours.tokens_computed < sum(len(ours.tok_encode(c + x)) for c, x in args)  # the context was shared
+    tokens = [len(ours.tok_encode(c + x)) for c, x in args]
+    context_tokens = len(ours.tok_encode(context))
+    # the context once, the continuations' own tokens, and one token more for each request that shares
+    assert ours.tokens_computed - before < sum(tokens) - 5 * (context_tokens - 1)
 
 
 def test_rolling_loglikelihood_equals_the_hf_backend(backends):
@@ -88,3 +95,25 @@ def test_task_pack_outcomes_equal_the_hf_backend_on_the_default_model(smollm2):
         for metric, value in runs["hf"]["results"][task].items():
             if isinstance(value, float) and "stderr" not in metric:
                 assert runs["slimlm"]["results"][task][metric] == pytest.approx(value, abs=0.005)
+
+
+def test_tokens_two_continuations_share_are_scored_once(backends, monkeypatch):
+    """What the engine is asked to score: a continuation that begins as an earlier one does only from where
+    they part (the scores before come from the earlier one), a repeated request only its last token."""
+    _, ours = backends
+    seen = []
+    run = batch.run
+    monkeypatch.setattr(
+        batch, "run", lambda engine, prompts, params, *a: seen.append(params) or run(engine, prompts, params, *a)
+    )
+    context = "the quick brown fox jumps over the lazy dog and then " * 3
+    args = [
+        (context, " eats a very small apple"),
+        (context, " eats a very small pear"),
+        (context, " eats a very small apple"),
+    ]
+    ours.loglikelihood(instances("loglikelihood", args))
+    prompts = [ours.tok_encode(c + x) for c, x in args]
+    start, parted = len(ours.tok_encode(context)), batch.common_prefix(prompts[0], prompts[1])
+    assert parted > start + 2
+    assert [p.prompt_logprobs_from for p in seen[0]] == [start, parted, len(prompts[2]) - 1]

@@ -61,6 +61,29 @@ def test_silu_mul_matches_the_reference(dtype, rows, width):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, vocab", [(1, 49152), (7, 151936), (3, 5000)])  # 5000: no whole 2048-term part
+def test_row_logprobs_against_float64(dtype, rows, vocab):
+    """log p(target) and the largest log p within fp32 rounding of the float64 log-softmax, as torch's fp32 one
+    is; the most likely token the first of equal ones (argmax's), here a tie planted in each row."""
+    g = torch.Generator().manual_seed(rows)
+    logits = (torch.randn(rows, vocab, generator=g) * 4).to(dtype)
+    for r in range(rows):
+        first, second = sorted(torch.randint(0, vocab, (2,), generator=g).tolist())
+        logits[r, first] = logits[r, second] = logits[r].max() + 1
+    targets = torch.randint(0, vocab, (rows,), generator=g)
+    exact = torch.log_softmax(logits.double(), dim=-1)
+    chosen, best, best_ids = cpu_layer.row_logprobs(logits, targets)
+    torch.testing.assert_close(chosen.double(), exact.gather(-1, targets[:, None])[:, 0], rtol=0, atol=2e-5)
+    torch.testing.assert_close(best.double(), exact.max(-1).values, rtol=0, atol=2e-5)
+    assert torch.equal(best_ids, logits.float().argmax(-1))
+    ref = reference.row_logprobs(logits, targets)
+    assert (
+        torch.equal(ref[2], best_ids)
+        and (ref[0].double() - exact.gather(-1, targets[:, None])[:, 0]).abs().max() < 2e-5
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("rows", [3, 20])
 @pytest.mark.parametrize("centered", [False, True], ids=["", "keys-less-offset"])
