@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from slimlm.runtime.engine import Engine, RequestOutput
 from slimlm.runtime.sampling import SamplingParams
+from slimlm.runtime.sequence import common_prefix
 
 MIN_SHARED = 8  # tokens a request must share with an earlier one to wait for it
 
@@ -30,11 +31,6 @@ def leaders(prefixes: list[list[int]]) -> list[int]:
             lead = after[prev]
             after[i], shared[i] = (lead if lead != prev and shared[prev] >= n else prev), n
     return after
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many tokens a and b share from the start."""
-    return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def run(

@@ -25,6 +25,7 @@ from slimlm.errors import SlimlmError
 from slimlm.eval import batch
 from slimlm.runtime.engine import Engine, EngineConfig
 from slimlm.runtime.sampling import SamplingParams
+from slimlm.runtime.sequence import common_prefix
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf backend default
 
@@ -119,7 +120,7 @@ class SlimlmLM(TemplateLM):
         own = [
             starts[i]
             if j == i or starts[j] > starts[i]
-            else max(starts[i], min(batch.common_prefix(prompts[i], prompts[j]), len(prompts[i]) - 1))
+            else max(starts[i], min(common_prefix(prompts[i], prompts[j]), len(prompts[i]) - 1))
             for i, j in enumerate(after)
         ]
         params = [SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1, prompt_logprobs_from=f) for f in own]

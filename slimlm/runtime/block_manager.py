@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from slimlm.runtime.sequence import Sequence
+from slimlm.runtime.sequence import Sequence, common_prefix
 
 FILED_PER_PREFIX = 8  # blocks filed after one prefix: every prompt's first block is filed after the same root
 
@@ -136,9 +136,7 @@ class BlockManager:
         wanted = seq.token_ids[start : max(start, reusable)]
         best, best_id = 0, None
         for block_id in self.filed.get(parent, ()):
-            tokens, shared = self.blocks[block_id].tokens, 0
-            while shared < min(len(tokens), len(wanted)) and tokens[shared] == wanted[shared]:
-                shared += 1
+            shared = common_prefix(self.blocks[block_id].tokens, wanted)
             if shared and shared >= best:
                 best, best_id = shared, block_id
         if best_id is not None:

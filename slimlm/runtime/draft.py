@@ -17,13 +17,8 @@ from slimlm.errors import SlimlmError
 from slimlm.runtime.block_manager import BlockManager
 from slimlm.runtime.model_runner import ModelRunner
 from slimlm.runtime.scheduler import Batch, ScheduledSeq
-from slimlm.runtime.sequence import Sequence
+from slimlm.runtime.sequence import Sequence, common_prefix
 from slimlm.runtime.speculative import Proposal, distributions
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 class DraftProposer:
@@ -79,7 +74,8 @@ class DraftProposer:
             if not items:
                 break
             ends = torch.tensor([item.num_tokens for item in items]).cumsum(0) - 1
-            logits = self.runner.run(Batch(items), ends.tolist())
+            copies, self.blocks.pending_copies = self.blocks.pending_copies, []  # blocks a shadow took to the token
+            logits = self.runner.run(Batch(items, copies), ends.tolist())
             # a greedy request's draft distribution is a point mass at the argmax: drawn and kept as that
             sampled = [i for i, item in enumerate(items) if not item.seq.params.greedy]
             dist = dict(
@@ -112,7 +108,7 @@ class DraftProposer:
             self.blocks.allocate_prefix(shadow)
             self.shadows[seq.seq_id] = shadow
         # the last token is always recomputed, even when its KV is there: its logits give the first draft
-        keep = min(_common_prefix(shadow.token_ids, seq.token_ids), len(seq.token_ids) - 1)
+        keep = min(common_prefix(shadow.token_ids, seq.token_ids), len(seq.token_ids) - 1)
         if shadow.num_computed > keep:
             self.blocks.release_last(shadow, shadow.num_computed - keep)
         shadow.token_ids = list(seq.token_ids)

@@ -12,6 +12,12 @@ from slimlm.runtime.kv_policy import KVPolicy
 from slimlm.runtime.sampling import SamplingParams
 
 
+def common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
+    """How many tokens a and b share from the start."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 class Status(Enum):
     WAITING = "waiting"  # no KV blocks (new, or preempted and to be recomputed)
     RUNNING = "running"

@@ -11,6 +11,7 @@ from lm_eval.models.huggingface import HFLM
 from slimlm import SlimlmError
 from slimlm.eval import batch, harness, taskpack
 from slimlm.eval.lm_eval_model import SlimlmLM
+from slimlm.runtime.sequence import common_prefix
 
 
 def instances(kind: str, args: list[tuple]) -> list[Instance]:
@@ -114,6 +115,6 @@ def test_tokens_two_continuations_share_are_scored_once(backends, monkeypatch):
     ]
     ours.loglikelihood(instances("loglikelihood", args))
     prompts = [ours.tok_encode(c + x) for c, x in args]
-    start, parted = len(ours.tok_encode(context)), batch.common_prefix(prompts[0], prompts[1])
+    start, parted = len(ours.tok_encode(context)), common_prefix(prompts[0], prompts[1])
     assert parted > start + 2
     assert [p.prompt_logprobs_from for p in seen[0]] == [start, parted, len(prompts[2]) - 1]

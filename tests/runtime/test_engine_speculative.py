@@ -58,6 +58,24 @@ def test_greedy_output_equals_non_speculative_greedy(sharp_pair, proposer):
     assert spec.engine.blocks.num_free == spec.engine.runner.num_blocks  # every block came back
 
 
+def test_a_draft_that_takes_cached_blocks_to_the_token_copies_them_first(sharp_pair, monkeypatch):
+    """The same prompts again: the draft's shadows take their blocks from its prefix cache, the last, partial
+    ones too, copied before they are written. The target drafting for itself stays always right."""
+    target = str(sharp_pair[0])
+    spec = LLM(target, speculative=target, num_speculative_tokens=3, max_num_batched_tokens=64)
+    prompts = _prompts(spec, 6)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    first = spec.generate(prompts, params)
+    runner, copies = spec.engine.proposer.runner, []
+    run = runner.run
+    monkeypatch.setattr(runner, "run", lambda batch, *a: copies.extend(batch.copies) or run(batch, *a))
+    again = spec.generate(prompts, params)
+    assert copies and spec.engine.proposer.blocks.pending_copies == []  # every copy went to the draft's runner
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    drafted = sum(o.outputs[0].num_drafted for o in again)
+    assert drafted > 0 and sum(o.outputs[0].num_accepted for o in again) == drafted
+
+
 @pytest.mark.parametrize("policy", [KVPolicy("window", 40), KVPolicy("snapkv", 64)])
 @pytest.mark.parametrize("proposer", ["ngram", "self"])
 def test_greedy_output_equals_non_speculative_greedy_under_a_kv_policy(sharp_pair, proposer, policy):
