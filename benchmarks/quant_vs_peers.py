@@ -174,6 +174,7 @@ def quantize_jobs(setting: str, a: argparse.Namespace, calib_file: Path, model_d
         "--seed",
         str(a.seed),
         "--overwrite",
+        "--float-lm-head",  # as the peers leave it (slimlm's own default rounds it to 8 bits)
     ]
     peer_common = [
         "--model",

@@ -31,6 +31,12 @@ GRID = 20
 CLIP_GRID = 20
 CLIP_MAX_SHRINK = 0.5
 CLIP_TOKENS = 1024
+# Every SAMPLE_STRIDE-th token of a batch goes to the clipping search's sample. Odd, so that it is coprime with
+# any window length: a stride of 16 took position 0 of every window, whose massive activations (Qwen2.5's first
+# token) then made 1 in 8 of the clipping sample instead of 1 in 512. On the 1.5B's first 4 layers (W4 g128,
+# 128x512 tokens, 4 wiki windows through transformers): NLL increase over float 0.050 -> 0.022 nats, KL 0.105
+# -> 0.103 (llm-compressor's AWQ: 0.018, 0.102).
+SAMPLE_STRIDE = 17
 CLIP_CHUNK_ELEMENTS = 64 * 1024 * 1024  # bounds the [rows, tokens, groups] products of the clipping search
 
 
@@ -65,6 +71,11 @@ class _Stats:
         self.abs_sum = a if self.abs_sum is None else self.abs_sum + a
         self.tokens += x.shape[0]
         self.samples.append(x[::stride].clone())
+
+    def clip_sample(self) -> torch.Tensor:
+        """CLIP_TOKENS of the sampled tokens, evenly spread over them."""
+        x = torch.cat(self.samples)
+        return x[torch.linspace(0, len(x) - 1, min(CLIP_TOKENS, len(x)), device=x.device).long()]
 
 
 class AWQ:
@@ -102,7 +113,7 @@ class AWQ:
         for local in {lin for m in layer_mappings(layer) for lin in m.linears}:
             stats = self.stats[local] = _Stats()
             mod = layer.get_submodule(local)
-            handles.append(mod.register_forward_pre_hook(lambda _m, a, st=stats: st.add(a[0], stride=16)))
+            handles.append(mod.register_forward_pre_hook(lambda _m, a, st=stats: st.add(a[0], stride=SAMPLE_STRIDE)))
         for m in layer_mappings(layer):
             store = self.block_inputs.setdefault(m.block, [])
 
@@ -127,9 +138,7 @@ class AWQ:
         for local in local_to_full:
             weight = layer.get_submodule(local).weight
             if self.clip and local in self.stats and not local.endswith(("q_proj", "k_proj")):
-                x = torch.cat(self.stats[local].samples)
-                x = x[torch.linspace(0, len(x) - 1, min(CLIP_TOKENS, len(x)), device=x.device).long()]
-                weight.data = self._clip(weight.data, x)
+                weight.data = self._clip(weight.data, self.stats[local].clip_sample())
         self.stats, self.block_inputs = {}, {}
         return StepResult()
 
