@@ -61,12 +61,18 @@ def test_freed_blocks_stay_reusable_until_handed_out_again():
     assert d.num_computed == 0 and not bm.cached.keys() & set(b.block_hashes)
 
 
-def test_fork_shares_the_partial_block_and_copies_it_before_a_write():
-    bm = BlockManager(num_blocks=10, block_size=4)
+def forked(bm: BlockManager) -> tuple[Sequence, Sequence]:
+    """A six-token prompt prefilled (blocks [0..3] [4, 5]) and its fork."""
     parent = seq(list(range(6)))
     run_prefill(bm, parent)
     child = seq(list(range(6)), seq_id=1)
     bm.fork(parent, child)
+    return parent, child
+
+
+def test_fork_shares_the_partial_block_and_copies_it_before_a_write():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    parent, child = forked(bm)
     assert child.block_table == parent.block_table and bm.blocks[parent.block_table[1]].ref_count == 2
     free = bm.num_free
     for s, token in ((parent, 7), (child, 8)):  # each appends its own token into the shared partial block
@@ -319,10 +325,7 @@ def test_a_freed_sequences_partial_block_lends_its_tokens_and_is_copied_before_a
 
 def test_a_partial_block_is_filed_only_when_nobody_holds_it_and_forgotten_once_handed_out():
     bm = BlockManager(num_blocks=4, block_size=4)
-    parent = seq(list(range(6)))
-    run_prefill(bm, parent)
-    child = seq(list(range(6)), seq_id=1)
-    bm.fork(parent, child)
+    parent, child = forked(bm)
     partial = parent.block_table[1]
     bm.free_sequence(parent)  # the child still holds (and may write) the partial block
     assert partial not in bm.filed_under
