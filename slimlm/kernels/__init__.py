@@ -31,7 +31,6 @@ __all__ = [
     "pack",
     "paged_attention",
     "quant_matmul",
-    "row_logprobs",
     "select",
 ]
 
@@ -64,7 +63,7 @@ class Backend:
     rotary_kv_write: Callable[..., torch.Tensor] = reference.rotary_kv_write
     silu_mul: Callable[[torch.Tensor], torch.Tensor] = reference.silu_mul
     decode_stack: type | None = None  # every decoder layer in one call for decode steps (cpu_layer.DecodeStack)
-    row_logprobs: Callable[..., tuple[torch.Tensor, ...]] = reference.row_logprobs  # row_logprobs below
+    row_logprobs: Callable[..., tuple[torch.Tensor, ...]] = reference.row_logprobs  # scored prompt rows
 
 
 def select(device: torch.device | str) -> Backend:
@@ -113,9 +112,3 @@ def paged_attention(
     """Causal attention of packed queries over their sequences' paged KV (see reference.py for shapes)."""
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, k_scale, v_scale)
     return select(q.device).paged_attention(*args)
-
-
-def row_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For each row of logits [R, V] and its target token: log p(target), the largest log p and its token (the
-    first of equals), fp32 (reference.row_logprobs)."""
-    return select(logits.device).row_logprobs(logits, targets)

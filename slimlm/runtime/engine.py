@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slimlm import devices, kernels, models
+from slimlm import devices, models
 from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats.kv_cache import CACHE_DTYPES as KV_CACHE_DTYPES
 from slimlm.runtime.block_manager import BlockManager
@@ -474,7 +474,7 @@ class Engine:
         targets = seq.token_ids[lo + 1 : hi + 1]
         k = seq.params.prompt_logprobs
         if k <= 1:  # evaluations' case (the target's, and whether it was the most likely): no log-softmax written
-            chosen, best, best_ids = kernels.row_logprobs(logits, torch.tensor(targets, device=logits.device))
+            chosen, best, best_ids = self.runner.model.row_logprobs(logits, torch.tensor(targets, device=logits.device))
             seq.prompt_logprobs += chosen.tolist()
             if k:
                 seq.prompt_top_logprobs += [[pair] for pair in zip(best_ids.tolist(), best.tolist(), strict=True)]

@@ -197,6 +197,7 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
         self.cos = self.sin = None  # [positions, head_dim], from set_rope (sin with its first half negated)
         self.decode_stack = None  # all layers in one call for decode steps, where the backend has it (set_backend)
+        self.row_logprobs = kernels.reference.row_logprobs  # scored prompt rows; the Backend's once set_backend ran
 
     def fuse_projections(self, after_layer: Callable[[], None] = lambda: None) -> None:
         """Join q, k, v and gate, up into one Linear each where their weights allow (see fuse); the parts go.
@@ -226,6 +227,7 @@ class CausalLM(nn.Module):
             elif isinstance(module, MLP):
                 module.silu_mul = backend.silu_mul
         self.decode_stack = None if backend.decode_stack is None else self._decode_stack(backend.decode_stack)
+        self.row_logprobs = backend.row_logprobs
 
     def _decode_stack(self, factory):
         """Every layer in one call for decode steps (kernels' DecodeStack), or None unless all of them allow it:
