@@ -193,10 +193,13 @@ def quantize_jobs(setting: str, a: argparse.Namespace, calib_file: Path, model_d
         "gptq-fp32": [*ours, "gptq", *ours_common, *qflags, "--compute-dtype", "float32"],
         "gptq-noact": [*ours, "gptq", *ours_common, *qflags, "--no-act-order"],
         "gptq-act": [*ours, "gptq", *ours_common, *qflags, "--act-order"],
+        "gptq-minmax": [*ours, "gptq", *ours_common, *qflags, "--observer", "minmax"],
+        "gptq-mse": [*ours, "gptq", *ours_common, *qflags, "--observer", "mse"],
         "awq": [*ours, "awq", *ours_common, *qflags],
         "awq-fp32": [*ours, "awq", *ours_common, *qflags, "--compute-dtype", "float32"],
         "awq-gptq": [*ours, "awq", *ours_common, *qflags, "--then", "gptq"],
         "awq-noclip-gptq": [*ours, "awq", *ours_common, *qflags, "--then", "gptq", "--no-clip"],
+        "awq-gptq-mse": [*ours, "awq", *ours_common, *qflags, "--then", "gptq", "--observer", "mse"],
     }
     if getattr(a, "llmcompressor_python", None):
         runner = str(HERE / "peers" / "llmcompressor_run.py")

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from slimlm.compress.pipeline import StepResult
-from slimlm.compress.quantize import compute_qparams
+from slimlm.compress.quantize import OBSERVERS, compute_qparams
 from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats.quantized import QuantArgs, QuantizedWeight
 from slimlm.kernels import cpu_gram
@@ -76,12 +76,14 @@ def gptq_quantize(
     damp: float = 0.01,
     act_order: str | None = None,
     name: str = "layer",
+    observer: str = "minmax",
 ) -> QuantizedWeight:
     """Quantize W [out, in] given its Hessian H [in, in]. Returns codes and qparams in W's column order.
 
     act_order: None (columns left to right), "weight" (columns by decreasing Hessian diagonal, groups and
     their qparams fixed up front in the original column order: the checkpoint looks like plain GPTQ) or
     "group" (groups formed in processing order: more accurate, needs a g_idx to read back).
+    observer: how each group's qparams are chosen (quantize.compute_qparams).
     """
     if act_order not in ACT_ORDERS:
         raise FieldError("act_order", f"{act_order} is not supported; use one of {', '.join(ACT_ORDERS[1:])}")
@@ -98,7 +100,7 @@ def gptq_quantize(
 
     # Static qparams come from the original weights, decided before any error is propagated; otherwise
     # each group's qparams come from its (already updated) columns when the group is reached.
-    static = compute_qparams(W, args) if act_order == "weight" or args.group_size == -1 else None
+    static = compute_qparams(W, args, observer) if act_order == "weight" or args.group_size == -1 else None
 
     perm = torch.argsort(diag, descending=True) if act_order else torch.arange(in_features, device=W.device)
     W = W[:, perm]
@@ -112,7 +114,7 @@ def gptq_quantize(
     zero = None if args.sym else torch.zeros(out_features, n_groups, dtype=torch.int8, device=W.device)
     if static is not None:
         scale, zero = static[0].clone(), None if static[1] is None else static[1].clone()
-    codes = _quantize_columns(W, U, group_of.tolist(), args, scale, zero, dynamic=static is None)
+    codes = _quantize_columns(W, U, group_of.tolist(), args, scale, zero, observer if static is None else None)
 
     inv = torch.argsort(perm)
     g_idx = group_of[inv].to(torch.int32) if act_order == "group" and static is None else None
@@ -129,11 +131,12 @@ def _quantize_columns(
     args: QuantArgs,
     scale: torch.Tensor,
     zero: torch.Tensor | None,
-    dynamic: bool,
+    observer: str | None,
 ) -> torch.Tensor:
     """GPTQ's column loop over W [out, in] (columns in processing order), U the upper Cholesky factor of the
     inverse Hessian: each column rounded, its error spread over the columns after it, 128 columns per block.
-    `dynamic`: each group's qparams are set (in scale, zero) from its columns when the group is reached.
+    `observer`: each group's qparams are set (in scale, zero) from its columns when the group is reached, by
+    that observer; None: they are given (static).
     Returns the codes [in, out]; W is updated in place."""
     # The block's columns are worked on as rows ([columns, out]): each column GPTQ reads, rounds and updates
     # is contiguous, and so is each column of codes written.
@@ -149,10 +152,10 @@ def _quantize_columns(
         for i in range(i2 - i1):
             j = i1 + i
             g = group_list[j]
-            if dynamic and j % gs == 0:
+            if observer and j % gs == 0:
                 # A group never straddles blocks (128 is a multiple of every group size); W1 holds its
                 # columns with all the error compensation applied so far.
-                s, z = compute_qparams(W1[i : i + gs].T, QuantArgs(args.bits, -1, args.sym))
+                s, z = compute_qparams(W1[i : i + gs].T, QuantArgs(args.bits, -1, args.sym), observer)
                 scale[:, g] = s[:, 0]
                 if zero is not None:
                     zero[:, g] = z[:, 0]
@@ -225,18 +228,20 @@ class GPTQ:
     needs_data = True
     changes_layer = True
 
-    def __init__(self, args: QuantArgs, damp: float = 0.01, act_order: str | None = None):
+    def __init__(self, args: QuantArgs, damp: float = 0.01, act_order: str | None = None, observer: str = "minmax"):
         if not 0 < damp < 1:
             raise FieldError("damp", f"{damp} must be in (0, 1); 0.01 is the usual value")
         if act_order not in ACT_ORDERS:
             raise FieldError("act_order", f"{act_order} is not supported; use one of {', '.join(ACT_ORDERS[1:])}")
-        self.args, self.damp, self.act_order = args, damp, act_order
+        if observer not in OBSERVERS:
+            raise FieldError("observer", f"{observer} is not supported; use one of {', '.join(OBSERVERS)}")
+        self.args, self.damp, self.act_order, self.observer = args, damp, act_order, observer
         self.hessians: dict[str, HessianAccumulator] = {}
         self._last: dict[str, Any] = {"x": None, "name": None}
         self.warned = False
 
     def arguments(self) -> dict[str, Any]:
-        return {"damp": self.damp, "act_order": self.act_order}
+        return {"damp": self.damp, "act_order": self.act_order, "observer": self.observer}
 
     def observe(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> list[Any]:
         # Linears fed the very same tensor (q/k/v, gate/up) share one Hessian: it is computed once.
@@ -282,7 +287,7 @@ class GPTQ:
                 if not torch.isfinite(m.weight).all():
                     raise SlimlmError(f"non-finite values (NaN/Inf) in the weights of {name}")
             W = torch.cat([m.weight.data for m in mods])
-            q = gptq_quantize(W, acc.H, self.args, self.damp, self.act_order, ", ".join(names))
+            q = gptq_quantize(W, acc.H, self.args, self.damp, self.act_order, ", ".join(names), self.observer)
             parts = _split_rows(q, [m.out_features for m in mods])
             for name, m, part in zip(names, mods, parts, strict=True):
                 part.scale = part.scale.to(m.weight.dtype)

@@ -148,11 +148,19 @@ class GPTQOptions(Job):
             switches=(Switch("--no-act-order", None, "GPTQ: columns left to right (the paper's original order)"),),
         ),
     ] = "weight"
+    observer: Annotated[
+        str,
+        Opt(
+            "GPTQ: how each group's scale is chosen: the group's range (minmax) or the range shrunk by up to 19%% "
+            "where that rounds the group with less error (mse)",
+            choices=("minmax", "mse"),
+        ),
+    ] = "minmax"
 
     def gptq(self, args):
         from slimlm.compress import gptq
 
-        return gptq.GPTQ(args, damp=self.damp, act_order=self.act_order)
+        return gptq.GPTQ(args, damp=self.damp, act_order=self.act_order, observer=self.observer)
 
 
 class RTN(Weights):
