@@ -4,7 +4,7 @@ kernels_ab.py compares revisions on a whole decode step; this compares them on s
 8192×4096 shape of kernels_cpu.py), where a change to one loop shows above the drift of a shared VM. Each
 revision's kernel sources are built into their own library (kernels_ab.build) and the calls take turns, with
 torch's dense bf16 matmul of a random matrix of the same shape as the last turn. Weights: 4- or 8-bit RTN,
-groups of 64, asymmetric.
+groups of 64, asymmetric, or (--bits 16) that bf16 matrix packed as the runtime packs a float checkpoint's.
 
     PYTHONPATH=. .venv/bin/python benchmarks/gemm_ab.py HEAD~1 HEAD --shapes 8192x4096,3072x576 --rows 64,256
 """
@@ -20,6 +20,7 @@ import torch
 from benchmarks.kernels_ab import build
 from benchmarks.kernels_cpu import interleaved_ms
 from slimlm.kernels import cpu_gemm, cpu_library
+from slimlm.kernels.packed import pack_dense
 from tests.kernels.problems import quantized_weight
 
 
@@ -39,7 +40,7 @@ def main() -> None:
     parser.add_argument("revs", nargs="+", help="git revisions; ratios are against the first")
     parser.add_argument("--shapes", default="8192x4096,3072x576", help="N×K (outputs × inputs)")
     parser.add_argument("--rows", default="64,256,512")
-    parser.add_argument("--bits", default="4,8")
+    parser.add_argument("--bits", default="4,8", help="4, 8, or 16: the dense bf16 weight itself, packed")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--seconds", type=float, default=3.0, help="per cell")
     parser.add_argument("--threads", type=int, default=2)
@@ -57,7 +58,7 @@ def main() -> None:
             n, k = map(int, shape.split("x"))
             dense = torch.randn(n, k).bfloat16()
             for bits in map(int, args.bits.split(",")):
-                _, w = quantized_weight(n, k, bits, 64, False, False)
+                w = pack_dense(dense) if bits == 16 else quantized_weight(n, k, bits, 64, False, False)[1]
                 for m in map(int, args.rows.split(",")):
                     x = torch.randn(m, k).to(dtype)
                     xb = x.bfloat16()

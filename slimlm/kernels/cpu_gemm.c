@@ -468,6 +468,7 @@ int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, 
 
 #define TM 16  // rows of a tile
 #define TK 32  // inputs of a tile (16 pairs)
+#define KC_DENSE 256  // dense bf16 weights: inputs per chunk, so that a block's chunk (32 KB) stays in L1
 
 // Linux hands out the tile registers only to a process that asks. Returns 1 if they are usable.
 int slimlm_amx_ready(void) {
@@ -524,8 +525,8 @@ static inline void amx_two_row_tiles(const uint16_t *x, int64_t stride, int64_t 
         float *c0 = acc + 16 * i, *c1 = acc + TM * BN + 16 * i;
         amx_results_start(c0, c0 + 16, c1, c1 + 16, first);
         for (int64_t k = 0; k < kc; k += TK) {
-            _tile_loadd(4, x + k, 2 * stride);
-            _tile_loadd(5, x + TM * stride + k, 2 * stride);
+            _tile_loadd(4, x + k * TM, 64);
+            _tile_loadd(5, x + TM * stride + k * TM, 64);
             _tile_loadd(6, buf + k / 2 * 4 + i, 4 * 64);
             _tile_loadd(7, buf + k / 2 * 4 + i + 1, 4 * 64);
             _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
@@ -537,18 +538,17 @@ static inline void amx_two_row_tiles(const uint16_t *x, int64_t stride, int64_t 
 
 // One row tile: tmm0-3 hold all four feature tiles' results, tmm4 x, tmm5-7 weights (tmm5 twice a step).
 // One tile step (TK inputs): x's tile at x, the four weight tiles from w.
-static inline void amx_row_step(const uint16_t *x, int64_t stride, const __m512i *w) {
-    _tile_loadd(4, x, 2 * stride);
+static inline void amx_row_step(const uint16_t *x, const __m512i *w) {
+    _tile_loadd(4, x, 64);
     _tile_loadd(5, w, 4 * 64); _tile_loadd(6, w + 1, 4 * 64); _tile_loadd(7, w + 2, 4 * 64);
     _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6); _tile_dpbf16ps(2, 4, 7);
     _tile_loadd(5, w + 3, 4 * 64);
     _tile_dpbf16ps(3, 4, 5);
 }
 
-static inline void amx_row_tile(const uint16_t *x, int64_t stride, int64_t kc, const __m512i *buf, float *acc,
-                                int first) {
+static inline void amx_row_tile(const uint16_t *x, int64_t kc, const __m512i *buf, float *acc, int first) {
     amx_results_start(acc, acc + 16, acc + 32, acc + 48, first);
-    for (int64_t k = 0; k < kc; k += TK) amx_row_step(x + k, stride, buf + k / 2 * 4);
+    for (int64_t k = 0; k < kc; k += TK) amx_row_step(x + k * TM, buf + k / 2 * 4);
     amx_results_store(acc, acc + 16, acc + 32, acc + 48);
 }
 
@@ -557,13 +557,13 @@ static inline void amx_row_tile(const uint16_t *x, int64_t stride, int64_t kc, c
 // results stay in tmm0-3 throughout. buf: a ring of RING steps, so unpacking never waits for a tile load.
 #define RING 4
 static void amx_streamed_row_tile(int bits, int64_t group, const uint8_t *codes, const uint16_t *scales,
-                                  const uint8_t *zeros, int64_t K, const uint16_t *x, int64_t stride, __m512i *buf,
+                                  const uint8_t *zeros, int64_t K, const uint16_t *x, __m512i *buf,
                                   float *acc) {
     amx_results_start(acc, acc + 16, acc + 32, acc + 48, 1);
     for (int64_t k = 0; k < K; k += TK) {
         __m512i *w = buf + k / TK % RING * (TK / 2 * 4);
         dequantize_tiles(bits, group, codes, scales, zeros, k, K - k < TK ? K - k : TK, w);
-        amx_row_step(x + k, stride, w);
+        amx_row_step(x + k * TM, w);
     }
     amx_results_store(acc, acc + 16, acc + 32, acc + 48);
 }
@@ -575,7 +575,7 @@ static void amx_streamed_row_tile(int bits, int64_t group, const uint8_t *codes,
 // seg a multiple of TK.
 static inline __attribute__((always_inline)) void
 amx_code_tile(int bits, int64_t group, int64_t seg, const uint8_t *codes, const uint16_t *scales,
-              const uint8_t *zeros, int64_t K, const uint16_t *x, int64_t stride, int64_t rows, const float *xs,
+              const uint8_t *zeros, int64_t K, const uint16_t *x, int64_t rows, const float *xs,
               int64_t S, __m512i *buf, float *acc) {
     const float offset = bits == 4 ? 16.0f : 0.0f;  // 4-bit pairs hold (16 + c)/16, 8-bit ones c
     const __m512 unit = _mm512_set1_ps(bits == 4 ? 16.0f : 1.0f);
@@ -589,7 +589,7 @@ amx_code_tile(int bits, int64_t group, int64_t seg, const uint8_t *codes, const 
                 prefetch_codes(bits, codes + (k + 2 * p) * row_bytes);
                 code_pairs(bits, codes + (k + 2 * p) * row_bytes, w + 4 * p);
             }
-            amx_row_step(x + k, stride, w);
+            amx_row_step(x + k * TM, w);
         }
         amx_results_store(sums, sums + 16, sums + 32, sums + 48);
         __m512 s[4], zs[4];
@@ -608,23 +608,23 @@ amx_code_tile(int bits, int64_t group, int64_t seg, const uint8_t *codes, const 
 
 // amx_code_tile with a literal `bits` (as dequantize_tiles, for the same reason)
 static void amx_code_row_tile(int bits, int64_t group, int64_t seg, const uint8_t *codes, const uint16_t *scales,
-                              const uint8_t *zeros, int64_t K, const uint16_t *x, int64_t stride, int64_t rows,
+                              const uint8_t *zeros, int64_t K, const uint16_t *x, int64_t rows,
                               const float *xs, int64_t S, __m512i *buf, float *acc) {
-    if (bits == 4) amx_code_tile(4, group, seg, codes, scales, zeros, K, x, stride, rows, xs, S, buf, acc);
-    else amx_code_tile(8, group, seg, codes, scales, zeros, K, x, stride, rows, xs, S, buf, acc);
+    if (bits == 4) amx_code_tile(4, group, seg, codes, scales, zeros, K, x, rows, xs, S, buf, acc);
+    else amx_code_tile(8, group, seg, codes, scales, zeros, K, x, rows, xs, S, buf, acc);
 }
 
 // For each of n blocks b: acc + b·acc_step [rows, 64] (+)= x[rows, 0 : kc] · the chunk in buf + b·buf_step;
-// rows a multiple of TM, x's rows `stride` bf16 apart. Row tiles outermost: their x tiles stay in cache while
-// every block multiplies them.
+// rows a multiple of TM, x in tiles (slimlm_quant_matmul_amx), its row tiles TM · stride bf16 apart. Row tiles
+// outermost: their x tiles stay in cache while every block multiplies them.
 static void amx_chunk(int64_t rows, const uint16_t *x, int64_t stride, int64_t kc, const __m512i *buf,
                       int64_t buf_step, float *acc, int64_t acc_step, int64_t n, int first) {
-    int64_t m = 0;
-    for (; m + 2 * TM <= rows; m += 2 * TM)
-        for (int64_t b = 0; b < n; b++)
+    for (int64_t b = 0; b < n; b++) {
+        int64_t m = 0;
+        for (; m + 2 * TM <= rows; m += 2 * TM)
             amx_two_row_tiles(x + m * stride, stride, kc, buf + b * buf_step, acc + b * acc_step + m * BN, first);
-    for (int64_t b = 0; m < rows && b < n; b++)
-        amx_row_tile(x + m * stride, stride, kc, buf + b * buf_step, acc + b * acc_step + m * BN, first);
+        if (m < rows) amx_row_tile(x + m * stride, kc, buf + b * buf_step, acc + b * acc_step + m * BN, first);
+    }
 }
 
 // Weight blocks a thread takes together: one, unless x is too large to stay in L2 (half of a Sapphire Rapids
@@ -641,14 +641,22 @@ static inline int64_t amx_group(int64_t M, int64_t K, int64_t nblocks, int nthre
 int slimlm_quant_matmul_amx(int bits, const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
                             const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
                             void *y, int64_t y_cols, int y_bf16, int nthreads) {
-    // x with zero rows up to whole tiles and zero inputs up to whole tiles, so every tile load stays inside it
+    // x copied into tiles, with zero rows up to whole tiles and zero inputs up to whole tile steps: each TM × TK
+    // tile 1 KB in one piece, a row tile's tiles one after another (the tile at rows m, inputs k starts at
+    // m·Kp + k·TM). A tile load then reads 16 consecutive cache lines, where 16 rows of x lie 2·K bytes apart
+    // (16 pages for a down_proj's K of 8960).
     const int64_t G = K / group, Mp = (M + TM - 1) / TM * TM, Kp = (K + TK - 1) / TK * TK;
     uint16_t *xp = aligned_alloc(64, sizeof(uint16_t) * Mp * Kp);
     if (xp == NULL) return -1;
-    for (int64_t m = 0; m < Mp; m++) {
-        if (m < M) memcpy(xp + m * Kp, x + m * K, sizeof(uint16_t) * K);
-        memset(xp + m * Kp + (m < M ? K : 0), 0, sizeof(uint16_t) * (m < M ? Kp - K : Kp));
-    }
+    // (One 64-byte move per tile row, by all threads: 9 MB for 512 rows of a down_proj.)
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t m = 0; m < Mp; m++)
+        for (int64_t k = 0; k < Kp; k += TK) {
+            const int64_t n = m < M ? (K - k < TK ? K - k : TK) : 0;
+            const __mmask32 real = n == TK ? ~(__mmask32)0 : ((__mmask32)1 << n) - 1;
+            uint16_t *tile_row = xp + (m - m % TM) * Kp + k * TM + m % TM * TK;
+            _mm512_store_si512(tile_row, _mm512_maskz_loadu_epi16(real, x + m * K + k));
+        }
     const int64_t parts = row_parts(nblocks, Mp, TM, nthreads), part_rows = (Mp / TM + parts - 1) / parts * TM;
     const int64_t together = parts == 1 ? amx_group(Mp, Kp, nblocks, nthreads) : 1;
     // one row tile of codes (amx_code_row_tile) where the segments are whole tile steps: Σ x per segment
@@ -672,27 +680,28 @@ int slimlm_quant_matmul_amx(int bits, const uint16_t *x, int64_t M, int64_t K, c
                 const int64_t m0 = part * part_rows, m1 = m0 + part_rows < Mp ? m0 + part_rows : Mp;
                 const int64_t nb0 = gb * together, n = nblocks - nb0 < together ? nblocks - nb0 : together;
                 if (failed || m0 >= M) continue;
-                for (int64_t k0 = 0; m1 - m0 > TM && k0 < K; k0 += KC) {
-                    const int64_t kc = K - k0 < KC ? K - k0 : KC;
+                const int64_t step = bits == 16 ? KC_DENSE : KC;
+                for (int64_t k0 = 0; m1 - m0 > TM && k0 < K; k0 += step) {
+                    const int64_t kc = K - k0 < step ? K - k0 : step;
                     const __m512i *wt = buf;  // dense bf16 weights are read in place (K a multiple of TK)
                     if (bits == 16) wt = (const __m512i *)(codes + (nb0 * K + k0) * (BN * 2));
                     for (int64_t b = 0; bits != 16 && b < n; b++)
                         dequantize_tiles(bits, group, codes + (nb0 + b) * K * (BN * bits / 8),
                                          scales + (nb0 + b) * G * BN, zeros + (nb0 + b) * G * BN, k0, kc,
                                          buf + b * buf_step);
-                    amx_chunk(m1 - m0, xp + m0 * Kp + k0, Kp, (kc + TK - 1) / TK * TK, wt,
+                    amx_chunk(m1 - m0, xp + m0 * Kp + k0 * TM, Kp, (kc + TK - 1) / TK * TK, wt,
                               bits == 16 ? K * 2 : buf_step, acc, acc_step, n, k0 == 0);
                 }
                 for (int64_t nb = nb0; nb < nb0 + n; nb++) {
                     float *a = acc + (nb - nb0) * acc_step;
                     if (m1 - m0 == TM && bits == 16)
-                        amx_row_tile(xp + m0 * Kp, Kp, K, (const __m512i *)(codes + nb * K * (BN * 2)), a, 1);
+                        amx_row_tile(xp + m0 * Kp, K, (const __m512i *)(codes + nb * K * (BN * 2)), a, 1);
                     else if (m1 - m0 == TM && xs != NULL)
                         amx_code_row_tile(bits, group, seg, codes + nb * K * (BN * bits / 8), scales + nb * G * BN,
-                                          zeros + nb * G * BN, K, xp + m0 * Kp, Kp, M - m0, xs + m0 * S, S, buf, a);
+                                          zeros + nb * G * BN, K, xp + m0 * Kp, M - m0, xs + m0 * S, S, buf, a);
                     else if (m1 - m0 == TM)
                         amx_streamed_row_tile(bits, group, codes + nb * K * (BN * bits / 8), scales + nb * G * BN,
-                                              zeros + nb * G * BN, K, xp + m0 * Kp, Kp, buf, a);
+                                              zeros + nb * G * BN, K, xp + m0 * Kp, buf, a);
                     write_block(a, m0, m1 < M ? m1 : M, y, y_cols, y_bf16, nb * BN);
                 }
             }
