@@ -50,6 +50,33 @@ def test_outputs_in_input_order_and_followers_reuse_the_leaders_context(tiny_lla
     for a, b in zip(outputs, alone, strict=True):
         assert abs(a.prompt_logprobs[0] - b.prompt_logprobs[0]) < 1e-5
     assert batch.computed_tokens(prompts, outputs) < batch.computed_tokens(prompts, alone)
+    generated = sum(len(o.outputs[0].token_ids) for o in alone)
+    assert generated > len(prompts)  # some requests generate more than one token
+    assert batch.computed_tokens(prompts, alone) == sum(map(len, prompts)) + generated  # nothing came from a cache
+
+
+def test_an_interrupted_run_leaves_nothing_in_the_engine(tiny_llama):
+    engine = Engine(str(tiny_llama), EngineConfig(max_num_seqs=2, block_size=16))
+    prompts = [list(range(3, 40 + i)) for i in range(4)]
+    params = [SamplingParams(max_tokens=8, temperature=0) for _ in prompts]
+    steps = 0
+
+    def failing_step(**kwargs):
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            raise KeyboardInterrupt
+        return Engine.step(engine, **kwargs)
+
+    engine.step = failing_step
+    try:
+        batch.run(engine, prompts, params, progress=False)
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the interruption did not reach the caller")
+    assert not engine.has_unfinished()
+    assert Engine.step(engine) == []  # and aborting them reported nothing
 
 
 def test_leaders_make_a_star_of_equal_contexts_and_wait_only_for_long_enough_shared_starts():
