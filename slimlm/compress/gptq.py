@@ -100,7 +100,7 @@ def gptq_quantize(
 
     # Static qparams come from the original weights, decided before any error is propagated; otherwise
     # each group's qparams come from its (already updated) columns when the group is reached.
-    static = compute_qparams(W, args, observer) if act_order == "weight" or args.group_size == -1 else None
+    static = compute_qparams(W, args, observer, diag) if act_order == "weight" or args.group_size == -1 else None
 
     perm = torch.argsort(diag, descending=True) if act_order else torch.arange(in_features, device=W.device)
     W = W[:, perm]
@@ -114,7 +114,9 @@ def gptq_quantize(
     zero = None if args.sym else torch.zeros(out_features, n_groups, dtype=torch.int8, device=W.device)
     if static is not None:
         scale, zero = static[0].clone(), None if static[1] is None else static[1].clone()
-    codes = _quantize_columns(W, U, group_of.tolist(), args, scale, zero, observer if static is None else None)
+    codes = _quantize_columns(
+        W, U, group_of.tolist(), args, scale, zero, observer if static is None else None, diag[perm]
+    )
 
     inv = torch.argsort(perm)
     g_idx = group_of[inv].to(torch.int32) if act_order == "group" and static is None else None
@@ -132,11 +134,13 @@ def _quantize_columns(
     scale: torch.Tensor,
     zero: torch.Tensor | None,
     observer: str | None,
+    importance: torch.Tensor,
 ) -> torch.Tensor:
     """GPTQ's column loop over W [out, in] (columns in processing order), U the upper Cholesky factor of the
     inverse Hessian: each column rounded, its error spread over the columns after it, 128 columns per block.
     `observer`: each group's qparams are set (in scale, zero) from its columns when the group is reached, by
-    that observer; None: they are given (static).
+    that observer, weighing each column's error by its `importance` (H's diagonal, in processing order);
+    None: they are given (static).
     Returns the codes [in, out]; W is updated in place."""
     # The block's columns are worked on as rows ([columns, out]): each column GPTQ reads, rounds and updates
     # is contiguous, and so is each column of codes written.
@@ -155,7 +159,8 @@ def _quantize_columns(
             if observer and j % gs == 0:
                 # A group never straddles blocks (128 is a multiple of every group size); W1 holds its
                 # columns with all the error compensation applied so far.
-                s, z = compute_qparams(W1[i : i + gs].T, QuantArgs(args.bits, -1, args.sym), observer)
+                part = QuantArgs(args.bits, -1, args.sym)
+                s, z = compute_qparams(W1[i : i + gs].T, part, observer, importance[j : j + gs])
                 scale[:, g] = s[:, 0]
                 if zero is not None:
                     zero[:, g] = z[:, 0]

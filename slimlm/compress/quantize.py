@@ -19,24 +19,28 @@ MSE_NORM = 2.4  # mse: the error a range is chosen by, Σ |w − ŵ|^2.4 (GPTQ's
 
 
 def compute_qparams(
-    w: torch.Tensor, args: QuantArgs, observer: str = "minmax"
+    w: torch.Tensor, args: QuantArgs, observer: str = "minmax", importance: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scale (and zero point) for each row and group of `w` [out, in]: from the group's range ("minmax"), or
     from that range shrunk by the factor of SHRINKS that gives the least Σ |w − ŵ|^MSE_NORM ("mse": a few
-    outliers clipped buys the rest of the group finer steps; the full range is one of the candidates)."""
+    outliers clipped buys the rest of the group finer steps; the full range is one of the candidates).
+    importance [in]: each input's weight in that sum (GPTQ passes its Hessian's diagonal, the mean square of
+    the input: an error on a large input costs more), with the norm then 2."""
     g = w.reshape(w.shape[0], args.groups(w.shape[1]), -1)
     # The range always contains 0 so that zero weights stay exactly zero.
     lo, hi = (None, g.abs().amax(dim=-1)) if args.sym else (g.amin(dim=-1).clamp(max=0), g.amax(dim=-1).clamp(min=0))
     if observer == "minmax":
         return _range_qparams(lo, hi, args)
+    if importance is not None:
+        importance = importance.to(g.dtype).reshape(g.shape[1], g.shape[2])
     best = best_err = None
     for k in range(SHRINKS):
         p = 1 - k / 100
         scale, zero = _range_qparams(None if lo is None else lo * p, hi * p, args)
         z0 = 0 if zero is None else zero.to(g.dtype)[..., None]
         s = scale[..., None]
-        err = (torch.round(g / s).add_(z0).clamp_(args.qmin, args.qmax).sub_(z0).mul_(s) - g).abs_().pow_(MSE_NORM)
-        err = err.sum(dim=-1)
+        err = (torch.round(g / s).add_(z0).clamp_(args.qmin, args.qmax).sub_(z0).mul_(s) - g).abs_()
+        err = err.pow_(MSE_NORM).sum(dim=-1) if importance is None else (err.square_() * importance).sum(dim=-1)
         if best is None:
             best, best_err = (scale, zero), err
             continue

@@ -128,9 +128,10 @@ def test_fake_quantize_is_rtn_then_dequantize_bit_for_bit(args):
     assert torch.equal(fake_quantize(w, args), quantize_rtn(w, args).dequantize())
 
 
-def reference_mse(w: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+def reference_mse(w: torch.Tensor, args: QuantArgs, importance: torch.Tensor | None = None) -> torch.Tensor:
     """The mse observer from its definition, in float64, group by group: the group's range shrunk by p = 1 − k/100,
-    k = 0..19, the first p with the least Σ |x − x̂|^2.4 kept. Returns the dequantized weights."""
+    k = 0..19, the first p with the least Σ |x − x̂|^2.4 kept (Σ importance · (x − x̂)², given the inputs'
+    importance). Returns the dequantized weights."""
     w = w.double()
     out = torch.empty_like(w)
     size = w.shape[1] if args.group_size == -1 else args.group_size
@@ -149,28 +150,34 @@ def reference_mse(w: torch.Tensor, args: QuantArgs) -> torch.Tensor:
                     z0 = torch.round(args.qmin - lo / s).clamp(args.qmin, args.qmax)
                 s = s if s > 0 else 1.0
                 q = s * (torch.clamp(torch.round(x / s) + z0, args.qmin, args.qmax) - z0)
-                err = ((x - q).abs() ** 2.4).sum()
+                if importance is None:
+                    err = ((x - q).abs() ** 2.4).sum()
+                else:
+                    err = (importance[c0 : c0 + size].double() * (x - q) ** 2).sum()
                 if best is None or err < best[0]:
                     best = (err, q)
             out[r, c0 : c0 + size] = best[1]
     return out
 
 
+@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize(
     "args", [QuantArgs(4, 32, True), QuantArgs(4, 64, False), QuantArgs(3, -1, True), QuantArgs(8, 32, False)], ids=str
 )
-def test_the_mse_observer_is_its_definition_and_never_worse_than_the_range(args):
+def test_the_mse_observer_is_its_definition_and_never_worse_than_the_range(args, weighted):
     g = torch.Generator().manual_seed(args.bits + args.group_size)
     w = torch.randn(12, 128, generator=g, dtype=torch.float64) ** 3  # heavy tails: clipping pays in most groups
     w[2] = 0.0
-    scale, zero = compute_qparams(w, args, "mse")
+    importance = torch.rand(128, generator=g, dtype=torch.float64) ** 4 * 100 if weighted else None
+    scale, zero = compute_qparams(w, args, "mse", importance)
     got = quantize(w, scale, zero, args).dequantize()
-    torch.testing.assert_close(got, reference_mse(w, args), rtol=0, atol=1e-12)
+    torch.testing.assert_close(got, reference_mse(w, args, importance), rtol=0, atol=1e-12)
     plain = quantize_rtn(w, args)
     size = 128 if args.group_size == -1 else args.group_size
 
     def errors(dq):
-        return ((dq - w).abs() ** 2.4).reshape(12, -1, size).sum(-1)
+        err = (dq - w).abs() ** 2.4 if importance is None else importance * (dq - w) ** 2
+        return err.reshape(12, -1, size).sum(-1)
 
     assert (errors(got) <= errors(plain.dequantize())).all()
     if args.bits <= 4:  # at 8 bits the steps are fine enough that clipping an outlier never pays here
