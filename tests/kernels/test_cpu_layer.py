@@ -131,7 +131,7 @@ def test_rotary_kv_write_equals_the_reference_bit_for_bit(dtype, rows, heads, kv
 def reference_calls(monkeypatch):
     """Records every fallback to the PyTorch definitions (and still runs them)."""
     calls = []
-    for name in ("add_rms_norm", "rotary_kv_write"):
+    for name in ("add_rms_norm", "rotary_kv_write", "row_logprobs"):
         original = getattr(reference, name)
         monkeypatch.setattr(reference, name, lambda *a, _f=original, _n=name: calls.append((_n, a)) or _f(*a))
     return calls
@@ -154,6 +154,27 @@ def test_the_c_path_runs_for_flat_fp32_and_bf16(reference_calls):
         normed = (x.double() * x.double().pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()).to(dtype)
         assert torch.allclose(out.double(), normed.double(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
     assert reference_calls == []
+
+
+def test_scored_rows_take_the_c_path_when_flat_and_the_reference_otherwise(reference_calls):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 1000, generator=g)
+    targets = torch.tensor([5, 999, 0], dtype=torch.int32)  # any integer dtype: the C code reads int64
+    exact = torch.log_softmax(logits.double(), -1)[torch.arange(3), targets.long()]
+    for dtype in (torch.float32, torch.bfloat16):
+        chosen, _, best_ids = cpu_layer.row_logprobs(logits.to(dtype), targets)
+        tolerance = 2e-5 if dtype == torch.float32 else 0.1
+        assert (chosen.double() - exact).abs().max() < tolerance and torch.equal(best_ids, logits.argmax(-1))
+    assert reference_calls == []
+    for name, args in {
+        "fp16": (logits.half(), targets),
+        "strided": (torch.randn(3, 2000, generator=g)[:, ::2], targets),
+        "3-d": (logits[None], targets[None]),
+    }.items():
+        reference_calls.clear()
+        cpu_layer.row_logprobs(*args)
+        assert [c[0] for c in reference_calls] == ["row_logprobs"], name
+        assert all(a is b for a, b in zip(reference_calls[0][1], args, strict=True)), name
 
 
 def test_what_the_c_code_does_not_cover_runs_the_reference(reference_calls):
