@@ -37,9 +37,7 @@ def compute_qparams(
     for k in range(SHRINKS):
         p = 1 - k / 100
         scale, zero = _range_qparams(None if lo is None else lo * p, hi * p, args)
-        z0 = 0 if zero is None else zero.to(g.dtype)[..., None]
-        s = scale[..., None]
-        err = (torch.round(g / s).add_(z0).clamp_(args.qmin, args.qmax).sub_(z0).mul_(s) - g).abs_()
+        err = (_fake_quantize_groups(g, scale, zero, args) - g).abs_()
         err = err.pow_(MSE_NORM).sum(dim=-1) if importance is None else (err.square_() * importance).sum(dim=-1)
         if best is None:
             best, best_err = (scale, zero), err
@@ -106,9 +104,16 @@ def fake_quantize(w: torch.Tensor, args: QuantArgs) -> torch.Tensor:
     qparams broadcast rather than gathered per column: what a search that tries many candidates calls (AWQ
     spent a fifth of a Qwen2.5-1.5B layer in the gathers)."""
     scale, zero = compute_qparams(w, args)
-    g, s = w.reshape(w.shape[0], scale.shape[1], -1), scale[..., None]
+    return _fake_quantize_groups(w.reshape(w.shape[0], scale.shape[1], -1), scale, zero, args).reshape(w.shape)
+
+
+def _fake_quantize_groups(
+    g: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, args: QuantArgs
+) -> torch.Tensor:
+    """g [out, groups, group_size] rounded under per-group qparams and dequantized."""
+    s = scale[..., None]
     z = torch.round(g / s)
     if zero is None:
-        return (z.clamp_(args.qmin, args.qmax) * s).reshape(w.shape)
-    z0 = zero.to(w.dtype)[..., None]
-    return (z.add_(z0).clamp_(args.qmin, args.qmax).sub_(z0) * s).reshape(w.shape)
+        return z.clamp_(args.qmin, args.qmax) * s
+    z0 = zero.to(g.dtype)[..., None]
+    return z.add_(z0).clamp_(args.qmin, args.qmax).sub_(z0) * s
