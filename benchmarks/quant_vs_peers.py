@@ -39,6 +39,7 @@ SETTINGS = {  # name: (bits, group size, symmetric)
     "w4g64-sym": (4, 64, True),
     "w4g64-asym": (4, 64, False),
     "w4g128-sym": (4, 128, True),
+    "w4g128-asym": (4, 128, False),
     "w4-channel-sym": (4, -1, True),
     "w3g64-asym": (3, 64, False),
     "w8-channel-sym": (8, -1, True),
