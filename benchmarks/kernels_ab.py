@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import statistics
 import subprocess
 import tempfile
@@ -26,7 +27,7 @@ from slimlm.perf.offline import decode_inputs
 
 
 def build(rev: str, out: Path) -> ctypes.CDLL:
-    """The kernel library of `rev`, built as cpu_library builds the working tree's."""
+    """The kernel library of `rev`, built as cpu_library builds the working tree's ($SLIMLM_CPU_MARCH too)."""
     sources = []
     for source in cpu_library.SOURCES:
         path = out / rev / source.name
@@ -40,7 +41,14 @@ def build(rev: str, out: Path) -> ctypes.CDLL:
         sources.append(str(path))
     library = out / rev / "libslimlm_cpu.so"
     subprocess.run(
-        ["gcc", *cpu_library.build_flags("native"), *sources, "-o", str(library), "-lm"],
+        [
+            "gcc",
+            *cpu_library.build_flags(os.environ.get("SLIMLM_CPU_MARCH", "native")),
+            *sources,
+            "-o",
+            str(library),
+            "-lm",
+        ],
         check=True,
         capture_output=True,
     )

@@ -109,25 +109,54 @@ tile(int bits, int rows, const float *x, int64_t K, int64_t group, const uint8_t
 #define XB 32  // inputs per activation scale: 8 steps of 4 rows, whose 16-bit sums stay below 2^15
 
 // x [M, K] → q int8 [M, K], one scale per XB inputs and the scaled sum of each run's q (for the zero points).
-static void quantize_x(const float *x, int64_t M, int64_t K, int8_t *q, float *scale, float *qsum) {
+// Runs are independent, so threads split them; rounding is the scalar nearbyintf's (to even, MXCSR's default).
+static void quantize_x(const float *x, int64_t M, int64_t K, int8_t *q, float *scale, float *qsum, int nthreads) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < M * K / XB; b++) {
         const float *xb = x + b * XB;
-        float amax = 0.f;
-        for (int i = 0; i < XB; i++) amax = fmaxf(amax, fabsf(xb[i]));
-        const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        int sum = 0;
-        for (int i = 0; i < XB; i++) {
-            const int v = (int)nearbyintf(xb[i] * inv);
-            q[b * XB + i] = (int8_t)v;
-            sum += v;
+        __m256 v[XB / 8], amax8 = _mm256_setzero_ps();
+        for (int i = 0; i < XB / 8; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v[i]));
         }
+        float lanes[8], amax = 0.f;
+        _mm256_storeu_ps(lanes, amax8);
+        for (int i = 0; i < 8; i++) amax = fmaxf(amax, lanes[i]);
+        const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        __m256i sum = _mm256_setzero_si256();
+        int32_t codes[XB];
+        for (int i = 0; i < XB / 8; i++) {
+            const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+            sum = _mm256_add_epi32(sum, c);
+            _mm256_storeu_si256((__m256i *)(codes + 8 * i), c);
+        }
+        int32_t sums[8], total = 0;
+        _mm256_storeu_si256((__m256i *)sums, sum);
+        for (int i = 0; i < 8; i++) total += sums[i];
+        for (int i = 0; i < XB; i++) q[b * XB + i] = (int8_t)codes[i];
         scale[b] = s;
-        qsum[b] = s * (float)sum;
+        qsum[b] = s * (float)total;
     }
 }
 
 static inline __attribute__((always_inline)) __m256 lanes_of(const float *v, int h, int j) {
     return _mm256_loadu2_m128(v + 32 * h + 16 + 4 * j, v + 32 * h + 4 * j);  // (high, low)
+}
+
+// The codes of inputs k..k+3 of a block (k-rows of BN/2 bytes from `codes`), half h, as the four registers
+// whose 32-bit lanes each hold one feature's four codes.
+static inline __attribute__((always_inline)) void transposed(const uint8_t *codes, int h, __m256i u[4]) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    __m256i c[4];
+    for (int i = 0; i < 4; i++) {
+        c[i] = _mm256_loadu_si256((const __m256i *)(codes + i * (BN / 2)));
+        c[i] = _mm256_and_si256(h ? _mm256_srli_epi16(c[i], 4) : c[i], mask);
+    }
+    const __m256i t0 = _mm256_unpacklo_epi8(c[0], c[1]), t1 = _mm256_unpackhi_epi8(c[0], c[1]);
+    const __m256i t2 = _mm256_unpacklo_epi8(c[2], c[3]), t3 = _mm256_unpackhi_epi8(c[2], c[3]);
+    u[0] = _mm256_unpacklo_epi16(t0, t2), u[1] = _mm256_unpackhi_epi16(t0, t2);
+    u[2] = _mm256_unpacklo_epi16(t1, t3), u[3] = _mm256_unpackhi_epi16(t1, t3);
 }
 
 // R rows of x̂ against one 4-bit weight block: y[r][0..63] = Σ_k W[f, k]·x̂[r][k]. Each transposed group of
@@ -139,7 +168,7 @@ static inline __attribute__((always_inline)) __m256 lanes_of(const float *v, int
 static inline __attribute__((always_inline)) void
 tile_i8(const int R, const int8_t *q, const float *xs, const float *xsum, int64_t K, int64_t group,
         const uint8_t *codes, const uint16_t *scales, const uint8_t *zeros, float *y, int64_t N) {
-    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     const int64_t runs = K / XB;  // x̂'s scales per row
     __m256 acc[2][8];
     for (int r = 0; r < R; r++)
@@ -158,15 +187,8 @@ tile_i8(const int R, const int8_t *q, const float *xs, const float *xsum, int64_
                 for (int r = 0; r < R; r++)
                     for (int j = 0; j < 4; j++) sum16[r][j] = _mm256_setzero_si256();
                 for (int64_t k = b * XB; k < (b + 1) * XB; k += 4) {
-                    __m256i c[4];
-                    for (int i = 0; i < 4; i++) {
-                        c[i] = _mm256_loadu_si256((const __m256i *)(codes + (k + i) * (BN / 2)));
-                        c[i] = _mm256_and_si256(h ? _mm256_srli_epi16(c[i], 4) : c[i], mask);
-                    }
-                    const __m256i t0 = _mm256_unpacklo_epi8(c[0], c[1]), t1 = _mm256_unpackhi_epi8(c[0], c[1]);
-                    const __m256i t2 = _mm256_unpacklo_epi8(c[2], c[3]), t3 = _mm256_unpackhi_epi8(c[2], c[3]);
-                    const __m256i u[4] = {_mm256_unpacklo_epi16(t0, t2), _mm256_unpackhi_epi16(t0, t2),
-                                          _mm256_unpacklo_epi16(t1, t3), _mm256_unpackhi_epi16(t1, t3)};
+                    __m256i u[4];
+                    transposed(codes + k * (BN / 2), h, u);
                     for (int r = 0; r < R; r++) {
                         int32_t four;
                         __builtin_memcpy(&four, q + r * K + k, 4);
@@ -202,32 +224,140 @@ tile_i8(const int R, const int8_t *q, const float *xs, const float *xsum, int64_
             }
 }
 
+// ---- many rows: a block's codes transposed once per piece, then multiplied into every row ----
+//
+// tile_i8 transposes the codes for every pair of rows, which costs as much as the products; from PANEL_MIN_ROWS
+// rows on, a piece of the block (up to PIECE inputs, 16 KB transposed: stays in L1) is transposed once into a
+// buffer and every row tile reads it. The arithmetic is tile_i8's, operation for operation and in the same order
+// (the same 16-bit sums, the same fp32 multiply-adds per run, then per group), so each row's result is
+// bit-identical to the one tile_i8 gives it: the rows beside it and the loop chosen change nothing.
+#define PIECE 256         // inputs transposed at a time (at most)
+#define PANEL_ROWS 3      // rows per register tile: 3 × 4 16-bit sums and their x̂ broadcasts in 16 registers
+#define PANEL_MIN_ROWS 4  // from here on the panel loop
+
+// R rows' 16-bit sums over the runs of inputs [k0, k0 + n), added into part [R][BN] (tile_i8's `part`
+// registers, kept in memory so that a group may span pieces).
+static inline __attribute__((always_inline)) void
+panel_rows(const int R, const __m256i *u, const int8_t *q, const float *xs, int64_t K, int64_t k0, int64_t n,
+           float *part) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = k0 / XB; b < (k0 + n) / XB; b++) {
+        for (int h = 0; h < 2; h++) {
+            __m256i sum16[PANEL_ROWS][4];
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < 4; j++) sum16[r][j] = _mm256_setzero_si256();
+            for (int64_t k = b * XB; k < (b + 1) * XB; k += 4) {
+                const __m256i *uk = u + (((k - k0) / 4) * 2 + h) * 4;
+                __m256i xq[PANEL_ROWS];
+                for (int r = 0; r < R; r++) {
+                    int32_t four;
+                    __builtin_memcpy(&four, q + r * K + k, 4);
+                    xq[r] = _mm256_set1_epi32(four);
+                }
+                for (int j = 0; j < 4; j++) {
+                    const __m256i uj = _mm256_load_si256(uk + j);
+                    for (int r = 0; r < R; r++)
+                        sum16[r][j] = _mm256_add_epi16(sum16[r][j], _mm256_maddubs_epi16(uj, xq[r]));
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                const __m256 sx = _mm256_set1_ps(xs[r * (K / XB) + b]);
+                for (int j = 0; j < 4; j++) {
+                    float *p = part + r * BN + 8 * (4 * h + j);
+                    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[r][j], ones));
+                    _mm256_storeu_ps(p, _mm256_fmadd_ps(dot, sx, _mm256_loadu_ps(p)));
+                }
+            }
+        }
+    }
+}
+
+// One block (codes, scales, zeros of block nb) against all M rows, into y's columns of that block.
+static void panel_block(const int8_t *q, const float *xs, const float *xsum, int64_t M, int64_t K, int64_t group,
+                        const uint8_t *codes, const uint16_t *scales, const uint8_t *zeros, float *y, int64_t N,
+                        __m256i *u, float *part) {
+    const int64_t runs = K / XB;
+    int64_t piece = group <= PIECE ? group : XB;  // the longest run of whole XB's up to PIECE that tiles a group
+    for (int64_t p = PIECE; p > XB && group > PIECE; p -= XB)
+        if (group % p == 0) {
+            piece = p;
+            break;
+        }
+    for (int64_t r = 0; r < M; r++)
+        for (int i = 0; i < BN; i++) y[r * N + i] = 0.f, part[r * BN + i] = 0.f;
+    for (int64_t g = 0; g < K / group; g++) {
+        for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += piece) {
+            for (int64_t k = k0; k < k0 + piece; k += 4)
+                for (int h = 0; h < 2; h++) transposed(codes + k * (BN / 2), h, u + (((k - k0) / 4) * 2 + h) * 4);
+            int64_t r = 0;
+            for (; r + PANEL_ROWS <= M; r += PANEL_ROWS)
+                panel_rows(PANEL_ROWS, u, q + r * K, xs + r * runs, K, k0, piece, part + r * BN);
+            if (M - r == 2) panel_rows(2, u, q + r * K, xs + r * runs, K, k0, piece, part + r * BN);
+            if (M - r == 1) panel_rows(1, u, q + r * K, xs + r * runs, K, k0, piece, part + r * BN);
+        }
+        float s[BN], zs[BN];
+        group_params(scales + g * BN, zeros + g * BN, s, zs);
+        for (int64_t r = 0; r < M; r++) {
+            float total = 0.f;  // Σ x̂ over the group, added as tile_i8 adds it
+            for (int64_t b = g * group / XB; b < (g + 1) * group / XB; b++) total += xsum[r * runs + b];
+            const __m256 t = _mm256_set1_ps(total);
+            float *yr = y + r * N;
+            for (int h = 0; h < 2; h++)
+                for (int j = 0; j < 4; j++) {
+                    float *lo = yr + 32 * h + 4 * j, *hi = yr + 32 * h + 16 + 4 * j, *pp = part + r * BN + 8 * (4 * h + j);
+                    __m256 a = _mm256_loadu2_m128(hi, lo);
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(pp), lanes_of(s, h, j), a);
+                    a = _mm256_fnmadd_ps(t, lanes_of(zs, h, j), a);
+                    _mm_storeu_ps(lo, _mm256_castps256_ps128(a));
+                    _mm_storeu_ps(hi, _mm256_extractf128_ps(a, 1));
+                    _mm256_storeu_ps(pp, _mm256_setzero_ps());
+                }
+        }
+    }
+}
+
 // y [M, nblocks·BN] = x̂ · Wᵀ for 4-bit weights; K and the group size multiples of XB. Returns 1 when out of
-// memory for the quantized x, 0 otherwise.
+// memory for the quantized x or a thread's buffers, 0 otherwise.
 int slimlm_quant_matmul_i8(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *scales,
                            const uint8_t *zeros, int64_t nblocks, int64_t group, float *y, int nthreads) {
     const int64_t N = nblocks * BN, G = K / group;
     int8_t *q = malloc(M * K);
     float *xs = malloc(sizeof(float) * M * K / XB), *xsum = malloc(sizeof(float) * M * K / XB);
+    int failed = 0;
     if (!q || !xs || !xsum) {
         free(q), free(xs), free(xsum);
         return 1;
     }
-    quantize_x(x, M, K, q, xs, xsum);
-    // n-blocks outermost: every row of x passes over a weight block while it is in cache, two rows a pass
+    quantize_x(x, M, K, q, xs, xsum, nthreads);
+    if (M >= PANEL_MIN_ROWS) {
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+        {
+            __m256i *u = aligned_alloc(32, PIECE / 4 * 2 * 4 * sizeof(__m256i));
+            float *part = malloc(sizeof(float) * M * BN);
+            if (!u || !part) failed = 1;
+#pragma omp for schedule(static)
+            for (int64_t nb = 0; nb < nblocks; nb++)
+                if (u && part)
+                    panel_block(q, xs, xsum, M, K, group, codes + nb * K * (BN / 2), scales + nb * G * BN,
+                                zeros + nb * G * BN, y + nb * BN, N, u, part);
+            free(u), free(part);
+        }
+    } else {
+        // n-blocks outermost: every row of x passes over a weight block while it is in cache, two rows a pass
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t nb = 0; nb < nblocks; nb++) {
-        const uint8_t *c = codes + nb * K * (BN / 2);
-        const uint16_t *sc = scales + nb * G * BN;
-        const uint8_t *z = zeros + nb * G * BN;
-        int64_t m = 0;
-        for (; m + 2 <= M; m += 2)
-            tile_i8(2, q + m * K, xs + m * K / XB, xsum + m * K / XB, K, group, c, sc, z, y + m * N + nb * BN, N);
-        if (m < M)
-            tile_i8(1, q + m * K, xs + m * K / XB, xsum + m * K / XB, K, group, c, sc, z, y + m * N + nb * BN, N);
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            const uint8_t *c = codes + nb * K * (BN / 2);
+            const uint16_t *sc = scales + nb * G * BN;
+            const uint8_t *z = zeros + nb * G * BN;
+            int64_t m = 0;
+            for (; m + 2 <= M; m += 2)
+                tile_i8(2, q + m * K, xs + m * K / XB, xsum + m * K / XB, K, group, c, sc, z, y + m * N + nb * BN, N);
+            if (m < M)
+                tile_i8(1, q + m * K, xs + m * K / XB, xsum + m * K / XB, K, group, c, sc, z, y + m * N + nb * BN, N);
+        }
     }
     free(q), free(xs), free(xsum);
-    return 0;
+    return failed;
 }
 
 // Weight blocks [b0, b1) dequantized to fp32, written k-major into out [K, (b1 − b0)·BN].
