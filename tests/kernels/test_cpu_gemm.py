@@ -286,8 +286,11 @@ def test_cpus_without_bf16_match_the_reference_on_every_loop(poisoned, other_isa
     assert relative_error(out, reference.quant_matmul(x_as_multiplied(x.float(), w), w)) < tolerance
 
 
-@pytest.mark.parametrize("bits,group_size,sym,act_order,n,k", [s for s in SHAPES if s[0] == 4 and s[5] % 32 == 0])
-@pytest.mark.parametrize("m", [1, 2, 5])
+INT8_SHAPES = [s for s in SHAPES if s[0] == 4 and s[5] % 32 == 0]
+
+
+@pytest.mark.parametrize("bits,group_size,sym,act_order,n,k", INT8_SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 9])
 def test_avx2_int8_loop_is_the_weights_times_x_hat(poisoned, monkeypatch, bits, group_size, sym, act_order, n, k, m):
     """AVX2's 4-bit loop multiplies x̂ (x quantized to int8 per run of 32 inputs): to fp32 accuracy the
     product of the dequantized weights with exactly that x̂, and within int8's error of the product with x.
@@ -301,6 +304,25 @@ def test_avx2_int8_loop_is_the_weights_times_x_hat(poisoned, monkeypatch, bits, 
     assert lib.calls.count("slimlm_quant_matmul_i8") == 1
     assert relative_error(out, reference.quant_matmul(x_as_multiplied(x, w), w)) < 1e-5
     assert relative_error(out, reference.quant_matmul(x.double(), w)) < 2e-2
+
+
+@pytest.mark.parametrize(
+    "bits,group_size,sym,act_order,n,k",
+    [*INT8_SHAPES, (4, -1, True, False, 64, 352)],  # 352 = 11 · 32 per channel: pieces of one run
+)
+def test_avx2_int8_rows_come_out_the_same_alone_or_with_others(
+    poisoned, monkeypatch, bits, group_size, sym, act_order, n, k
+):
+    """From PANEL_MIN_ROWS rows on, the block's codes are unpacked once for all rows (in pieces of up to 256
+    inputs); every row must still come out bit for bit as it does alone: prefill and decode agree. 3-7 rows
+    cover a whole tile of 4 and each remainder."""
+    lib = haswell_library(monkeypatch)
+    _, w = quantized_weight(n, k, bits, group_size, sym, act_order, seed=3)
+    x = torch.randn(7, k) * torch.logspace(-2, 2, k // 32).repeat_interleave(32)
+    alone = torch.cat([cpu_gemm.quant_matmul(row[None], w) for row in x])
+    for m in range(3, 8):
+        assert torch.equal(cpu_gemm.quant_matmul(x[:m], w), alone[:m]), m
+    assert lib.calls.count("slimlm_quant_matmul_i8") == 7 + 5
 
 
 @needs_bf16
