@@ -16,7 +16,9 @@ Which loop runs, by CPU and by x (thresholds measured with benchmarks/kernels_cp
     AVX2                      4-bit, any rows: x quantized to int8 per run of INT8_RUN inputs, codes times
                               bytes (vpmaddubsw: 32 weights an instruction; the product is exactly W·x̂,
                               llama.cpp's Q4×Q8): 1.3–1.5× the fused loop at batch 1 on Qwen2.5-1.5B,
-                              2.4–2.9× the fp32 slices at 24–32 rows, ~1.6× at 512, for +0.1–0.15% perplexity.
+                              2.4–2.9× the fp32 slices at 24–32 rows, ~1.6× at 512, for +0.1–0.15% perplexity;
+                              from 3 rows on each block's codes are unpacked once for all rows (another
+                              1.1–1.3× at 3–8 rows, 1.4–1.6× at 32–512; the same bits per row)
                               Steps inside exact_activations() (ModelRunner enters it for a scored prompt), 8-bit
                               weights (at memory bandwidth already) and widths not a multiple of INT8_RUN: the
                               fused fp32 loop; above FUSED_MAX_ROWS_AVX2 rows, fp32 matmul on dequantized slices
