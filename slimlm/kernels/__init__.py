@@ -54,6 +54,11 @@ def backend(device: torch.device) -> str:
     return "cpu"
 
 
+def one_piece(x: torch.Tensor, w: PackedWeight) -> int:
+    """A whole x in one call, however many rows: what every backend but the CPU kernels wants."""
+    return 1
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
@@ -64,6 +69,7 @@ class Backend:
     silu_mul: Callable[[torch.Tensor], torch.Tensor] = reference.silu_mul
     decode_stack: type | None = None  # every decoder layer in one call for decode steps (cpu_layer.DecodeStack)
     row_logprobs: Callable[..., tuple[torch.Tensor, ...]] = reference.row_logprobs  # scored prompt rows
+    row_pieces: Callable[[torch.Tensor, PackedWeight], int] = one_piece  # how many calls x's rows take (cpu_gemm)
 
 
 def select(device: torch.device | str) -> Backend:
@@ -85,6 +91,7 @@ def select(device: torch.device | str) -> Backend:
             cpu_layer.silu_mul,
             cpu_layer.DecodeStack,
             cpu_layer.row_logprobs,
+            cpu_gemm.row_pieces,
         )
     if chosen == "cpu":
         return Backend(

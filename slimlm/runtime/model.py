@@ -155,8 +155,15 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, dtype)
         self.gate_up = [self.gate_proj, self.up_proj]  # one joined Linear after fuse_projections()
         self.silu_mul = kernels.reference.silu_mul  # the load-time Backend's, once set_backend ran
+        self.row_pieces = kernels.one_piece
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        joined = self.gate_up[0].packed if len(self.gate_up) == 1 else None
+        pieces = 1 if joined is None else self.row_pieces(x, joined)
+        if pieces > 1:  # a long prompt's rows in turn, each piece's gate/up output reused memory (cpu_gemm.row_pieces)
+            return torch.cat(
+                [self.down_proj(self.silu_mul(self.gate_up[0](piece))) for piece in x.tensor_split(pieces)]
+            )
         return self.down_proj(self.silu_mul(joined_outputs(self.gate_up, x)))
 
 
@@ -225,7 +232,7 @@ class CausalLM(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.add_rms_norm = backend.add_rms_norm
             elif isinstance(module, MLP):
-                module.silu_mul = backend.silu_mul
+                module.silu_mul, module.row_pieces = backend.silu_mul, backend.row_pieces
         self.decode_stack = None if backend.decode_stack is None else self._decode_stack(backend.decode_stack)
         self.row_logprobs = backend.row_logprobs
 

@@ -436,3 +436,19 @@ def test_dense_fp32_weights_give_the_float64_product(poisoned, n, k, m):
         y = cpu_gemm.quant_matmul(x, w)
     assert y.shape == (m, n) and relative_error(y.double(), x.double() @ weight.double().T) < 1e-6
     assert cpu_gemm.quant_matmul(x.bfloat16(), w).dtype == torch.bfloat16  # other x: in the weights' dtype
+
+
+def test_row_pieces_keep_each_output_under_fresh_bytes_where_the_pieces_run_the_same_loop(monkeypatch):
+    _, w = quantized_weight(256, 128, 4, 32, False)
+    monkeypatch.setattr(cpu_gemm, "path", lambda rows, dtype, w: "int8")
+    limit = cpu_gemm.FRESH_BYTES // (256 * 4)  # fp32 rows that fit
+    assert [cpu_gemm.row_pieces(torch.empty(m, 128), w) for m in (1, limit, limit + 1, 3 * limit)] == [1, 1, 2, 3]
+    assert cpu_gemm.row_pieces(torch.empty(limit + 1, 128, dtype=torch.bfloat16), w) == 1  # half the bytes
+    monkeypatch.setattr(cpu_gemm, "FRESH_BYTES", 256 * 4 * (cpu_gemm.MIN_PIECE_ROWS - 1))
+    assert cpu_gemm.row_pieces(torch.empty(2 * cpu_gemm.MIN_PIECE_ROWS, 128), w) == 1  # pieces too small
+    monkeypatch.setattr(cpu_gemm, "FRESH_BYTES", 256 * 4 * limit)
+    monkeypatch.setattr(cpu_gemm, "path", lambda rows, dtype, w: "fused" if rows <= limit else "int8")
+    assert cpu_gemm.row_pieces(torch.empty(3 * limit, 128), w) == 1  # a piece would run another loop
+    for loop in ("dequant-slices", "dense-blocks"):
+        monkeypatch.setattr(cpu_gemm, "path", lambda rows, dtype, w, loop=loop: loop)
+        assert cpu_gemm.row_pieces(torch.empty(3 * limit, 128), w) == 1

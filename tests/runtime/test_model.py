@@ -238,3 +238,23 @@ def test_greedy_generation_is_the_same_with_the_one_call_stack(joinable_w4):
         fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         llm.engine.runner.model.decode_stack = None
         assert fused == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_prompts_mlp_runs_in_pieces_with_the_same_result(joinable_w4, monkeypatch, dtype):
+    """Above cpu_gemm.FRESH_BYTES of gate/up output (here shrunk to 40 rows' worth), the MLP takes the rows in
+    pieces where the pieces run the loop the whole would; each row's result is the one the whole call gives it."""
+    model = load_model(joinable_w4, dtype, "cpu", 128, "auto")
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(100, 128).to(dtype)
+    with torch.inference_mode():
+        whole = mlp(x)
+        monkeypatch.setattr(cpu_gemm, "FRESH_BYTES", 40 * 256 * x.element_size())
+        rows = []
+        call = mlp.gate_up[0].quant_matmul
+        monkeypatch.setattr(mlp.gate_up[0], "quant_matmul", lambda x, w: rows.append(x.shape[0]) or call(x, w))
+        pieces = mlp(x)
+    loop, piece_loop = (cpu_gemm.path(m, dtype, mlp.gate_up[0].packed) for m in (100, 34))
+    split = loop == piece_loop and loop not in ("dequant-slices", "dense-blocks")
+    assert rows == ([34, 33, 33] if split else [100])
+    assert torch.equal(pieces, whole)
