@@ -275,21 +275,28 @@ void slimlm_silu_mul(const void *gu, void *out, int64_t rows, int64_t width, int
     }
 }
 
-#ifdef __AVX512BF16__  // the whole-layer decode runs on the bf16 dot-product GEMM (cpu_gemm.c)
+// The whole-layer decode runs on the bf16 dot-product GEMM (cpu_gemm.c) or on AVX2's int8 and fp32 loops
+// (cpu_gemm_avx2.c); AVX-512 CPUs without BF16 run the modules.
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && !defined(__AVX512F__))
 #include <stdlib.h>
 
+void slimlm_quant_matmul(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes,
+                         const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group, float *y,
+                         int nthreads);
+#ifdef __AVX512BF16__
 int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
                              const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
                              void *y, int64_t y_cols, int y_bf16, int64_t code_rows, int nthreads);
 int slimlm_quant_matmul_f32_split(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes,
                                   const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
                                   float *y, int64_t y_cols, int nthreads);
-void slimlm_quant_matmul(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes,
-                         const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group, float *y,
-                         int nthreads);
 int slimlm_quant_matmul_amx(int bits, const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
                             const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
                             void *y, int64_t y_cols, int y_bf16, int nthreads);  // only where AMX was built
+#else
+int slimlm_quant_matmul_i8(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *scales,
+                           const uint8_t *zeros, int64_t nblocks, int64_t group, float *y, int nthreads);
+#endif
 int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache, int kind, const float *k_scale,
                         const float *v_scale, const int32_t *tables, int64_t width, const int32_t *seq_lens, int64_t S,
                         int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, float scale, int amx, float *out,
@@ -301,9 +308,22 @@ typedef struct {
     const void *codes, *scales, *zeros;
     int64_t blocks, group, bits, in_features, out_features, code_rows;
     int64_t loop;  // 0: bf16 x and y; 1: fp32 split into bf16 planes; 2: the fused fp32 loop (padded y);
-                   // 3: bf16 x and y on the AMX tile unit
+                   // 3: bf16 x and y on the AMX tile unit; 4: AVX2's int8 loop (fp32 x, padded y)
     const void *bias;
 } Linear;
+
+// The loops that write fp32 into the padded width: AVX2's int8 loop (which allocates, so it may fail) and the
+// fused fp32 loop.
+static int padded_product(const Linear *w, const float *x, int64_t m, float *padded, int nthreads) {
+#ifndef __AVX512BF16__
+    if (w->loop == 4)
+        return slimlm_quant_matmul_i8(x, m, w->in_features, w->codes, w->scales, w->zeros, w->blocks, w->group,
+                                      padded, nthreads);
+#endif
+    slimlm_quant_matmul((int)w->bits, x, m, w->in_features, w->codes, w->scales, w->zeros, w->blocks, w->group,
+                        padded, nthreads);
+    return 0;
+}
 
 static int product(const Linear *w, const void *x, int64_t m, void *y, float *padded, int nthreads) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -311,14 +331,15 @@ static int product(const Linear *w, const void *x, int64_t m, void *y, float *pa
         return slimlm_quant_matmul_amx((int)w->bits, x, m, w->in_features, w->codes, w->scales, w->zeros, w->blocks,
                                        w->group, y, w->out_features, 1, nthreads);
 #endif
+#ifdef __AVX512BF16__
     if (w->loop == 0)
         return slimlm_quant_matmul_bf16((int)w->bits, x, m, w->in_features, w->codes, w->scales, w->zeros, w->blocks,
                                         w->group, y, w->out_features, 1, w->code_rows, nthreads);
     if (w->loop == 1)
         return slimlm_quant_matmul_f32_split((int)w->bits, x, m, w->in_features, w->codes, w->scales, w->zeros,
                                              w->blocks, w->group, y, w->out_features, nthreads);
-    slimlm_quant_matmul((int)w->bits, x, m, w->in_features, w->codes, w->scales, w->zeros, w->blocks, w->group,
-                        padded, nthreads);
+#endif
+    if (padded_product(w, x, m, padded, nthreads)) return -1;
     for (int64_t r = 0; r < m; r++)  // drop the padding features
         memcpy((float *)y + r * w->out_features, padded + r * w->blocks * 64, sizeof(float) * w->out_features);
     return 0;

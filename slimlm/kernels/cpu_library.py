@@ -124,36 +124,36 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
             c_int,
         ]
         lib.slimlm_paged_prefill.restype = c_int
+    f32 = ctypes.c_float
+    if hasattr(lib, "slimlm_decode_layers"):  # AVX-512 BF16 and AVX2 builds of revisions since it (kernels_ab.py)
+        lib.slimlm_decode_layers.argtypes = [
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            ptr,
+            f32,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            ptr,
+            i64,
+            ptr,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            f32,
+            c_int,
+            c_int,
+            c_int,
+            c_int,
+        ]
+        lib.slimlm_decode_layers.restype = c_int
     if hasattr(lib, "slimlm_quant_matmul_bf16"):  # built only where the CPU has AVX-512 BF16
-        f32 = ctypes.c_float
-        if hasattr(lib, "slimlm_decode_layers"):  # not in revisions before it (kernels_ab.py builds those)
-            lib.slimlm_decode_layers.argtypes = [
-                ptr,
-                i64,
-                ptr,
-                ptr,
-                ptr,
-                f32,
-                ptr,
-                ptr,
-                ptr,
-                ptr,
-                i64,
-                ptr,
-                i64,
-                ptr,
-                i64,
-                i64,
-                i64,
-                i64,
-                i64,
-                f32,
-                c_int,
-                c_int,
-                c_int,
-                c_int,
-            ]
-            lib.slimlm_decode_layers.restype = c_int
         lib.slimlm_quant_matmul_bf16.argtypes = [
             c_int,
             ptr,

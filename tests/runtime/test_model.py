@@ -6,7 +6,7 @@ from slimlm.kernels import cpu_gemm, cpu_library
 from slimlm.kernels.packed import dequantize
 from slimlm.runtime.loader import load_model
 from slimlm.runtime.model import Linear, fuse
-from tests.kernels.problems import quantized_weight, torch_threads
+from tests.kernels.problems import haswell_library, quantized_weight, torch_threads
 
 needs_bf16_gemm = pytest.mark.skipif(
     not (cpu_library.available() and cpu_library.has_bf16_gemm()),
@@ -125,13 +125,20 @@ def forward(model, ids, step, cache):
         return model.logits(model(ids, step, cache))
 
 
-@needs_bf16_gemm
 @pytest.mark.parametrize("rows", [1, 3, 20])  # fp32 at 20 rows: the fused loop; 20: SiLU, rotary split in two
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("amx", [True, False], ids=["as-found", "without-amx"])
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn], ids=["kv-as-model", "int8", "fp8"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, added in the C call
-def test_one_call_stack_equals_the_modules(request, arch, dtype, rows, amx, kv_dtype, monkeypatch):
+@pytest.mark.parametrize("isa", ["native", "avx2"])  # avx2: the int8 loop (3 and 20 rows: its panel of rows)
+def test_one_call_stack_equals_the_modules(request, isa, arch, dtype, rows, amx, kv_dtype, monkeypatch):
+    if isa == "avx2":
+        if dtype == torch.bfloat16 or not amx:
+            pytest.skip("AVX2 builds run bf16 steps through the modules, and have no AMX")
+        haswell_library(monkeypatch)
+        amx = False
+    elif not (cpu_library.available() and cpu_library.has_bf16_gemm()):
+        pytest.skip("the native one-call stack runs on the AVX-512 BF16 GEMM")
     if not amx:  # the loops a CPU without AMX runs (here too when it has none)
         monkeypatch.setattr(cpu_library, "has_amx", lambda: False)
     model = load_model(
@@ -151,9 +158,9 @@ def test_one_call_stack_equals_the_modules(request, arch, dtype, rows, amx, kv_d
         stack, model.decode_stack = model.decode_stack, None
         modules = forward(model, ids, step, modules_cache)
         model.decode_stack = stack
-    if kv_dtype is not None:  # compared as codes; the stack ran, scales and all
+    assert model.decode_stack._plans[(rows, dtype, kv_dtype or dtype)] is not None  # the stack ran (scales and all)
+    if kv_dtype is not None:  # compared as codes
         fused_cache, modules_cache, cache = (c.view(torch.uint8) for c in (fused_cache, modules_cache, cache))
-        assert model.decode_stack._plans[(rows, dtype, kv_dtype)] is not None
     if dtype == torch.bfloat16:  # the same kernels in the same order: bit for bit
         assert torch.equal(fused, modules) and torch.equal(fused_cache, modules_cache)
     else:  # SiLU's exp: C's expf against torch's vectorized one, a last-bit difference
