@@ -126,32 +126,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.slimlm_paged_prefill.restype = c_int
     f32 = ctypes.c_float
     if hasattr(lib, "slimlm_decode_layers"):  # AVX-512 BF16 and AVX2 builds of revisions since it (kernels_ab.py)
-        lib.slimlm_decode_layers.argtypes = [
-            ptr,
-            i64,
-            ptr,
-            ptr,
-            ptr,
-            f32,
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            i64,
-            ptr,
-            i64,
-            ptr,
-            i64,
-            i64,
-            i64,
-            i64,
-            i64,
-            f32,
-            c_int,
-            c_int,
-            c_int,
-            c_int,
-        ]
+        # (layers, n, x, tmp, out, eps), (cos, sin, slots), the paged cache, its shape, then scale and the flags
+        step, rotary, paged, shape = [ptr, i64, ptr, ptr, ptr, f32], [ptr] * 3, [ptr, i64, ptr, i64, ptr], [i64] * 5
+        lib.slimlm_decode_layers.argtypes = [*step, *rotary, *paged, *shape, f32, c_int, c_int, c_int, c_int]
         lib.slimlm_decode_layers.restype = c_int
     if hasattr(lib, "slimlm_quant_matmul_bf16"):  # built only where the CPU has AVX-512 BF16
         lib.slimlm_quant_matmul_bf16.argtypes = [
