@@ -120,8 +120,6 @@ def path(rows: int, dtype: torch.dtype, w: PackedWeight) -> str:
 
 
 FRESH_BYTES = 32 << 20  # glibc maps an allocation above this anew every time, and the kernel zeroes its pages
-
-
 MIN_PIECE_ROWS = 33  # above every loop's small-row tiles (CODE_MAX_ROWS; AMX's code tiles up to 16 rows)
 
 
@@ -132,11 +130,12 @@ def row_pieces(x: torch.Tensor, w: PackedWeight) -> int:
     no per-call work on the whole weight (dequantized slices, dense blocks), which a piece would repeat."""
     rows = x.shape[0]
     pieces = -(-rows * w.out_features * x.element_size() // FRESH_BYTES)
-    piece = -(-rows // max(pieces, 1))
-    loop = path(rows, x.dtype, w)
-    if pieces <= 1 or piece < MIN_PIECE_ROWS or loop in ("dequant-slices", "dense-blocks"):
+    if pieces <= 1 or -(-rows // pieces) < MIN_PIECE_ROWS:  # every decode step and short prompt stops here
         return 1
-    return pieces if path(piece, x.dtype, w) == loop else 1
+    loop = path(rows, x.dtype, w)
+    if loop in ("dequant-slices", "dense-blocks") or path(-(-rows // pieces), x.dtype, w) != loop:
+        return 1
+    return pieces
 
 
 _EXACT = contextvars.ContextVar("exact_activations", default=False)
