@@ -6,7 +6,9 @@
    float reference); then the step changes the layer: it may fold scales into weights, quantize linears
    (their dequantized weights are written back), replace modules, add tensors or patch the config.
 3. Run the batches through the finished layer. Those outputs feed the next layer, so each layer is
-   calibrated on inputs that already carry the earlier layers' compression error.
+   calibrated on inputs that already carry the earlier layers' compression error. A step may also ask for
+   the float model's inputs to the layer (GPTQ's float target): the pipeline then carries that second chain,
+   each layer's float outputs on it.
 
 A run where no step needs data (RTN) skips the passes unless the per-layer error report is asked for.
 The passes may run in a compute dtype other than the stored one (bf16 for an fp32 model where bf16 products
@@ -48,7 +50,10 @@ class StepResult:
 
 
 class Step(Protocol):
-    """A compression step, seen one decoder layer at a time."""
+    """A compression step, seen one decoder layer at a time.
+
+    A step with a nonzero `float_target` attribute (GPTQ's) is also given the float model's own inputs to the
+    layer: in its pass each batch of those goes through the layer first, with the step's `reference` set."""
 
     needs_data: bool  # whether observe() needs the calibration batches run through the layer
     changes_layer: bool  # whether apply() changes what the layer computes (False: KV scales, statistics)
@@ -146,11 +151,31 @@ def in_dtype(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def _run_layer(layer: nn.Module, inputs: list[LayerInputs]) -> list[torch.Tensor]:
-    outs = []
-    for x in inputs:
-        y = layer(x.hidden, **x.kwargs)
-        outs.append(y[0] if isinstance(y, tuple) else y)
-    return outs
+    return [_output(layer(x.hidden, **x.kwargs)) for x in inputs]
+
+
+def _run_pairs(
+    layer: nn.Module, inputs: list[LayerInputs], refs: list[LayerInputs], step: Step
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The layer's outputs on each batch and on the float model's inputs for that batch, which go first with
+    `step.reference` set, so that the step's hooks can pair the two."""
+    outs, ref_outs = [], []
+    for x, r in zip(inputs, refs, strict=True):
+        step.reference = True
+        try:
+            ref_outs.append(_output(layer(r.hidden, **r.kwargs)))
+        finally:
+            step.reference = False
+        outs.append(_output(layer(x.hidden, **x.kwargs)))
+    return outs, ref_outs
+
+
+def _output(y: Any) -> torch.Tensor:
+    return y[0] if isinstance(y, tuple) else y
+
+
+def wants_float_inputs(step: Step) -> bool:
+    return bool(getattr(step, "float_target", 0))
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -192,21 +217,29 @@ def _apply_steps(
     compute_dtype: torch.dtype,
     report_error: bool,
     config_patch: dict[str, Any],
-) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor], list | None]:
+    refs: list[LayerInputs] | None,
+) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor], list | None, list | None]:
     """Each step on decoder layer i in turn, each pass seeing the layer as the steps before left it. Returns
-    the quantized linears, the steps' extra tensors, and the layer's float outputs (when a step or the error
-    report ran the data through it); the steps' config changes go into config_patch."""
+    the quantized linears, the steps' extra tensors, the layer's float outputs (when a step or the error
+    report ran the data through it) and its float outputs on the float model's inputs `refs` (when a step
+    that wants those ran before any step changed the layer); the steps' config changes go into config_patch."""
     prefix = f"{arch.LAYERS}.{i}."
     done: dict[str, QuantizedWeight] = {}
     layer_tensors: dict[str, torch.Tensor] = {}
-    ref = None
+    ref = ref_outs = None
+    changed = False
     for step in steps:
         if step.needs_data or (report_error and ref is None):
             runner = in_dtype(layer, compute_dtype)
             same = {n: runner.get_submodule(n[len(prefix) :]) for n in linears}
             handles = step.observe(runner, same) if step.needs_data else []
             try:
-                outs = _run_layer(runner, inputs)
+                if wants_float_inputs(step):
+                    outs, float_outs = _run_pairs(runner, inputs, refs, step)
+                    ref_outs = ref_outs or (None if changed else float_outs)
+                    del float_outs
+                else:
+                    outs = _run_layer(runner, inputs)
             finally:
                 for h in handles:
                     h.remove()
@@ -222,7 +255,8 @@ def _apply_steps(
         done.update(result.quantized)
         layer_tensors.update({f"{arch.LAYERS}.{i}.{k}": v.detach().cpu() for k, v in result.tensors.items()})
         config_patch.update(result.config_patch)
-    return done, layer_tensors, ref
+        changed = changed or step.changes_layer
+    return done, layer_tensors, ref, ref_outs
 
 
 @dataclass(frozen=True)
@@ -267,6 +301,11 @@ def run(
     dtype = inputs[0].hidden.dtype if inputs else torch.float32  # the stored weights'
     compute_dtype = compute_dtype or dtype
     inputs = [LayerInputs(x.hidden.to(compute_dtype), cast_floats(x.kwargs, compute_dtype)) for x in inputs]
+    # The float model's own inputs to each layer, for steps that fit it to the float model's outputs
+    refs = inputs if with_data and any(wants_float_inputs(s) for s in steps) else None
+    # ... which come out of the step's pass unless a step before it changed the layer
+    first = next((k for k, s in enumerate(steps) if wants_float_inputs(s)), 0)
+    float_pass = refs is not None and any(s.changes_layer for s in steps[:first])
     layers = decoder_layers(model)
     all_linears = quantizable_linears(model, ignore)
     quantized: dict[str, QuantizedWeight] = {}
@@ -280,9 +319,13 @@ def run(
             weights.materialize(layers[i], f"{arch.LAYERS}.{i}", dtype, device)
         layer, prefix = layers[i], f"{arch.LAYERS}.{i}."
         linears = {n: m for n, m in all_linears.items() if n.startswith(prefix)}
-        done, layer_tensors, ref = _apply_steps(
-            layer, i, linears, steps, inputs, compute_dtype, report_error, config_patch
+        next_refs = _run_layer(in_dtype(layer, compute_dtype), refs) if float_pass else None
+        done, layer_tensors, ref, ref_outs = _apply_steps(
+            layer, i, linears, steps, inputs, compute_dtype, report_error, config_patch, refs
         )
+        if refs is not None:
+            refs = [LayerInputs(o, x.kwargs) for o, x in zip(next_refs or ref_outs, refs, strict=True)]
+            del next_refs, ref_outs
         entry = {"layer": i}
         if with_data:
             # steps that change nothing leave the outputs of the float pass: a second pass would repeat it

@@ -156,11 +156,24 @@ class GPTQOptions(Job):
             choices=("minmax", "mse"),
         ),
     ] = "minmax"
+    float_target: Annotated[
+        float,
+        Opt(
+            "GPTQ: how far each layer is fitted to the float model's outputs on the float model's inputs rather "
+            "than to its float self on the inputs the compressed layers give (GPTAQ), 0 to 1; the flag alone: "
+            "the measured best",
+            parse=finite_float,
+            nargs="?",
+            const=0.25,
+        ),
+    ] = 0.0
 
     def gptq(self, args):
         from slimlm.compress import gptq
 
-        return gptq.GPTQ(args, damp=self.damp, act_order=self.act_order, observer=self.observer)
+        return gptq.GPTQ(
+            args, damp=self.damp, act_order=self.act_order, observer=self.observer, float_target=self.float_target
+        )
 
 
 class RTN(Weights):

@@ -340,6 +340,8 @@ def test_the_mse_observer_picks_each_groups_qparams_where_the_paper_does(act_ord
         ({"damp": 0}, "damp 0 must be in (0, 1); 0.01 is the usual value"),
         ({"damp": 1}, "damp 1 must be in (0, 1); 0.01 is the usual value"),
         ({"act_order": "columns"}, "act_order columns is not supported; use one of weight, group"),
+        ({"float_target": 1.5}, "float_target 1.5 must be in [0, 1]; 0.25 is the measured best"),
+        ({"float_target": -0.1}, "float_target -0.1 must be in [0, 1]; 0.25 is the measured best"),
     ],
 )
 def test_bad_step_settings_are_named(kwargs, message):
@@ -354,7 +356,7 @@ def test_the_step_shares_hessians_warns_once_and_lets_go_of_activations(tiny_lla
     Hessian, and the codes are gptq_quantize's on the accumulated Hessian."""
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     step = GPTQ(QuantArgs(4, 32, True), damp=0.05, act_order="weight", observer="mse")
-    assert step.arguments() == {"damp": 0.05, "act_order": "weight", "observer": "mse"}
+    assert step.arguments() == {"damp": 0.05, "act_order": "weight", "observer": "mse", "float_target": 0.0}
     layer = pipeline.decoder_layers(model)[0]
     linears = {f"l.{n}": m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
     x = torch.randn(1, 4, model.config.hidden_size)  # 4 tokens: fewer than every linear's input width
@@ -582,3 +584,63 @@ def test_gptq_peaks_at_a_few_copies_of_the_hessian(act_order):
 
     out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, act_order], capture_output=True, text=True, check=True)
     assert float(out.stdout) <= 4.5
+
+
+def float_target_case(seed: int = 0):
+    """A linear whose inputs carry the earlier layers' error: X the compressed model's, X̃ the float model's."""
+    g = torch.Generator().manual_seed(seed)
+    x_float = correlated_inputs(2048, 128, seed)
+    x = x_float + 0.3 * correlated_inputs(2048, 128, seed + 1) + 0.05 * torch.randn(2048, 128, generator=g)
+    W = torch.randn(96, 128, generator=g)
+    shift = 2 / len(x) * (W @ (x_float - x).T @ x)  # 2/n Σ (Wx̃ − Wx)xᵀ, as the step gathers it
+    return W, x, x_float, shift
+
+
+@pytest.mark.parametrize("args", [QuantArgs(4, 32, True), QuantArgs(3, 64, False)], ids=str)
+@pytest.mark.parametrize("act_order", [None, "weight", "group"])
+def test_the_float_target_brings_the_outputs_closer_to_the_float_models(args, act_order):
+    W, x, x_float, shift = float_target_case()
+    H = hessian(x)
+    plain = gptq_quantize(W, H, args, act_order=act_order).dequantize()
+    fitted = gptq_quantize(W, H, args, act_order=act_order, shift=shift).dequantize()
+    error = lambda Wq: ((x_float @ W.T - x @ Wq.T) ** 2).mean().item()  # noqa: E731
+    assert error(fitted) < 0.5 * error(plain), (error(fitted), error(plain))
+
+
+@pytest.mark.parametrize("act_order", [None, "weight"])
+def test_the_float_target_is_gptq_of_the_least_squares_weights(act_order):
+    """GPTQ with the shift G quantizes W* = W + G(H + λI)⁻¹, the ridge solution of min ||W X̃ − W* X||²."""
+    W, x, _, shift = float_target_case(1)
+    H = hessian(x)
+    args = QuantArgs(4, 32, True)
+    damped = H.double() + 0.01 * torch.diag(H).double().mean() * torch.eye(128, dtype=torch.float64)
+    W_star = (W.double() + torch.linalg.solve(damped, shift.double().T).T).float()
+    expected = gptq_quantize(W_star, H, args, act_order=act_order)
+    got = gptq_quantize(W, H, args, act_order=act_order, shift=shift)
+    assert (got.codes == expected.codes).float().mean() > 0.99  # float rounding flips a few codes
+    assert torch.isclose(got.scale, expected.scale, rtol=1e-4).float().mean() > 0.99
+
+
+def test_the_step_gathers_each_linears_shift_from_both_passes(tiny_llama):
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    layer = model.model.layers[0]
+    linears = {n: m for n, m in pipeline.quantizable_linears(model).items() if n.startswith("model.layers.0.")}
+    step = GPTQ(QuantArgs(4, 32), float_target=1.0)
+    inputs = pipeline.capture_first_layer_inputs(model, torch.randint(0, 100, (3, 16)), batch_size=1)
+    g = torch.Generator().manual_seed(0)
+    refs = [pipeline.LayerInputs(x.hidden + 0.1 * torch.randn(x.hidden.shape, generator=g), x.kwargs) for x in inputs]
+    handles = step.observe(layer, linears)
+    with torch.no_grad():
+        pipeline._run_pairs(layer, inputs, refs, step)
+    for h in handles:
+        h.remove()
+    norm = layer.input_layernorm
+    x = torch.cat([norm(i.hidden)[0] for i in inputs]).detach()
+    x_float = torch.cat([norm(r.hidden)[0] for r in refs]).detach()
+    for name in ("q_proj", "v_proj"):
+        W = getattr(layer.self_attn, name).weight.detach()
+        expected = 2 / len(x) * W @ (x_float - x).T @ x
+        torch.testing.assert_close(step.shifts[f"model.layers.0.self_attn.{name}"], expected, rtol=1e-4, atol=1e-5)
+    assert set(step.shifts) == set(linears) and not step._outputs
+    q = step.apply(layer, linears).quantized
+    assert set(q) == set(linears) and not step.shifts

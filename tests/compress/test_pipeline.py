@@ -216,3 +216,22 @@ def test_a_job_with_an_unknown_compute_dtype_stops_before_any_work(tiny_llama, t
             progress=False,
         )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_float_target_step_sees_the_float_models_inputs_to_every_layer(model):
+    """Layer 0 is quantized to 2 bits, yet the reference inputs to layer 1 are the float model's own."""
+    from slimlm.compress.gptq import GPTQ
+
+    calib = torch.randint(0, model.config.vocab_size, (4, 16))
+    with torch.no_grad():
+        float_inputs = model(calib, output_hidden_states=True, use_cache=False).hidden_states[1]
+    step = GPTQ(QuantArgs(2, 32), float_target=0.5)
+    seen = []  # (reference?, input) in call order
+    record = lambda _m, args: seen.append((step.reference, args[0]))  # noqa: E731
+    pipeline.decoder_layers(model)[1].register_forward_pre_hook(record)
+    pipeline.run(model, [step], calib, pipeline.Passes(2, progress=False))
+    refs = [i for i, (reference, _) in enumerate(seen) if reference]
+    assert len(refs) == 2  # each batch once, in the step's pass, each followed by its compressed twin
+    torch.testing.assert_close(torch.cat([seen[i][1] for i in refs]), float_inputs, rtol=1e-5, atol=1e-5)
+    compressed = torch.cat([seen[i + 1][1] for i in refs])
+    assert not seen[refs[0] + 1][0] and (compressed - float_inputs).abs().max() > 1e-2
