@@ -221,13 +221,12 @@ def _apply_steps(
 ) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor], list | None, list | None]:
     """Each step on decoder layer i in turn, each pass seeing the layer as the steps before left it. Returns
     the quantized linears, the steps' extra tensors, the layer's float outputs (when a step or the error
-    report ran the data through it) and its float outputs on the float model's inputs `refs` (when a step
-    that wants those ran before any step changed the layer); the steps' config changes go into config_patch."""
+    report ran the data through it) and its outputs on the float model's inputs `refs` in the first pass that
+    took them; the steps' config changes go into config_patch."""
     prefix = f"{arch.LAYERS}.{i}."
     done: dict[str, QuantizedWeight] = {}
     layer_tensors: dict[str, torch.Tensor] = {}
     ref = ref_outs = None
-    changed = False
     for step in steps:
         if step.needs_data or (report_error and ref is None):
             runner = in_dtype(layer, compute_dtype)
@@ -236,7 +235,7 @@ def _apply_steps(
             try:
                 if wants_float_inputs(step):
                     outs, float_outs = _run_pairs(runner, inputs, refs, step)
-                    ref_outs = ref_outs or (None if changed else float_outs)
+                    ref_outs = ref_outs or float_outs
                     del float_outs
                 else:
                     outs = _run_layer(runner, inputs)
@@ -255,7 +254,6 @@ def _apply_steps(
         done.update(result.quantized)
         layer_tensors.update({f"{arch.LAYERS}.{i}.{k}": v.detach().cpu() for k, v in result.tensors.items()})
         config_patch.update(result.config_patch)
-        changed = changed or step.changes_layer
     return done, layer_tensors, ref, ref_outs
 
 
@@ -303,7 +301,7 @@ def run(
     inputs = [LayerInputs(x.hidden.to(compute_dtype), cast_floats(x.kwargs, compute_dtype)) for x in inputs]
     # The float model's own inputs to each layer, for steps that fit it to the float model's outputs
     refs = inputs if with_data and any(wants_float_inputs(s) for s in steps) else None
-    # ... which come out of the step's pass unless a step before it changed the layer
+    # ... which are the layer's outputs on them in that step's pass, unless a step before it changed the layer
     first = next((k for k, s in enumerate(steps) if wants_float_inputs(s)), 0)
     float_pass = refs is not None and any(s.changes_layer for s in steps[:first])
     layers = decoder_layers(model)
@@ -324,7 +322,7 @@ def run(
             layer, i, linears, steps, inputs, compute_dtype, report_error, config_patch, refs
         )
         if refs is not None:
-            refs = [LayerInputs(o, x.kwargs) for o, x in zip(next_refs or ref_outs, refs, strict=True)]
+            refs = [LayerInputs(o, x.kwargs) for o, x in zip(next_refs or ref_outs, inputs, strict=True)]
             del next_refs, ref_outs
         entry = {"layer": i}
         if with_data:

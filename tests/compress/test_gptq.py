@@ -622,25 +622,45 @@ def test_the_float_target_is_gptq_of_the_least_squares_weights(act_order):
 
 
 def test_the_step_gathers_each_linears_shift_from_both_passes(tiny_llama):
+    """G = α·2/n Σ W(x̃ − x)xᵀ for every linear: from outputs for most, from inputs (one sum for gate and
+    up, wider than their input) for the rest."""
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     layer = model.model.layers[0]
     linears = {n: m for n, m in pipeline.quantizable_linears(model).items() if n.startswith("model.layers.0.")}
-    step = GPTQ(QuantArgs(4, 32), float_target=1.0)
     inputs = pipeline.capture_first_layer_inputs(model, torch.randint(0, 100, (3, 16)), batch_size=1)
     g = torch.Generator().manual_seed(0)
     refs = [pipeline.LayerInputs(x.hidden + 0.1 * torch.randn(x.hidden.shape, generator=g), x.kwargs) for x in inputs]
+    step = GPTQ(QuantArgs(4, 32), float_target=0.5)
+    seen = {(n, r): [] for n in linears for r in (True, False)}  # each linear's inputs, float and compressed
+    spies = [
+        m.register_forward_pre_hook(lambda _m, a, n=n: seen[n, step.reference].append(a[0][0]))
+        for n, m in linears.items()
+    ]
+    handles = step.observe(layer, linears)
+    with torch.no_grad():
+        pipeline._run_pairs(layer, inputs, refs, step)
+    for h in handles + spies:
+        h.remove()
+    assert not step._float
+    gate, up = "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"
+    assert step._sums[gate] is step._sums[up] and step._wide == {gate, up}
+    for name, m in linears.items():
+        x, x_float = torch.cat(seen[name, False]), torch.cat(seen[name, True])
+        expected = 0.5 * 2 / len(x) * m.weight.detach() @ (x_float - x).T @ x
+        torch.testing.assert_close(step._shift(name, m), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_the_step_quantizes_every_linear_with_the_float_target_and_lets_go_of_its_sums(tiny_llama):
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    layer = model.model.layers[0]
+    linears = {n: m for n, m in pipeline.quantizable_linears(model).items() if n.startswith("model.layers.0.")}
+    inputs = pipeline.capture_first_layer_inputs(model, torch.randint(0, 100, (3, 16)), batch_size=1)
+    refs = [pipeline.LayerInputs(x.hidden * 1.1, x.kwargs) for x in inputs]
+    step = GPTQ(QuantArgs(4, 32), float_target=0.5)
     handles = step.observe(layer, linears)
     with torch.no_grad():
         pipeline._run_pairs(layer, inputs, refs, step)
     for h in handles:
         h.remove()
-    norm = layer.input_layernorm
-    x = torch.cat([norm(i.hidden)[0] for i in inputs]).detach()
-    x_float = torch.cat([norm(r.hidden)[0] for r in refs]).detach()
-    for name in ("q_proj", "v_proj"):
-        W = getattr(layer.self_attn, name).weight.detach()
-        expected = 2 / len(x) * W @ (x_float - x).T @ x
-        torch.testing.assert_close(step.shifts[f"model.layers.0.self_attn.{name}"], expected, rtol=1e-4, atol=1e-5)
-    assert set(step.shifts) == set(linears) and not step._outputs
     q = step.apply(layer, linears).quantized
-    assert set(q) == set(linears) and not step.shifts
+    assert set(q) == set(linears) and not step._sums and not step._float

@@ -218,8 +218,10 @@ def test_a_job_with_an_unknown_compute_dtype_stops_before_any_work(tiny_llama, t
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_float_target_step_sees_the_float_models_inputs_to_every_layer(model):
-    """Layer 0 is quantized to 2 bits, yet the reference inputs to layer 1 are the float model's own."""
+@pytest.mark.parametrize("after_rtn", [False, True])
+def test_a_float_target_step_sees_the_float_models_inputs_to_every_layer(model, after_rtn):
+    """Layer 0 is quantized to 2 bits, yet the reference inputs to layer 1 are the float model's own, also
+    when a step before changed the layer (its outputs on them are not the float model's then)."""
     from slimlm.compress.gptq import GPTQ
 
     calib = torch.randint(0, model.config.vocab_size, (4, 16))
@@ -229,9 +231,12 @@ def test_a_float_target_step_sees_the_float_models_inputs_to_every_layer(model):
     seen = []  # (reference?, input) in call order
     record = lambda _m, args: seen.append((step.reference, args[0]))  # noqa: E731
     pipeline.decoder_layers(model)[1].register_forward_pre_hook(record)
-    pipeline.run(model, [step], calib, pipeline.Passes(2, progress=False))
+    steps = [RTN(QuantArgs(2, 32)), step] if after_rtn else [step]
+    pipeline.run(model, steps, calib, pipeline.Passes(2, progress=False))
     refs = [i for i, (reference, _) in enumerate(seen) if reference]
     assert len(refs) == 2  # each batch once, in the step's pass, each followed by its compressed twin
+    # the step's pass, the output pass; after RTN also a float pass on the refs and the error report's
+    assert len(seen) == (10 if after_rtn else 6)
     torch.testing.assert_close(torch.cat([seen[i][1] for i in refs]), float_inputs, rtol=1e-5, atol=1e-5)
     compressed = torch.cat([seen[i + 1][1] for i in refs])
     assert not seen[refs[0] + 1][0] and (compressed - float_inputs).abs().max() > 1e-2
