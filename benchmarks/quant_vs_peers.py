@@ -109,9 +109,9 @@ def main() -> None:
     for setting in a.settings.split(","):
         jobs = quantize_jobs(setting, a, calib_file, model_dir)
         for method in methods:
-            base, _, alpha = method.partition("-float-target=")  # e.g. gptq-float-target=0.5
-            if alpha and base in jobs:
-                jobs[method] = jobs[base] + ["--float-target", alpha]
+            plain, _, alpha = method.partition("-float-target=")  # e.g. gptq-float-target=0.5
+            if alpha and plain in jobs:
+                jobs[method] = jobs[plain] + ["--float-target", alpha]
             if method not in jobs:
                 continue
             out = a.work / f"{setting}-{method}"
@@ -199,13 +199,13 @@ def quantize_jobs(setting: str, a: argparse.Namespace, calib_file: Path, model_d
         "gptq-act": [*ours, "gptq", *ours_common, *qflags, "--act-order"],
         "gptq-minmax": [*ours, "gptq", *ours_common, *qflags, "--observer", "minmax"],
         "gptq-mse": [*ours, "gptq", *ours_common, *qflags, "--observer", "mse"],
-        "gptq-float-target": [*ours, "gptq", *ours_common, *qflags, "--float-target"],  # =ALPHA: that α
+        "gptq-plain": [*ours, "gptq", *ours_common, *qflags, "--no-float-target"],  # -float-target=α: that α
         "awq": [*ours, "awq", *ours_common, *qflags],
         "awq-fp32": [*ours, "awq", *ours_common, *qflags, "--compute-dtype", "float32"],
         "awq-gptq": [*ours, "awq", *ours_common, *qflags, "--then", "gptq"],
         "awq-noclip-gptq": [*ours, "awq", *ours_common, *qflags, "--then", "gptq", "--no-clip"],
         "awq-gptq-mse": [*ours, "awq", *ours_common, *qflags, "--then", "gptq", "--observer", "mse"],
-        "awq-gptq-float-target": [*ours, "awq", *ours_common, *qflags, "--then", "gptq", "--float-target"],
+        "awq-gptq-plain": [*ours, "awq", *ours_common, *qflags, "--then", "gptq", "--no-float-target"],
     }
     if getattr(a, "llmcompressor_python", None):
         runner = str(HERE / "peers" / "llmcompressor_run.py")
@@ -254,6 +254,8 @@ def report(rows: list[dict], base_ppl: float, a: argparse.Namespace) -> None:
         "awq-fp32": "llmc-awq",
         "awq-gptq": "llmc-gptq",
         "awq-noclip-gptq": "llmc-gptq",
+        "gptq-plain": "llmc-gptq",
+        "awq-gptq-plain": "llmc-gptq",
     }
     by_key = {(r["setting"], r["method"]): r for r in rows}
     lines = [

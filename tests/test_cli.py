@@ -263,7 +263,10 @@ def test_quantize_lm_head(capsys, calib_txt, tmp_path, tied, flag, bits):
 
     src = make_tiny_llama(tmp_path / "src", tied=tied)
     out = tmp_path / "q"
-    flags = ["--num-samples", "8", "--seq-len", "32", "--group-size", "32", "--quantize-lm-head", *flag]
+    # plain GPTQ: the float target's fit to 256 tokens makes larger logits, whose fp32 rounding in the two
+    # runtimes then differs by ~2e-4
+    flags = ["--num-samples", "8", "--seq-len", "32", "--group-size", "32", "--no-float-target"]
+    flags += ["--quantize-lm-head", *flag]
     code, _, err = run_cli(capsys, "gptq", "--model", str(src), "--calib", str(calib_txt), *flags, "--out", str(out))
     assert code == 0, err
     quantized, rest = reader.read_checkpoint(out)

@@ -30,7 +30,6 @@ from slimlm.kernels import cpu_gram
 
 BLOCK = 128
 ACT_ORDERS = (None, "weight", "group")
-FLOAT_TARGET = 0.25  # α, measured best
 
 
 class HessianAccumulator:
@@ -263,7 +262,7 @@ class GPTQ:
         if act_order not in ACT_ORDERS:
             raise FieldError("act_order", f"{act_order} is not supported; use one of {', '.join(ACT_ORDERS[1:])}")
         if not 0 <= float_target <= 1:
-            raise FieldError("float_target", f"{float_target} must be in [0, 1]; {FLOAT_TARGET} is the measured best")
+            raise FieldError("float_target", f"{float_target} must be in [0, 1] (0: plain GPTQ)")
         if observer not in OBSERVERS:
             raise FieldError("observer", f"{observer} is not supported; use one of {', '.join(OBSERVERS)}")
         self.args, self.damp, self.act_order, self.observer = args, damp, act_order, observer

@@ -340,8 +340,8 @@ def test_the_mse_observer_picks_each_groups_qparams_where_the_paper_does(act_ord
         ({"damp": 0}, "damp 0 must be in (0, 1); 0.01 is the usual value"),
         ({"damp": 1}, "damp 1 must be in (0, 1); 0.01 is the usual value"),
         ({"act_order": "columns"}, "act_order columns is not supported; use one of weight, group"),
-        ({"float_target": 1.5}, "float_target 1.5 must be in [0, 1]; 0.25 is the measured best"),
-        ({"float_target": -0.1}, "float_target -0.1 must be in [0, 1]; 0.25 is the measured best"),
+        ({"float_target": 1.5}, "float_target 1.5 must be in [0, 1] (0: plain GPTQ)"),
+        ({"float_target": -0.1}, "float_target -0.1 must be in [0, 1] (0: plain GPTQ)"),
     ],
 )
 def test_bad_step_settings_are_named(kwargs, message):
