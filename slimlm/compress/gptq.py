@@ -114,8 +114,7 @@ def gptq_quantize(
         # this layer sees to the outputs the float model's layer gives on its own inputs.
         Wp = W[:, perm]
         Wp += (shift.float()[:, perm] @ U.T) @ U
-        W[:, perm] = Wp
-        W[:, torch.diag(H) == 0] = 0
+        W[:, perm] = Wp  # a dead input's column stays 0: H⁻¹ does not couple it, and its G column is 0
     # Static qparams come from the original weights, decided before any error is propagated; otherwise
     # each group's qparams come from its (already updated) columns when the group is reached.
     static = compute_qparams(W, args, observer, diag) if act_order == "weight" or args.group_size == -1 else None

@@ -174,7 +174,7 @@ def _output(y: Any) -> torch.Tensor:
     return y[0] if isinstance(y, tuple) else y
 
 
-def wants_float_inputs(step: Step) -> bool:
+def _wants_float_inputs(step: Step) -> bool:
     return bool(getattr(step, "float_target", 0))
 
 
@@ -233,7 +233,7 @@ def _apply_steps(
             same = {n: runner.get_submodule(n[len(prefix) :]) for n in linears}
             handles = step.observe(runner, same) if step.needs_data else []
             try:
-                if wants_float_inputs(step):
+                if _wants_float_inputs(step):
                     outs, float_outs = _run_pairs(runner, inputs, refs, step)
                     ref_outs = ref_outs or float_outs
                     del float_outs
@@ -300,9 +300,9 @@ def run(
     compute_dtype = compute_dtype or dtype
     inputs = [LayerInputs(x.hidden.to(compute_dtype), cast_floats(x.kwargs, compute_dtype)) for x in inputs]
     # The float model's own inputs to each layer, for steps that fit it to the float model's outputs
-    refs = inputs if with_data and any(wants_float_inputs(s) for s in steps) else None
+    refs = inputs if with_data and any(_wants_float_inputs(s) for s in steps) else None
     # ... which are the layer's outputs on them in that step's pass, unless a step before it changed the layer
-    first = next((k for k, s in enumerate(steps) if wants_float_inputs(s)), 0)
+    first = next((k for k, s in enumerate(steps) if _wants_float_inputs(s)), 0)
     float_pass = refs is not None and any(s.changes_layer for s in steps[:first])
     layers = decoder_layers(model)
     all_linears = quantizable_linears(model, ignore)

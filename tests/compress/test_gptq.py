@@ -125,10 +125,14 @@ def test_act_order_round_trip(act_order):
     assert torch.equal(again.codes, q.codes)
 
 
-def test_dead_inputs_get_zero_weights():
+@pytest.mark.parametrize("float_target", [False, True])
+@pytest.mark.parametrize("act_order", [None, "weight"])
+def test_dead_inputs_get_zero_weights(float_target, act_order):
     x = correlated_inputs(512, 64)
     x[:, 10] = 0
-    q = gptq_quantize(torch.randn(8, 64), hessian(x), QuantArgs(4, 32, True))
+    W = torch.randn(8, 64)
+    shift = 2 / len(x) * W @ (0.1 * correlated_inputs(512, 64, 1)).T @ x if float_target else None
+    q = gptq_quantize(W, hessian(x), QuantArgs(4, 32, True), act_order=act_order, shift=shift)
     assert (q.dequantize()[:, 10] == 0).all() and torch.isfinite(q.dequantize()).all()
 
 
