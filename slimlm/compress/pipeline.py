@@ -24,7 +24,7 @@ import fnmatch
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -178,6 +178,16 @@ def _wants_float_inputs(step: Step) -> bool:
     return bool(getattr(step, "float_target", 0))
 
 
+def _float_chain(steps: list[Step], inputs: list[LayerInputs]) -> tuple[list[LayerInputs] | None, bool]:
+    """The float model's inputs to the first layer when a step wants them (the float chain starts as the
+    calibration inputs), and whether each layer needs a pass of its own to carry the chain on: its outputs on
+    them come out of that step's pass unless a step before it changed the layer."""
+    if not inputs or not any(_wants_float_inputs(s) for s in steps):
+        return None, False
+    first = next(k for k, s in enumerate(steps) if _wants_float_inputs(s))
+    return inputs, any(s.changes_layer for s in steps[:first])
+
+
 def _all_finite(t: torch.Tensor) -> bool:
     # the extremes are NaN or infinite when any value is: one pass, ~20× faster than isfinite() on bf16
     return bool(torch.isfinite(torch.stack(torch.aminmax(t))).all())
@@ -208,16 +218,26 @@ def _on_cpu(q: QuantizedWeight) -> QuantizedWeight:
     return QuantizedWeight(q.codes.cpu(), q.scale.cpu(), cpu(q.zero), q.args, cpu(q.g_idx))
 
 
+@dataclass(frozen=True)
+class Passes:
+    """How the calibration data goes through the layers."""
+
+    batch_size: int = 8  # windows per forward
+    device: torch.device | str = "cpu"
+    compute_dtype: torch.dtype | None = None  # None: the stored weights' dtype
+    report_error: bool = True  # also run each compressed layer to report its output error against the float one
+    progress: bool = True  # a progress bar over the layers
+
+
 def _apply_steps(
     layer: nn.Module,
     i: int,
     linears: dict[str, nn.Linear],
     steps: list[Step],
     inputs: list[LayerInputs],
-    compute_dtype: torch.dtype,
-    report_error: bool,
-    config_patch: dict[str, Any],
     refs: list[LayerInputs] | None,
+    passes: Passes,
+    config_patch: dict[str, Any],
 ) -> tuple[dict[str, QuantizedWeight], dict[str, torch.Tensor], list | None, list | None]:
     """Each step on decoder layer i in turn, each pass seeing the layer as the steps before left it. Returns
     the quantized linears, the steps' extra tensors, the layer's float outputs (when a step or the error
@@ -228,8 +248,8 @@ def _apply_steps(
     layer_tensors: dict[str, torch.Tensor] = {}
     ref = ref_outs = None
     for step in steps:
-        if step.needs_data or (report_error and ref is None):
-            runner = in_dtype(layer, compute_dtype)
+        if step.needs_data or (passes.report_error and ref is None):
+            runner = in_dtype(layer, passes.compute_dtype)
             same = {n: runner.get_submodule(n[len(prefix) :]) for n in linears}
             handles = step.observe(runner, same) if step.needs_data else []
             try:
@@ -257,17 +277,6 @@ def _apply_steps(
     return done, layer_tensors, ref, ref_outs
 
 
-@dataclass(frozen=True)
-class Passes:
-    """How the calibration data goes through the layers."""
-
-    batch_size: int = 8  # windows per forward
-    device: torch.device | str = "cpu"
-    compute_dtype: torch.dtype | None = None  # None: the stored weights' dtype
-    report_error: bool = True  # also run each compressed layer to report its output error against the float one
-    progress: bool = True  # a progress bar over the layers
-
-
 @torch.no_grad()
 @objects_alive_now_frozen
 def run(
@@ -290,20 +299,16 @@ def run(
     writes them out at once and holds nothing across layers; otherwise they are gathered in the Result.
     """
     batch_size, device, compute_dtype = passes.batch_size, passes.device, passes.compute_dtype
-    report_error = passes.report_error
-    with_data = report_error or any(s.needs_data for s in steps)
+    with_data = passes.report_error or any(s.needs_data for s in steps)
     inputs = capture_first_layer_inputs(model, calib, batch_size) if with_data else []
     if weights is not None:  # the embedding's work is done (the job reads it from disk again to write it)
         model.get_submodule(arch.EMBED).to("meta")
         return_freed_memory()
     dtype = inputs[0].hidden.dtype if inputs else torch.float32  # the stored weights'
     compute_dtype = compute_dtype or dtype
+    passes = replace(passes, compute_dtype=compute_dtype)
     inputs = [LayerInputs(x.hidden.to(compute_dtype), cast_floats(x.kwargs, compute_dtype)) for x in inputs]
-    # The float model's own inputs to each layer, for steps that fit it to the float model's outputs
-    refs = inputs if with_data and any(_wants_float_inputs(s) for s in steps) else None
-    # ... which are the layer's outputs on them in that step's pass, unless a step before it changed the layer
-    first = next((k for k, s in enumerate(steps) if _wants_float_inputs(s)), 0)
-    float_pass = refs is not None and any(s.changes_layer for s in steps[:first])
+    refs, float_pass = _float_chain(steps, inputs)
     layers = decoder_layers(model)
     all_linears = quantizable_linears(model, ignore)
     quantized: dict[str, QuantizedWeight] = {}
@@ -318,9 +323,7 @@ def run(
         layer, prefix = layers[i], f"{arch.LAYERS}.{i}."
         linears = {n: m for n, m in all_linears.items() if n.startswith(prefix)}
         next_refs = _run_layer(in_dtype(layer, compute_dtype), refs) if float_pass else None
-        done, layer_tensors, ref, ref_outs = _apply_steps(
-            layer, i, linears, steps, inputs, compute_dtype, report_error, config_patch, refs
-        )
+        done, layer_tensors, ref, ref_outs = _apply_steps(layer, i, linears, steps, inputs, refs, passes, config_patch)
         if refs is not None:
             refs = [LayerInputs(o, x.kwargs) for o, x in zip(next_refs or ref_outs, inputs, strict=True)]
             del next_refs, ref_outs
@@ -330,7 +333,7 @@ def run(
             unchanged = ref is not None and not any(step.changes_layer for step in steps)
             out = ref if unchanged else _run_layer(in_dtype(layer, compute_dtype), inputs)
             _check_finite(out, f"the compressed outputs of decoder layer {i}")
-            if report_error:
+            if passes.report_error:
                 entry.update(_output_error(out, ref))
                 bar.set_postfix(rel_err=f"{entry['relative_error']:.2e}")
             inputs = [LayerInputs(o, x.kwargs) for o, x in zip(out, inputs, strict=True)]
