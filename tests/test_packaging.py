@@ -45,7 +45,7 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_the_wheel_carries_the_kernels_templates_and_task_pack(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"slimlm/kernels/{p.name}" for p in cpu_library.SOURCES} <= names
+    assert {f"slimlm/kernels/{p.name}" for p in cpu_library.SOURCES + cpu_library.HEADERS} <= names
     assert "slimlm/eval/report.html.j2" in names
     assert {f"slimlm/eval/tasks/{p.name}" for p in (ROOT / "slimlm/eval/tasks").glob("*.yaml")} <= names
 

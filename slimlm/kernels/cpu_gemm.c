@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
+#include "cpu_isa.h"
 
 #define BN 64  // output features per block (packed.BLOCK_N)
 #define MB 4   // rows of x per register tile
@@ -133,7 +134,7 @@ void slimlm_dequantize_f32(int bits, int64_t K, const uint8_t *codes, const uint
                            int64_t b0, int64_t b1, int64_t group, float *out, int nthreads) {
     dequantize_to(bits, K, codes, scales, zeros, b0, b1, group, out, 1, nthreads);
 }
-#ifdef __AVX512BF16__
+#ifdef SLIMLM_BF16_GEMM
 // bf16 x: GEMMs on the bf16 dot-product unit (vdpbf16ps: 32 multiply-adds an instruction, the fastest
 // arithmetic here). Its operand is a register of 16 dwords whose halves hold one output feature's weights at
 // inputs k (low) and k + 1 (high): "pairs" below. Two ways to feed it, because what costs most changes with

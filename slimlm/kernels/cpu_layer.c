@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <immintrin.h>  // F16C's fp16 conversions (a 4-bit KV row's step and minimum)
+#include "cpu_isa.h"
 
 static inline float from_bf16(uint16_t h) {
     union { uint32_t u; float f; } v = {(uint32_t)h << 16};
@@ -277,13 +278,13 @@ void slimlm_silu_mul(const void *gu, void *out, int64_t rows, int64_t width, int
 
 // The whole-layer decode runs on the bf16 dot-product GEMM (cpu_gemm.c) or on AVX2's int8 and fp32 loops
 // (cpu_gemm_avx2.c); AVX-512 CPUs without BF16 run the modules.
-#if defined(__AVX512BF16__) || (defined(__AVX2__) && !defined(__AVX512F__))
+#if defined(SLIMLM_BF16_GEMM) || (defined(__AVX2__) && !defined(__AVX512F__))
 #include <stdlib.h>
 
 void slimlm_quant_matmul(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes,
                          const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group, float *y,
                          int nthreads);
-#ifdef __AVX512BF16__
+#ifdef SLIMLM_BF16_GEMM
 int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
                              const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
                              void *y, int64_t y_cols, int y_bf16, int64_t code_rows, int nthreads);
@@ -315,7 +316,7 @@ typedef struct {
 // The loops that write fp32 into the padded width: AVX2's int8 loop (which allocates, so it may fail) and the
 // fused fp32 loop.
 static int padded_product(const Linear *w, const float *x, int64_t m, float *padded, int nthreads) {
-#ifndef __AVX512BF16__
+#ifndef SLIMLM_BF16_GEMM
     if (w->loop == 4)
         return slimlm_quant_matmul_i8(x, m, w->in_features, w->codes, w->scales, w->zeros, w->blocks, w->group,
                                       padded, nthreads);
@@ -331,7 +332,7 @@ static int product(const Linear *w, const void *x, int64_t m, void *y, float *pa
         return slimlm_quant_matmul_amx((int)w->bits, x, m, w->in_features, w->codes, w->scales, w->zeros, w->blocks,
                                        w->group, y, w->out_features, 1, nthreads);
 #endif
-#ifdef __AVX512BF16__
+#ifdef SLIMLM_BF16_GEMM
     if (w->loop == 0)
         return slimlm_quant_matmul_bf16((int)w->bits, x, m, w->in_features, w->codes, w->scales, w->zeros, w->blocks,
                                         w->group, y, w->out_features, 1, w->code_rows, nthreads);

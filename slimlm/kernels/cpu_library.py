@@ -30,6 +30,7 @@ SOURCES = [
     Path(__file__).with_name("cpu_layer.c"),
     Path(__file__).with_name("cpu_gram.c"),
 ]
+HEADERS = [Path(__file__).with_name("cpu_isa.h")]
 # -mprefer-vector-width=512: gcc picks 256 otherwise. -fno-trapping-math: no code here reads the floating-point
 # exception flags, and without AVX-512's masks gcc will not run both sides of a float `?:` (silu's exp, a clamp)
 # in vectors while they might raise one: the AVX2 build's silu_mul ran scalar, 8× slower. Values are unchanged.
@@ -60,7 +61,7 @@ def build_flags(march: str) -> list[str]:
 
 def library_path(march: str = "native") -> Path:
     """Where the built library lives: keyed by sources and flags, so an edit rebuilds it."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(build_flags(march)).encode())
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(build_flags(march)).encode())
     return cache_dir() / "kernels" / digest.hexdigest()[:16] / "libslimlm_cpu.so"
 
 
