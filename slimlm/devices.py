@@ -33,11 +33,12 @@ def available_memory(device: torch.device | str) -> int:
 
 def fast_bf16_matmul(device: torch.device) -> bool:
     """Whether bf16 matrix products run faster than fp32 here: CUDA GPUs with bf16, and CPUs with AVX-512 BF16
-    or AMX (measured here: 5.9× fp32's rate on one core). Elsewhere the CPU emulates bf16 far slower."""
+    or AMX (measured here: 5.9× fp32's rate on one core) whose torch runs its AVX-512 kernels (not capped at
+    AVX2 by ATEN_CPU_CAPABILITY, as the AVX2 checks run). Elsewhere the CPU emulates bf16 far slower."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     flags = cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return ("avx512_bf16" in flags or "amx_bf16" in flags) and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

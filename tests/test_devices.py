@@ -14,20 +14,22 @@ def test_resolve_device_names_what_is_wrong():
 
 
 @pytest.mark.parametrize(
-    ("flags", "fast"),
+    ("flags", "capability", "fast"),
     [
-        ("fpu avx512f avx512_bf16 sse", True),
-        ("fpu amx_bf16 avx2", True),
-        ("fpu avx512f avx512bw avx2", False),
-        ("", False),
+        ("fpu avx512f avx512_bf16 sse", "AVX512", True),
+        ("fpu amx_bf16 avx2", "AVX512", True),
+        ("fpu avx512f avx512_bf16 sse", "AVX2", False),  # torch capped at AVX2 (ATEN_CPU_CAPABILITY=avx2)
+        ("fpu avx512f avx512bw avx2", "AVX512", False),
+        ("", "AVX2", False),
     ],
 )
-def test_bf16_counts_as_fast_on_cpus_with_bf16_dot_products_only(monkeypatch, flags, fast):
+def test_bf16_counts_as_fast_on_cpus_with_bf16_dot_products_only(monkeypatch, flags, capability, fast):
     cpuinfo = f"processor\t: 0\nmodel name\t: x\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: fpu\n"
     real_open = builtins.open
     monkeypatch.setattr(
         builtins, "open", lambda p, *a, **k: io.StringIO(cpuinfo) if p == "/proc/cpuinfo" else real_open(p, *a, **k)
     )
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     devices.cpu_flags.cache_clear()
     try:
         assert devices.fast_bf16_matmul(torch.device("cpu")) is fast
