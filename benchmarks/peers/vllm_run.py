@@ -1,9 +1,10 @@
 """Greedy tokens from vLLM's own LLM on a checkpoint. Runs in vLLM's venv (benchmarks/peers/vllm_venv.sh).
 
-    python vllm_run.py --model DIR --prompts prompts.json --max-tokens 16 [--dtype float32] [--kv-cache-dtype fp8]
+    python vllm_run.py --model DIR [--model DIR:fp8 ...] --prompts prompts.json --max-tokens 16 [--dtype float32]
 
-prompts.json holds lists of token ids; prints one JSON object: the generated ids per prompt, and which
-WNA16 configs ran on the stand-in below rather than on one of vLLM's kernels.
+prompts.json holds lists of token ids; prints one JSON object, by model: the greedy ids per prompt, and which
+WNA16 configs ran on the stand-in below rather than on one of vLLM's kernels. DIR:fp8 serves DIR with an fp8 KV
+cache (vLLM reads the checkpoint's kv_cache_scheme scales only when asked for one).
 
 The model is loaded with `LLM(model=DIR)`: vLLM reads config.json, quantization_config and the safetensors with
 its own code. Only where this machine's vLLM build has no kernel for a layer does a stand-in multiply: vLLM's CPU
@@ -14,6 +15,7 @@ multiplies in the activations' dtype.
 """
 
 import argparse
+import gc
 import json
 import os
 
@@ -68,19 +70,25 @@ class StandInWNA16(MPLinearKernel):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", action="append", required=True)
     p.add_argument("--prompts", required=True)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--kv-cache-dtype", default="auto")
     a = p.parse_args()
 
     linear._POSSIBLE_KERNELS[current_platform._enum].insert(0, StandInWNA16)
-    prompts = json.loads(open(a.prompts).read())
-    llm = LLM(model=a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, max_model_len=512, enforce_eager=True)
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in json.loads(open(a.prompts).read())]
     params = SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
-    print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outputs], "stand_in": sorted(set(STAND_IN))}))
+    results = {}
+    for spec in a.model:  # one process for all: vLLM's start-up is most of the time
+        model, _, kv = spec.partition(":")
+        STAND_IN.clear()
+        llm = LLM(model=model, dtype=a.dtype, kv_cache_dtype=kv or "auto", max_model_len=512, enforce_eager=True)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results[spec] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "stand_in": sorted(set(STAND_IN))}
+        del llm, outputs
+        gc.collect()
+    print(json.dumps(results))
 
 
 if __name__ == "__main__":

@@ -258,7 +258,9 @@ def _finish(
     layers.sink.add(writer.quantized_tensors(quantized, outside, job.fmt))
     linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     ignored = sorted(linear_names - set(layers.quantized_names) - set(quantized))
-    named = {name: q.args for name, q in quantized.items() if q.args != job.args}
+    # The head in a group of its own even at the layers' scheme: vLLM's lm_head is no "Linear", so under the
+    # class target alone it looked for a float lm_head.weight in a W8 checkpoint.
+    named = {name: q.args for name, q in quantized.items()}
     patch["quantization_config"] = writer.quantization_config(job.fmt, job.args, ignored, source.method_args, named)
     if layers.as_stored:  # the float weights' dtype is the source's, and config.json says so
         patch["dtype"] = models.stored_dtype_name(source.config)

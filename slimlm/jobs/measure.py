@@ -12,7 +12,7 @@ from pydantic import Field
 
 from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats import atomic
-from slimlm.jobs.engine import Dtype, EngineMemory
+from slimlm.jobs.engine import Activations, Dtype, EngineMemory
 from slimlm.jobs.options import (
     Job,
     Opt,
@@ -185,6 +185,7 @@ class Bench(Job):
     slo_ttft: Annotated[float, Opt("goodput: time to first token at most, seconds", parse=positive_float)] = 2.0
     slo_itl: Annotated[float, Opt("goodput: mean inter-token latency at most, seconds", parse=positive_float)] = 0.2
     dtype: Dtype = "auto"
+    activations: Activations = "auto"
     kv_cache_memory: Annotated[
         int | None,
         Opt("KV block pool size (default: what the largest batch needs at --context, at least 512M)", parse=parse_size),
@@ -208,6 +209,7 @@ class Bench(Job):
             rounds=self.rounds,
             kv_cache_memory=self.kv_cache_memory,
             dtype=self.dtype,
+            activations=self.activations,
             requests=self.requests,
             rate=self.rate,
             prompt_len=self.prompt_len,

@@ -42,6 +42,7 @@ class Generate(EngineOptions):
             stop=self.stop,
         )
         llm = LLM(self.model, **vars(self.engine_config()))
+        print(f"[{llm.engine.arithmetic()}]", file=sys.stderr)
         streaming = self.stream and len(self.prompt) == 1  # several prompts would interleave: they print when done
         if streaming:
             shown = 0

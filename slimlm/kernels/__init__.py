@@ -20,10 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from slimlm.kernels import cpu_attention, cpu_library, reference
-from slimlm.kernels.cpu_gemm import exact_activations
+from slimlm.kernels.cpu_gemm import ACTIVATIONS, exact_activations
 from slimlm.kernels.packed import PackedWeight, pack
 
 __all__ = [
+    "ACTIVATIONS",
     "Backend",
     "PackedWeight",
     "backend",

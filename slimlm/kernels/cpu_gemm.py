@@ -138,6 +138,7 @@ def row_pieces(x: torch.Tensor, w: PackedWeight) -> int:
     return pieces
 
 
+ACTIVATIONS = ("auto", "exact")  # an engine's choice: the fastest loop, or never a quantized x (exact_activations)
 _EXACT = contextvars.ContextVar("exact_activations", default=False)
 
 
@@ -150,6 +151,11 @@ def exact_activations(exact: bool = True) -> Iterator[None]:
         yield
     finally:
         _EXACT.reset(token)
+
+
+def quantizes_activations() -> bool:
+    """Whether some loop here multiplies x rounded to int8 (AVX2's 4-bit loop) outside exact_activations()."""
+    return cpu_library.available() and cpu_library.vector_bits() == 256 and not _EXACT.get()
 
 
 def dense_fits(weight: torch.Tensor) -> bool:

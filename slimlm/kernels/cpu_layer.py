@@ -218,7 +218,7 @@ class DecodeStack:
     def _plan(self, rows: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple | None:
         """The layers as the C code takes them, with the GEMM loop cpu_gemm picks for this many rows, and the fp32
         scales they point to (kept alive with them); None where a layer cannot run in the call."""
-        key = (rows, dtype, kv_dtype)
+        key = (rows, dtype, kv_dtype, cpu_gemm.quantizes_activations())  # the loops differ inside exact_activations
         if key not in self._plans:
             scales = self.kv_scales() if self.kv_scales else [(None, None)] * len(self.layers)
             layers, held = [], []

@@ -101,6 +101,7 @@ def bench(model: str, baseline: str | None, config: BenchConfig, progress: bool 
     runs = in_turns(systems, config.rounds, lambda path: offline(path, config, bandwidth), "offline", log)
     for name, rounds in runs.items():
         result["systems"][name]["offline"] = merged(rounds)
+        log(f"[bench] {name}: {rounds[0]['arithmetic']}")
     tokenizer = models.load_tokenizer(models.resolve(model))
     requests = workload(config, tokenizer)
     online_runs = in_turns(

@@ -19,6 +19,7 @@ class BenchConfig:
     rounds: int = 3  # measurements of each system, in turn (offline: each figure's median; online: the median run)
     kv_cache_memory: int | None = None  # None: what the largest decode batch at `context` needs
     dtype: str = "auto"
+    activations: str = "auto"  # EngineConfig.activations
     requests: int = 24
     rate: float = 2.0  # Poisson arrivals per second
     prompt_len: tuple[int, int] = (64, 256)
@@ -62,6 +63,7 @@ def engine_for(model: str, config: BenchConfig, max_len: int):
         model,
         EngineConfig(
             dtype=config.dtype,
+            activations=config.activations,
             kv_cache_memory=pool_bytes(model, config),
             max_model_len=max_len,
             max_num_seqs=max_seqs(config),

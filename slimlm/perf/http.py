@@ -41,6 +41,8 @@ def online_http(model: str, config: BenchConfig, requests: list[dict]) -> dict:
         model,
         "--dtype",
         config.dtype,
+        "--activations",
+        config.activations,
         "--max-num-seqs",
         str(max_seqs(config)),
         "--max-model-len",

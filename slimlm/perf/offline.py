@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from slimlm import kernels
 from slimlm.errors import FieldError
 from slimlm.perf.config import BenchConfig, engine_for, pool_bytes
 from slimlm.perf.load import peak_reset, status
@@ -80,8 +81,9 @@ def offline(model: str, config: BenchConfig, bandwidth: float) -> dict:
     def forward(batch: int, context: int, new: int) -> float:
         ids, step = decode_inputs(batch, context, bs, new, vocab, runner.device)
         start = time.perf_counter()
-        hidden = runner.model(ids, step, cache)
-        runner.model.logits(hidden[step.query_start[1:].long() - 1])
+        with kernels.exact_activations(runner.exact):  # as ModelRunner.run multiplies an unscored step
+            hidden = runner.model(ids, step, cache)
+            runner.model.logits(hidden[step.query_start[1:].long() - 1])
         if cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - start
@@ -104,6 +106,7 @@ def offline(model: str, config: BenchConfig, bandwidth: float) -> dict:
             }
         )
     result = {
+        "arithmetic": engine.arithmetic(),
         "prefill_tok_s": config.prefill_len / prefill_s,
         "decode": decode,
         "weight_bytes": weights,

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slimlm import devices, models
+from slimlm import devices, kernels, models
 from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats.kv_cache import CACHE_DTYPES as KV_CACHE_DTYPES
+from slimlm.kernels import ACTIVATIONS
 from slimlm.runtime.block_manager import BlockManager
 from slimlm.runtime.kv_policy import OBSERVATION, SINK_BLOCKS, KVPolicy, window_eviction
 from slimlm.runtime.model_runner import CENTERED_KEYS, DTYPES, KEY_OFFSET_TEXT, ModelRunner
@@ -51,11 +52,16 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # drafted tokens per verification pass, at most block_size
     kv_policy: str = "full"  # what a sequence keeps of its KV history: full, window or snapkv (kv_policy.py)
     kv_budget: int = 1024  # the tokens a window or snapkv sequence keeps; a request may ask for its own
+    # how CPU kernels multiply: auto = the fastest loop (on AVX2, 4-bit linears take x rounded to int8, as
+    # llama.cpp does); exact = the checkpoint's arithmetic, what transformers and vLLM compute
+    activations: str = "auto"
 
     def __post_init__(self) -> None:
         problems = []
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             problems.append(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.activations not in ACTIVATIONS:
+            problems.append(f"activations {self.activations!r} is not one of {', '.join(ACTIVATIONS)}")
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             problems.append(f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         for name in ("kv_cache_memory", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -138,6 +144,7 @@ class Engine:
             config.block_size,
             self.max_model_len,
             config.kv_cache_dtype,
+            exact=config.activations == "exact",
         )
         if self.runner.kv_cache.dtype in CENTERED_KEYS:  # keys are stored less their mean (model_runner says why)
             self.runner.set_key_offsets(self.tokenizer.encode(KEY_OFFSET_TEXT)[: self.max_model_len])
@@ -172,6 +179,15 @@ class Engine:
         self.proposer = self._proposer(config)
         self.kv_policy = KVPolicy(config.kv_policy, config.kv_budget)
         self._windows: dict[int, list[torch.Tensor]] = {}  # seq_id -> per layer, its observed queries (snapkv)
+
+    def arithmetic(self) -> str:
+        """What multiplies here, in a few words a command prints: the kernels, the activations' dtype, and
+        whether any linear takes its x rounded to int8 (AVX2's 4-bit loop under activations=auto)."""
+        backend = self.runner.model.backend_name
+        with kernels.exact_activations(self.config.activations == "exact"):
+            rounded = backend == "cpu" and kernels.cpu_gemm.quantizes_activations()
+        how = "int8 activations in 4-bit linears (--activations exact: the checkpoint's)" if rounded else "exact"
+        return f"{backend} kernels, {devices.dtype_name(self.dtype)}, {how}"
 
     def _proposer(self, config: EngineConfig):
         if config.speculative is None:

@@ -235,6 +235,7 @@ class CausalLM(nn.Module):
                 module.silu_mul, module.row_pieces = backend.silu_mul, backend.row_pieces
         self.decode_stack = None if backend.decode_stack is None else self._decode_stack(backend.decode_stack)
         self.row_logprobs = backend.row_logprobs
+        self.backend_name = backend.name
 
     def _decode_stack(self, factory):
         """Every layer in one call for decode steps (kernels' DecodeStack), or None unless all of them allow it:

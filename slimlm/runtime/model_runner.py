@@ -82,8 +82,10 @@ class ModelRunner:
         block_size: int,
         max_len: int,
         kv_cache_dtype: str = "auto",
+        exact: bool = False,
     ) -> None:
         self.device = device
+        self.exact = exact  # every step with exact activations (EngineConfig.activations)
         self.block_size = block_size
         self.model = load_model(model_dir, dtype, device, max_len, kv_cache_dtype)
         attn = self.model.model.layers[0].self_attn
@@ -193,14 +195,14 @@ class ModelRunner:
         that scores its prompt (prompt_logprobs: eval, echo) runs with exact activations, logits included, so
         those log-probabilities are transformers' on every CPU (kernels.exact_activations); every other step,
         prompts included, takes the kernels' fastest loop (on AVX2 x quantized to int8, as llama.cpp's prompt
-        processing does too). The queries of the `observe` rows are kept, per layer, in self.observed (a snapkv
-        sequence's observation window)."""
+        processing does too), unless the engine asked for exact activations everywhere. The queries of the
+        `observe` rows are kept, per layer, in self.observed (a snapkv sequence's observation window)."""
         self.copy_blocks(batch.copies)
         ids, step = self.inputs(batch)
         if observe:
             step.observe = torch.tensor(observe, dtype=torch.long, device=self.device)
         scored = any(i.seq.scores_prompt and i.seq.num_computed < i.seq.num_prompt_tokens for i in batch.items)
-        with kernels.exact_activations(scored):
+        with kernels.exact_activations(scored or self.exact):
             hidden = self.model(ids, step, self.kv_cache)
             self.observed = step.observed  # per layer, the queries of the `observe` rows
             return self.model.logits(hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)])

@@ -210,7 +210,7 @@ def serve(
     # loop gets a thread; signals arrive here and are handed to it, from before anything is announced.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, server.on_signal)
-    print(f"model '{served_model_name}', max context {engine.max_model_len} tokens", flush=True)
+    print(f"model '{served_model_name}', max context {engine.max_model_len} tokens; {engine.arithmetic()}", flush=True)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="slimlm-server", daemon=True)
     with sock:
         thread.start()

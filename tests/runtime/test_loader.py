@@ -142,6 +142,32 @@ def test_scored_prompts_are_exact_and_other_steps_quantize_x_on_avx2(calibrated,
     assert "slimlm_quant_matmul_i8" in lib.calls and "slimlm_dequantize" not in lib.calls
 
 
+def test_exact_activations_give_transformers_tokens_on_avx2(calibrated, tmp_path, monkeypatch):
+    """activations="exact": no step quantizes x, decode steps included, so greedy text is the checkpoint's as
+    transformers computes it; the engine says which arithmetic runs."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.kernels.problems import haswell_library
+
+    out = quantize(calibrated, tmp_path / "w4", "rtn", QuantArgs(4, 32, True))
+    lib = haswell_library(monkeypatch)
+    ids = ids_for(out, 12)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    exact = LLM(str(out), dtype="float32", activations="exact")
+    got = exact.generate([ids], greedy)[0].outputs[0].token_ids
+    assert "slimlm_quant_matmul_i8" not in lib.calls and "slimlm_quant_matmul" in lib.calls
+    assert exact.engine.arithmetic() == "cpu kernels, float32, exact"
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert got == hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
+    fast = LLM(str(out), dtype="float32")
+    assert fast.engine.arithmetic().startswith("cpu kernels, float32, int8 activations")
+    lib.calls = []
+    fast.generate([ids], greedy)
+    assert "slimlm_quant_matmul_i8" in lib.calls
+    with pytest.raises(SlimlmError, match="activations 'int8' is not one of auto, exact"):
+        LLM(str(out), activations="int8")
+
+
 @pytest.mark.parametrize("scored_from", [1, 40])  # echo with logprobs; an eval continuation after 39 tokens
 def test_a_scored_prompt_after_the_same_plain_prompt_is_still_exact(calibrated, tmp_path, monkeypatch, scored_from):
     """The plain prompt's KV (int8 loop) is in the prefix cache when the same prompt comes back scored: the

@@ -158,7 +158,8 @@ def test_one_call_stack_equals_the_modules(request, isa, arch, dtype, rows, amx,
         stack, model.decode_stack = model.decode_stack, None
         modules = forward(model, ids, step, modules_cache)
         model.decode_stack = stack
-    assert model.decode_stack._plans[(rows, dtype, kv_dtype or dtype)] is not None  # the stack ran (scales and all)
+    plan = (rows, dtype, kv_dtype or dtype, cpu_gemm.quantizes_activations())
+    assert model.decode_stack._plans[plan] is not None  # the stack ran (scales and all)
     if kv_dtype is not None:  # compared as codes
         fused_cache, modules_cache, cache = (c.view(torch.uint8) for c in (fused_cache, modules_cache, cache))
     if dtype == torch.bfloat16:  # the same kernels in the same order: bit for bit
