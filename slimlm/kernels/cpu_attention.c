@@ -488,15 +488,22 @@ static void merge_parts(const float *sums, const float *stats, int64_t parts, in
     }
 }
 
+// The parts a sequence of L tokens splits into (slimlm_paged_decode says why it depends on L alone)
+static inline int64_t parts_of(int64_t L) {
+    const int64_t parts = (L + MIN_PART - 1) / MIN_PART;
+    return parts < 1 ? 1 : parts > MAX_PARTS ? MAX_PARTS : parts;
+}
+
 // q, out [S, Hq, D] fp32; caches [blocks, block_size, Hkv, D] of `kind` (KIND_*), with k_scale, v_scale [Hkv]
 // (NULL: 1) for 8-bit codes, or 4-bit rows [blocks, block_size, Hkv, D/2 + 4] (D a multiple of 32; q and out
 // in the rows' rotated space: the caller rotates); tables [S, width]. D a multiple of 16, <= MAX_DIM; Hq <= MAX_HEADS. Returns 0, or
 // -1 when out of memory.
-// A task is one sequence, all its KV heads. With fewer sequences than 2 per thread, each splits into parts of
-// its tokens (as flash-decoding does; a multiple of 16 tokens each), merged after: one long sequence then runs
-// on every thread. With amx set (the caller has the tile unit: slimlm_amx_ready), a bf16 cache, queries exact
-// in bf16, at most 16 of them, D a multiple of 32 and blocks of a multiple of 16 tokens, the scores go through
-// the tile unit.
+// A task is one part of one sequence, all its KV heads: a sequence longer than MIN_PART tokens splits into parts
+// of its tokens (as flash-decoding does; a multiple of 16 tokens each), merged after, so that one long sequence
+// runs on every thread. How many parts is a function of the sequence's length alone (parts_of), never of the
+// other sequences in the step or of the threads: a query's sums run in the same order however it is batched.
+// With amx set (the caller has the tile unit: slimlm_amx_ready), a bf16 cache, queries exact in bf16, at most 16
+// of them, D a multiple of 32 and blocks of a multiple of 16 tokens, the scores go through the tile unit.
 int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache, int kind, const float *k_scale,
                         const float *v_scale, const int32_t *tables, int64_t width, const int32_t *seq_lens, int64_t S,
                         int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, float scale, int amx, float *out,
@@ -506,19 +513,22 @@ int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache
 #else
     amx = 0;
 #endif
-    int64_t longest = 0, parts = 1;
-    for (int64_t s = 0; s < S; s++) longest = seq_lens[s] > longest ? seq_lens[s] : longest;
-    while (parts < MAX_PARTS && S * parts < 2 * nthreads && longest >= 2 * parts * MIN_PART) parts *= 2;
-    float *sums = NULL, *stats = NULL;  // of every part, when sequences split
-    if (parts > 1) {
-        sums = malloc(sizeof(float) * S * parts * Hq * D), stats = malloc(sizeof(float) * S * parts * 2 * Hq);
-        if (!sums || !stats) return free(sums), free(stats), -1;
-    }
+    int64_t *first = malloc(sizeof(int64_t) * (S + 1));  // sequence s's parts are tasks first[s] .. first[s + 1] - 1
+    if (!first) return -1;
+    first[0] = 0;
+    for (int64_t s = 0; s < S; s++) first[s + 1] = first[s] + parts_of(seq_lens[s]);
+    const int64_t tasks = first[S];
+    int64_t *seq_of = malloc(sizeof(int64_t) * tasks);
+    float *sums = malloc(sizeof(float) * tasks * Hq * D), *stats = malloc(sizeof(float) * tasks * 2 * Hq);
+    if (!seq_of || !sums || !stats) return free(first), free(seq_of), free(sums), free(stats), -1;
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t t = first[s]; t < first[s + 1]; t++) seq_of[t] = s;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic) num_threads(nthreads)
-    for (int64_t task = 0; task < S * parts; task++) {
-        const int64_t s = task / parts, L = seq_lens[s], span = ((L + parts - 1) / parts + 15) / 16 * 16;
-        const int64_t t0 = task % parts * span < L ? task % parts * span : L, t1 = t0 + span < L ? t0 + span : L;
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t s = seq_of[task], L = seq_lens[s], parts = first[s + 1] - first[s], p = task - first[s];
+        const int64_t span = ((L + parts - 1) / parts + 15) / 16 * 16;
+        const int64_t t0 = p * span < L ? p * span : L, t1 = t0 + span < L ? t0 + span : L;
         float *scores = malloc(sizeof(float) * Hq * span + (amx ? sizeof(uint16_t) * Hkv * D * 16 * 2 : 0));
         if (!scores) {
             failed = 1;
@@ -546,9 +556,11 @@ int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache
 #undef ATTEND
         free(scores);
     }
-    for (int64_t s = 0; parts > 1 && !failed && s < S; s++)
-        merge_parts(sums + s * parts * Hq * D, stats + s * parts * 2 * Hq, parts, Hq, D, out + s * Hq * D);
-    free(sums), free(stats);
+    for (int64_t s = 0; !failed && s < S; s++)
+        if (first[s + 1] - first[s] > 1)
+            merge_parts(sums + first[s] * Hq * D, stats + first[s] * 2 * Hq, first[s + 1] - first[s], Hq, D,
+                        out + s * Hq * D);
+    free(first), free(seq_of), free(sums), free(stats);
     return failed ? -1 : 0;
 }
 

@@ -4,8 +4,10 @@ Decoding sequences (one query each) are done together: by the C kernel (cpu_atte
 (int8, fp8 e4m3, per-head scales) and 4-bit caches, which reads K and V in place through the block table (a 4-bit
 cache's rotation is applied to the queries and the outputs, outside the kernel); otherwise in
 PyTorch with one gather of their blocks into a padded [S, L, Hkv, D] tensor, two batched matmuls and a masked
-softmax. Prompt chunks (several queries) go to the C flash-attention kernel in one call for all sequences
-(AVX-512 builds, the same caches); otherwise one sequence at a time in PyTorch, causal mask included. GQA is a
+softmax. bf16 prompt chunks (several queries) go to the C flash-attention kernel in one call for all sequences
+(AVX-512 builds, the same caches); fp32 ones to the decode kernel, a query at a time, so that a query's sums
+run in one order however its prompt was split (batch invariance); otherwise one sequence at a time in
+PyTorch, causal mask included. GQA is a
 reshape of the queries to [Hkv, group, ...] that broadcasts against the KV heads, never a copy of K and V per
 query head.
 """
@@ -224,11 +226,14 @@ def paged_attention(
     out = torch.empty_like(q)
     # Rows attended one query at a time, by the decode kernel: single tokens, and the few tokens of a draft's
     # verification, each against the cache up to itself, so that they get the bits a plain decode step would
-    # (AVX2's int8 loop rounds activations: a last-bit difference upstream can flip a greedy token).
+    # (AVX2's int8 loop rounds activations: a last-bit difference upstream can flip a greedy token). In fp32 every
+    # prompt row too, where the kernel applies: a query's sums then run in one order however its prompt was split
+    # (a prefix-cache hit, chunked prefill, the batch), so its KV and logits are the same bits (batch invariance).
+    per_query = native and q.dtype == torch.float32 and _native_applies(q, k_cache, k_scale)
     starts, lengths = query_start.tolist(), seq_lens.tolist()
     decoding, rows, lens = [], [], []
     for s, n in enumerate(q_lens):
-        if n <= VERIFY_MAX_ROWS:
+        if n <= VERIFY_MAX_ROWS or per_query:
             decoding.append(s)
             rows += range(starts[s], starts[s] + n)
             lens += range(lengths[s] - n + 1, lengths[s] + 1)

@@ -95,12 +95,10 @@ tile(int bits, int rows, const float *x, int64_t K, int64_t group, const uint8_t
 }
 
 // Weight blocks [b0, b1) dequantized, written k-major into out [K, (b1 − b0)·BN] as bf16 (rounded to nearest
-// even, as torch rounds) or fp32: the large-M paths hand this to torch's matmul in that dtype, which beats any
-// FMA loop once x has more than a few rows.
-static inline __attribute__((always_inline)) void dequantize_to(int bits, int64_t K, const uint8_t *codes,
-                                                                const uint16_t *scales, const uint8_t *zeros,
-                                                                int64_t b0, int64_t b1, int64_t group, void *out,
-                                                                int f32, int nthreads) {
+// even, as torch rounds): the large-M path of bf16 x on CPUs without the bf16 dot product hands this to torch's
+// bf16 matmul, which beats any FMA loop once x has more than a few rows.
+void slimlm_dequantize(int bits, int64_t K, const uint8_t *codes, const uint16_t *scales, const uint8_t *zeros,
+                       int64_t b0, int64_t b1, int64_t group, uint16_t *out, int nthreads) {
     const int64_t G = K / group, row_bytes = BN * bits / 8, width = (b1 - b0) * BN;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
     for (int64_t nb = b0; nb < b1; nb++) {
@@ -112,28 +110,15 @@ static inline __attribute__((always_inline)) void dequantize_to(int bits, int64_
                 weights_at(bits, codes + (nb * K + k) * row_bytes, s, zs, w);
                 const int64_t at = k * width + (nb - b0) * BN;
                 for (int i = 0; i < 4; i++) {
-                    if (f32) {
-                        _mm512_storeu_ps((float *)out + at + 16 * i, w[i]);
-                        continue;
-                    }
                     __m512i u = _mm512_castps_si512(w[i]);
                     u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-                    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at + 16 * i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+                    _mm256_storeu_si256((__m256i *)(out + at + 16 * i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
                 }
             }
         }
     }
 }
 
-void slimlm_dequantize(int bits, int64_t K, const uint8_t *codes, const uint16_t *scales, const uint8_t *zeros,
-                       int64_t b0, int64_t b1, int64_t group, uint16_t *out, int nthreads) {
-    dequantize_to(bits, K, codes, scales, zeros, b0, b1, group, out, 0, nthreads);
-}
-
-void slimlm_dequantize_f32(int bits, int64_t K, const uint8_t *codes, const uint16_t *scales, const uint8_t *zeros,
-                           int64_t b0, int64_t b1, int64_t group, float *out, int nthreads) {
-    dequantize_to(bits, K, codes, scales, zeros, b0, b1, group, out, 1, nthreads);
-}
 #ifdef SLIMLM_BF16_GEMM
 // bf16 x: GEMMs on the bf16 dot-product unit (vdpbf16ps: 32 multiply-adds an instruction, the fastest
 // arithmetic here). Its operand is a register of 16 dwords whose halves hold one output feature's weights at
@@ -717,50 +702,6 @@ int slimlm_quant_matmul_amx(int bits, const uint16_t *x, int64_t M, int64_t K, c
 }
 #endif
 
-static inline uint16_t bf16_nearest(float f) {  // round to nearest even, as torch's float -> bfloat16
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-static inline float bf16_value(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-// fp32 x through the code tiles, to fp32 accuracy: each row is split exactly into three bf16 rows
-// (x = x1 + x2 + x3: 8 + 8 + 8 significant bits, each remainder exact by Sterbenz), multiplied by the exact
-// codes, and the three results summed. Three dot products per weight still cost less than unpacking each
-// weight to fp32 (the fused loop above), as long as 3·M rows stay in the code tiles' range.
-int slimlm_quant_matmul_f32_split(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes,
-                                  const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
-                                  float *y, int64_t y_cols, int nthreads) {
-    uint16_t *planes = malloc(sizeof(uint16_t) * 3 * M * K);
-    float *partial = malloc(sizeof(float) * 3 * M * y_cols);
-    int status = -1;
-    if (planes != NULL && partial != NULL) {
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t k = 0; k < K; k++) {
-                float rest = x[m * K + k];
-                for (int p = 0; p < 3; p++) {
-                    const uint16_t h = bf16_nearest(rest);
-                    planes[(3 * m + p) * K + k] = h;
-                    rest -= bf16_value(h);
-                }
-            }
-        status = slimlm_quant_matmul_bf16(bits, planes, 3 * M, K, codes, scales, zeros, nblocks, group, partial,
-                                          y_cols, 0, 3 * M, nthreads);
-        for (int64_t m = 0; status == 0 && m < M; m++)
-            for (int64_t n = 0; n < y_cols; n++)
-                y[m * y_cols + n] = partial[3 * m * y_cols + n] + partial[(3 * m + 1) * y_cols + n] +
-                                    partial[(3 * m + 2) * y_cols + n];
-    }
-    free(planes);
-    free(partial);
-    return status;
-}
 #endif
 
 // Literal `bits` and `rows` let the compiler specialise and unroll each tile (registers, not memory).

@@ -1,31 +1,29 @@
 """The CPU quantized GEMM (cpu_gemm.c, through cpu_library).
 
-Which loop runs, by CPU and by x (thresholds measured with benchmarks/kernels_cpu.py):
+Which loop runs, by CPU and by x (thresholds measured with benchmarks/kernels_cpu.py). fp32 x runs one loop for
+every row count, so that a row's bits do not depend on the rows beside it (batch invariance; path() says why):
 
+    fp32 x, any CPU           the fused fp32 loop (weights unpacked to fp32 in registers, fp32 sums), dense fp32
+                              weights (packed.pack_dense) too; on AVX2, 4-bit weights outside exact_activations():
+    AVX2, 4-bit               x quantized to int8 per run of INT8_RUN inputs, codes times bytes (vpmaddubsw: 32
+                              weights an instruction; the product is exactly W·x̂, llama.cpp's Q4×Q8): 1.3–1.5×
+                              the fused loop at batch 1 on Qwen2.5-1.5B, 2.4–2.9× the fp32 slices at 24–32 rows,
+                              ~1.6× at 512, for +0.1–0.15% perplexity; from 3 rows on each block's codes are
+                              unpacked once for all rows (another 1.1–1.3× at 3–8 rows, 1.4–1.6× at 32–512; the
+                              same bits per row). Steps inside exact_activations() (ModelRunner enters it for a
+                              scored prompt, and for every step under activations="exact"), 8-bit weights and
+                              widths not a multiple of INT8_RUN: the fused loop.
     AVX-512 BF16, bf16 x      up to CODE_MAX_ROWS[bits] rows: code tiles (exact codes into the bf16 dot
                               products, scales applied per segment); above: dequantized bf16 weight tiles;
                               with AMX, from AMX_MIN_ROWS rows on, the tile unit: up to 16 rows the code
                               tiles' exact pairs (as cheap to unpack as one row's code tile, so a step of 2-16
                               rows costs about one row's), above that the weight tiles (2-4× any AVX-512 loop)
-    AVX-512 BF16, fp32 x      up to a third of that: each row split exactly into three bf16 rows for the code
-                              tiles (fp32 accuracy); above: the fused fp32 loop. With AMX: the fused loop up
-                              to FUSED_MAX_ROWS_AMX rows (it beat the split 1.2–3.3× there, measured; the split
-                              won on the EPYC), fp32 matmul on dequantized fp32 slices above
-    AVX-512 without BF16      fused fp32 loop; bf16 x above FUSED_MAX_ROWS_BF16 rows: bf16 matmul on
-                              dequantized slices
-    AVX2                      4-bit, any rows: x quantized to int8 per run of INT8_RUN inputs, codes times
-                              bytes (vpmaddubsw: 32 weights an instruction; the product is exactly W·x̂,
-                              llama.cpp's Q4×Q8): 1.3–1.5× the fused loop at batch 1 on Qwen2.5-1.5B,
-                              2.4–2.9× the fp32 slices at 24–32 rows, ~1.6× at 512, for +0.1–0.15% perplexity;
-                              from 3 rows on each block's codes are unpacked once for all rows (another
-                              1.1–1.3× at 3–8 rows, 1.4–1.6× at 32–512; the same bits per row)
-                              Steps inside exact_activations() (ModelRunner enters it for a scored prompt), 8-bit
-                              weights (at memory bandwidth already) and widths not a multiple of INT8_RUN: the
-                              fused fp32 loop; above FUSED_MAX_ROWS_AVX2 rows, fp32 matmul on dequantized slices
+    AVX-512 without BF16      bf16 x: the fused loop; above FUSED_MAX_ROWS_BF16 rows bf16 matmul on dequantized
+                              slices
+    AVX2, bf16 x              as fp32 x (int8 or fused), above FUSED_MAX_ROWS_AVX2 rows fp32 matmul on
+                              dequantized slices for the fused loop's weights
 
-Dense weights (packed.pack_dense, where dense_fits) take the same loops, as they are, with x in their dtype:
-bf16 ones the bf16 loops; fp32 ones (AVX-512 CPUs) the fused loop up to FUSED_MAX_ROWS_DENSE rows and above,
-torch's batched fp32 matmul of x by every block as it lies (no copy of the weights).
+Dense bf16 weights (packed.pack_dense, where dense_fits) take the bf16 loops, as they are.
 """
 
 from __future__ import annotations
@@ -45,9 +43,7 @@ AMX_MIN_ROWS = {4: 2, 8: 2, 16: 3}  # AMX CPUs, bf16 x: the tile unit from here 
 # (benchmarks/amx_rows.py on an AMX Xeon, Qwen2.5-1.5B's linears: 2 rows 0.72-0.97× the code tiles' time;
 # dense weights, with nothing to unpack, gain from 3 rows)
 FUSED_MAX_ROWS_BF16 = 16  # AVX-512 without BF16: above this, bf16 matmul on dequantized slices wins
-FUSED_MAX_ROWS_AVX2 = 24  # AVX2: above this, fp32 matmul on dequantized slices wins, for either dtype of x
-FUSED_MAX_ROWS_AMX = 96  # AMX CPUs, fp32 x: above this, fp32 matmul on dequantized fp32 slices wins
-FUSED_MAX_ROWS_DENSE = 32  # dense fp32 weights: above this, torch's matmul block by block (measured on Sapphire Rapids)
+FUSED_MAX_ROWS_AVX2 = 24  # AVX2, bf16 x: above this, fp32 matmul on dequantized slices wins
 INT8_RUN = 32  # AVX2 4-bit loop: inputs per activation scale (XB in cpu_gemm_avx2.c)
 SLICE_BLOCKS = 16  # weight blocks (of BLOCK_N features) dequantized at a time: a few MB, stays in cache
 
@@ -61,10 +57,8 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         x = x[:, w.perm]
     dtype = x.dtype
     kernel = path(x.shape[0], dtype, w)
-    if kernel == "dense-blocks":  # [blocks, M, BLOCK_N] -> [M, N]
-        return torch.matmul(x, w.codes).transpose(0, 1).reshape(x.shape[0], -1)[:, : w.out_features]
-    if kernel == "dequant-slices":  # fp32 slices for fp32 x, and for any x where there are no bf16 ones (AVX2)
-        slices = torch.bfloat16 if cpu_library.vector_bits() == 512 and dtype == torch.bfloat16 else torch.float32
+    if kernel == "dequant-slices":  # bf16 x: bf16 slices on AVX-512, fp32 ones on AVX2 (slow bf16 matmul there)
+        slices = torch.bfloat16 if cpu_library.vector_bits() == 512 else torch.float32
         return _dequantized_matmul(x.to(slices).contiguous(), w).to(dtype)
     lib = cpu_library.load()
     m, k = x.shape
@@ -78,12 +72,6 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
             status = lib.slimlm_quant_matmul_amx(*args, threads)
         else:
             status = lib.slimlm_quant_matmul_bf16(*args, CODE_MAX_ROWS[w.bits], threads)
-    elif kernel == "fp32-split":
-        x = x.to(torch.float32).contiguous()
-        y = torch.empty(m, w.out_features)
-        status = lib.slimlm_quant_matmul_f32_split(
-            w.bits, x.data_ptr(), m, k, *blocks, y.data_ptr(), w.out_features, threads
-        )
     else:  # "int8" or "fused": fp32 x, into the padded width
         x = x.to(torch.float32).contiguous()
         y = torch.empty(m, w.padded_out_features)
@@ -99,24 +87,30 @@ def quant_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
 
 
 def path(rows: int, dtype: torch.dtype, w: PackedWeight) -> str:
-    """The loop quant_matmul runs for `rows` rows of `dtype` against `w` on this CPU (see the module doc)."""
-    if w.bits == 32:
-        return "fused" if rows <= FUSED_MAX_ROWS_DENSE else "dense-blocks"
+    """The loop quant_matmul runs for `rows` rows of `dtype` against `w` on this CPU (see the module doc). fp32
+    rows take one loop whatever their number (fused, or AVX2's int8, which quantizes each row alone): a row gets
+    the same bits however many rows share its step (batch invariance), at the price of the loops that won at
+    some row counts only (measured in benchmarks/results/batch-invariance-*)."""
+    if dtype != torch.bfloat16 or w.bits == 32:  # fp32 x (the kernels take any other dtype as fp32)
+        if not _EXACT.get() and int8_fits(w):
+            return "int8"
+        return "fused"
     pairs = w.in_features % 2 == 0 and w.group_size % 2 == 0  # the bf16 dot product takes inputs in pairs
     if cpu_library.has_bf16_gemm() and pairs:
-        limit = CODE_MAX_ROWS[w.bits]
-        if dtype == torch.bfloat16 or w.bits == 16:
-            if rows >= AMX_MIN_ROWS[w.bits] and cpu_library.has_amx():
-                return "bf16-amx"
-            return "bf16-codes" if rows <= limit else "bf16-weights"
-        if cpu_library.has_amx():
-            return "dequant-slices" if rows > FUSED_MAX_ROWS_AMX else "fused"
-        return "fp32-split" if 3 * rows <= limit else "fused"
+        if rows >= AMX_MIN_ROWS[w.bits] and cpu_library.has_amx():
+            return "bf16-amx"
+        return "bf16-codes" if rows <= CODE_MAX_ROWS[w.bits] else "bf16-weights"
     if cpu_library.vector_bits() == 512:
-        return "dequant-slices" if dtype == torch.bfloat16 and rows > FUSED_MAX_ROWS_BF16 else "fused"
-    if not _EXACT.get() and w.bits == 4 and w.in_features % INT8_RUN == 0 and w.group_size % INT8_RUN == 0:
+        return "dequant-slices" if rows > FUSED_MAX_ROWS_BF16 else "fused"
+    if not _EXACT.get() and int8_fits(w):
         return "int8"
     return "dequant-slices" if rows > FUSED_MAX_ROWS_AVX2 else "fused"
+
+
+def int8_fits(w: PackedWeight) -> bool:
+    """Whether AVX2's int8 loop takes w: the AVX2 build, 4-bit codes, whole runs of INT8_RUN inputs."""
+    runs = w.in_features % INT8_RUN == 0 and w.group_size % INT8_RUN == 0
+    return cpu_library.vector_bits() == 256 and w.bits == 4 and runs
 
 
 FRESH_BYTES = 32 << 20  # glibc maps an allocation above this anew every time, and the kernel zeroes its pages
@@ -127,13 +121,13 @@ def row_pieces(x: torch.Tensor, w: PackedWeight) -> int:
     """How many pieces of x's rows to multiply by w one after another so that no output is above FRESH_BYTES:
     a 500-row prompt's gate/up output on Qwen2.5-1.5B (36 MB in fp32) spent 10 of its 88 ms in page faults.
     Only where a piece runs the loop the whole would, so that every row comes out the same, and that loop does
-    no per-call work on the whole weight (dequantized slices, dense blocks), which a piece would repeat."""
+    no per-call work on the whole weight (dequantized slices), which a piece would repeat."""
     rows = x.shape[0]
     pieces = -(-rows * w.out_features * x.element_size() // FRESH_BYTES)
     if pieces <= 1 or -(-rows // pieces) < MIN_PIECE_ROWS:  # every decode step and short prompt stops here
         return 1
     loop = path(rows, x.dtype, w)
-    if loop in ("dequant-slices", "dense-blocks") or path(-(-rows // pieces), x.dtype, w) != loop:
+    if loop == "dequant-slices" or path(-(-rows // pieces), x.dtype, w) != loop:
         return 1
     return pieces
 
@@ -160,10 +154,11 @@ def quantizes_activations() -> bool:
 
 def dense_fits(weight: torch.Tensor) -> bool:
     """Whether a float weight runs here, packed by pack_dense: bf16 on a CPU with the bf16 dot product, K a
-    multiple of 32 (the tile unit's step, read in place); fp32 on an AVX-512 CPU."""
+    multiple of 32 (the tile unit's step, read in place); fp32 everywhere, so that no fp32 row goes through
+    torch's matmul, whose bits for a row depend on how many rows it multiplies (below 12, measured)."""
     if weight.dtype == torch.bfloat16:
         return weight.shape[1] % 32 == 0 and cpu_library.has_bf16_gemm()
-    return weight.dtype == torch.float32 and cpu_library.vector_bits() == 512
+    return weight.dtype == torch.float32
 
 
 def _dequantized_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
@@ -172,15 +167,13 @@ def _dequantized_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     out = torch.empty(x.shape[0], w.padded_out_features, dtype=x.dtype)
     buffers = {}  # by width: reused, since fresh pages for every slice cost as much as the arithmetic
     lib = cpu_library.load()
-    f32_from_512 = x.dtype == torch.float32 and cpu_library.vector_bits() == 512
-    dequantize = lib.slimlm_dequantize_f32 if f32_from_512 else lib.slimlm_dequantize  # AVX2's writes fp32
     for b0 in range(0, blocks, SLICE_BLOCKS):
         b1 = min(b0 + SLICE_BLOCKS, blocks)
         width = (b1 - b0) * BLOCK_N
         if width not in buffers:
             buffers[width] = torch.empty(k, width, dtype=x.dtype)
         wt = buffers[width]
-        dequantize(
+        lib.slimlm_dequantize(  # bf16 on AVX-512, fp32 on AVX2: x's dtype here (quant_matmul chose it)
             w.bits,
             k,
             w.codes.data_ptr(),

@@ -96,6 +96,25 @@ tile(int bits, int rows, const float *x, int64_t K, int64_t group, const uint8_t
         for (int i = 0; i < 8; i++) _mm256_storeu_ps(y + r * N + 8 * i, acc[r][i]);
 }
 
+// Dense fp32 weights (packed.pack_dense: a block is [K][64] floats), so that an fp32 model's rows never go
+// through torch's matmul, whose bits for a row depend on how many rows it multiplies. Each row's sums run over
+// k in order, whatever rows share its tile.
+static inline __attribute__((always_inline)) void
+dense_tile(int rows, const float *x, int64_t K, const float *w, float *y, int64_t N) {
+    __m256 acc[MB][8];
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < 8; i++) acc[r][i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        _mm_prefetch((const char *)(w + (k + 8) * BN), _MM_HINT_T0);
+        for (int r = 0; r < rows; r++) {
+            const __m256 xb = _mm256_set1_ps(x[r * K + k]);
+            for (int i = 0; i < 8; i++) acc[r][i] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w + k * BN + 8 * i), acc[r][i]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < 8; i++) _mm256_storeu_ps(y + r * N + 8 * i, acc[r][i]);
+}
+
 // ---- 4-bit weights times int8 activations (llama.cpp's way on AVX2: its Q4 × Q8 dot products) ----
 //
 // The fp32 loop above spends ~4 instructions per weight converting codes to floats, so one row of x runs at
@@ -399,7 +418,7 @@ void slimlm_dequantize(int bits, int64_t K, const uint8_t *codes, const uint16_t
 void slimlm_quant_matmul(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes,
                          const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
                          float *y, int nthreads) {
-    const int64_t N = nblocks * BN, G = K / group, mblocks = (M + MB - 1) / MB;
+    const int64_t N = nblocks * BN, G = bits == 32 ? 0 : K / group, mblocks = (M + MB - 1) / MB;
     // n-blocks outermost: a thread sweeps all row blocks of x over one weight block while it is in cache.
 #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
     for (int64_t nb = 0; nb < nblocks; nb++) {
@@ -410,7 +429,10 @@ void slimlm_quant_matmul(int bits, const float *x, int64_t M, int64_t K, const u
             const uint8_t *c = codes + nb * K * (BN * bits / 8);
             const uint16_t *s = scales + nb * G * BN;
             const uint8_t *z = zeros + nb * G * BN;
-            if (bits == 4) {
+            if (bits == 32) {
+                const float *w = (const float *)codes + nb * K * BN;
+                if (rows == 1) dense_tile(1, xr, K, w, yr, N); else dense_tile(2, xr, K, w, yr, N);
+            } else if (bits == 4) {
                 if (rows == 1) TILE(4, 1); else TILE(4, 2);
             } else {
                 if (rows == 1) TILE(8, 1); else TILE(8, 2);

@@ -288,9 +288,6 @@ void slimlm_quant_matmul(int bits, const float *x, int64_t M, int64_t K, const u
 int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
                              const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
                              void *y, int64_t y_cols, int y_bf16, int64_t code_rows, int nthreads);
-int slimlm_quant_matmul_f32_split(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes,
-                                  const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
-                                  float *y, int64_t y_cols, int nthreads);
 int slimlm_quant_matmul_amx(int bits, const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
                             const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
                             void *y, int64_t y_cols, int y_bf16, int nthreads);  // only where AMX was built
@@ -308,7 +305,7 @@ int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache
 typedef struct {
     const void *codes, *scales, *zeros;
     int64_t blocks, group, bits, in_features, out_features, code_rows;
-    int64_t loop;  // 0: bf16 x and y; 1: fp32 split into bf16 planes; 2: the fused fp32 loop (padded y);
+    int64_t loop;  // 0: bf16 x and y; 2: the fused fp32 loop (padded y);
                    // 3: bf16 x and y on the AMX tile unit; 4: AVX2's int8 loop (fp32 x, padded y)
     const void *bias;
 } Linear;
@@ -336,9 +333,6 @@ static int product(const Linear *w, const void *x, int64_t m, void *y, float *pa
     if (w->loop == 0)
         return slimlm_quant_matmul_bf16((int)w->bits, x, m, w->in_features, w->codes, w->scales, w->zeros, w->blocks,
                                         w->group, y, w->out_features, 1, w->code_rows, nthreads);
-    if (w->loop == 1)
-        return slimlm_quant_matmul_f32_split((int)w->bits, x, m, w->in_features, w->codes, w->scales, w->zeros,
-                                             w->blocks, w->group, y, w->out_features, nthreads);
 #endif
     if (padded_product(w, x, m, padded, nthreads)) return -1;
     for (int64_t r = 0; r < m; r++)  // drop the padding features

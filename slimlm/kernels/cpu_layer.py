@@ -168,7 +168,7 @@ class _Linear(ctypes.Structure):  # cpu_layer.c's Linear
     )
 
 
-LOOPS = {"bf16-codes": 0, "bf16-weights": 0, "fp32-split": 1, "fused": 2, "bf16-amx": 3, "int8": 4}  # path -> C loop
+LOOPS = {"bf16-codes": 0, "bf16-weights": 0, "fused": 2, "bf16-amx": 3, "int8": 4}  # path -> C loop
 BF16_LOOPS = (0, 3)
 
 

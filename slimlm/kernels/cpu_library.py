@@ -95,8 +95,6 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name, (args, result) in SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
     lib.slimlm_dequantize.argtypes = DEQUANTIZE
-    if hasattr(lib, "slimlm_dequantize_f32"):  # AVX-512 builds (the AVX2 slimlm_dequantize writes fp32 already)
-        lib.slimlm_dequantize_f32.argtypes = DEQUANTIZE
     if hasattr(lib, "slimlm_quant_matmul_i8"):  # AVX2 builds
         lib.slimlm_quant_matmul_i8.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, c_int]
         lib.slimlm_quant_matmul_i8.restype = c_int
@@ -148,8 +146,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
             i64,
             c_int,
         ]
-        lib.slimlm_quant_matmul_f32_split.argtypes = [c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64, c_int]
-        lib.slimlm_quant_matmul_bf16.restype = lib.slimlm_quant_matmul_f32_split.restype = c_int
+        lib.slimlm_quant_matmul_bf16.restype = c_int
     if hasattr(lib, "slimlm_bf16_gram"):  # built only where the CPU has AVX-512 BF16
         lib.slimlm_bf16_gram.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ctypes.c_float, c_int]
         lib.slimlm_bf16_gram.restype = c_int

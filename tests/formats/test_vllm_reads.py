@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.runtime.conftest import transformers_greedy
+
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("SLIMLM_VLLM_PYTHON")
 pytestmark = [
@@ -110,12 +112,7 @@ def transformers_tokens(model_dir: Path, prompts: list[list[int]]) -> list[list[
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return [
-        model.generate(torch.tensor([p]), max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)[
-            0, len(p) :
-        ].tolist()
-        for p in prompts
-    ]
+    return [transformers_greedy(model, p, TOKENS) for p in prompts]
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

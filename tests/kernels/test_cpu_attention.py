@@ -113,11 +113,12 @@ def test_c_kernel_takes_fp32_decodes():
 )
 @pytest.mark.parametrize("amx", [True, False])
 def test_c_prompt_kernel_in_one_call(poisoned, monkeypatch, block_size, head_dim, kv_dtype, dtype, amx):
-    """Prompt chunks go to the C flash kernel in one call on two threads: tiles of 16 queries with ragged
+    """bf16 prompt chunks go to the C flash kernel in one call on two threads: tiles of 16 queries with ragged
     tails, a chunk of 70 after 100 cached tokens (keys 16 or 32 at a time across blocks of 8 or 32), a decode
     mixed in (the decode kernel's), and every slot past a sequence's end NaN. bf16 queries with head_dim 64 or
     128 and a bf16 or 8-bit cache run on the tile unit where the CPU has one (amx), and on the AVX-512 loops
-    otherwise (4-bit rows always: in fp32, in their rotated space)."""
+    otherwise (4-bit rows always: in fp32, in their rotated space). fp32 queries, every row of them, go to the
+    decode kernel in one call (batch invariance: cpu_attention.paged_attention)."""
     if amx and not cpu_library.has_amx():
         pytest.skip("needs AMX (e.g. Sapphire Rapids)")
     monkeypatch.setattr(cpu_library, "has_amx", lambda: amx)
@@ -126,7 +127,9 @@ def test_c_prompt_kernel_in_one_call(poisoned, monkeypatch, block_size, head_dim
     monkeypatch.setattr(cpu_library, "load", lambda: spy)
     with torch_threads(2):
         out = cpu_attention.paged_attention(*p.args(), native=True)
-    assert spy.calls.count("slimlm_paged_prefill") == 1 and spy.calls.count("slimlm_paged_decode") == 1
+    per_query = dtype == torch.float32
+    assert spy.calls.count("slimlm_paged_prefill") == (0 if per_query else 1)
+    assert spy.calls.count("slimlm_paged_decode") == 1
     assert relative_error(out, reference.paged_attention(*p.args(), dtype=torch.float64)) < TOLERANCE[dtype]
 
 

@@ -123,30 +123,17 @@ def test_amx_blocks_share_an_x_larger_than_l2(poisoned, threads):
     assert relative_error(fp32.double(), ref) < 1e-5
 
 
-@needs_amx
-def test_fp32_rows_run_the_fused_loop_then_fp32_slices_on_amx_cpus(poisoned, monkeypatch):
-    """2112 outputs: 33 blocks, three slices; the slices are fp32, so the result keeps fp32 accuracy."""
-    _, w = quantized_weight(2112, 128, 4, 64, False)
-    limit = cpu_gemm.FUSED_MAX_ROWS_AMX
-    assert [cpu_gemm.path(m, torch.float32, w) for m in (1, limit, limit + 1)] == ["fused", "fused", "dequant-slices"]
-    cpu_library.vector_bits()  # asked once per process: not a call of this test's
-    spy = Spy(cpu_library.load())
-    monkeypatch.setattr(cpu_library, "load", lambda: spy)
-    x = torch.randn(limit + 1, 128) * torch.logspace(-3, 3, 128)
-    out = cpu_gemm.quant_matmul(x, w)
-    assert out.dtype == torch.float32 and set(spy.calls) == {"slimlm_dequantize_f32"}
-    assert relative_error(out, reference.quant_matmul(x.double(), w)) < 1e-6
-
-
-@needs_bf16
-def test_fp32_rows_split_into_bf16_planes_up_to_a_third_of_the_code_rows(no_amx):
-    _, w = quantized_weight(64, 128, 4, 64, False)
-    limit = cpu_gemm.CODE_MAX_ROWS[4] // 3
-    assert cpu_gemm.path(limit, torch.float32, w) == "fp32-split"
-    assert cpu_gemm.path(limit + 1, torch.float32, w) == "fused"
-    # values that need all three planes: no bf16 rounding of x survives into the result
-    x = torch.randn(limit, 128) * torch.logspace(-3, 3, 128)
-    assert relative_error(cpu_gemm.quant_matmul(x, w), reference.quant_matmul(x.double(), w)) < 1e-6
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fp32_rows_run_one_loop_whatever_their_number(monkeypatch, bits):
+    """fp32 x takes the fused loop at every row count (AVX2's 4-bit: the int8 loop), so a row's bits never
+    depend on the rows beside it: each row of a 300-row product equals that row multiplied alone."""
+    _, w = quantized_weight(2112, 128, bits, 64, False)
+    loops = {cpu_gemm.path(m, torch.float32, w) for m in (1, 2, 3, 10, 11, 33, 97, 300)}
+    assert loops == ({"int8"} if cpu_gemm.int8_fits(w) else {"fused"})
+    x = torch.randn(300, 128) * torch.logspace(-3, 3, 128)
+    whole = cpu_gemm.quant_matmul(x, w)
+    assert all(torch.equal(cpu_gemm.quant_matmul(x[i : i + 1], w)[0], whole[i]) for i in (0, 7, 150, 299))
+    assert relative_error(whole, reference.quant_matmul(x_as_multiplied(x, w), w)) < 1e-6
 
 
 @needs_bf16
@@ -247,20 +234,19 @@ def test_other_isa_builds_are_what_they_say(other_isa):
 
 def test_the_loop_for_each_row_count_on_cpus_without_bf16(other_isa):
     _, w = quantized_weight(64, 128, 4, 64, False)
-    if other_isa == "haswell":  # AVX2: fp32 slices above FUSED_MAX_ROWS_AVX2 rows, for either dtype of x
+    if other_isa == "haswell":  # AVX2: bf16 x on fp32 slices above FUSED_MAX_ROWS_AVX2 rows; fp32 x never
         limit = cpu_gemm.FUSED_MAX_ROWS_AVX2
         _, w8 = quantized_weight(64, 128, 8, 64, False)
         _, narrow = quantized_weight(64, 144, 4, -1, False)  # 144 inputs: not whole runs of INT8_RUN
         for dtype in (torch.float32, torch.bfloat16):
             assert [cpu_gemm.path(m, dtype, w) for m in (1, limit, limit + 1, 512)] == ["int8"] * 4  # decode steps
-            with cpu_gemm.exact_activations():  # prompt tokens
-                assert [cpu_gemm.path(m, dtype, w) for m in (1, limit, limit + 1)] == [
-                    "fused",
-                    "fused",
-                    "dequant-slices",
-                ]
-            assert [cpu_gemm.path(m, dtype, w8) for m in (1, limit, limit + 1)] == ["fused", "fused", "dequant-slices"]
-            assert cpu_gemm.path(1, dtype, narrow) == "fused"
+        sliced = ["fused", "fused", "dequant-slices"]
+        with cpu_gemm.exact_activations():  # scored prompt tokens, activations="exact"
+            assert [cpu_gemm.path(m, torch.float32, w) for m in (1, limit, limit + 1)] == ["fused"] * 3
+            assert [cpu_gemm.path(m, torch.bfloat16, w) for m in (1, limit, limit + 1)] == sliced
+        assert [cpu_gemm.path(m, torch.float32, w8) for m in (1, limit, limit + 1)] == ["fused"] * 3
+        assert [cpu_gemm.path(m, torch.bfloat16, w8) for m in (1, limit, limit + 1)] == sliced
+        assert cpu_gemm.path(1, torch.float32, narrow) == "fused"
     else:  # AVX-512 without BF16: bf16 slices above FUSED_MAX_ROWS_BF16 bf16 rows; fp32 rows always fused
         limit = cpu_gemm.FUSED_MAX_ROWS_BF16
         assert [cpu_gemm.path(m, torch.bfloat16, w) for m in (1, limit, limit + 1)] == [
@@ -337,7 +323,7 @@ def test_quant_matmul_runs_the_loop_path_names(monkeypatch, no_amx, bits):
     cases = [
         (1, torch.bfloat16, "slimlm_quant_matmul_bf16"),
         (limit + 1, torch.bfloat16, "slimlm_quant_matmul_bf16"),
-        (1, torch.float32, "slimlm_quant_matmul_f32_split"),
+        (1, torch.float32, "slimlm_quant_matmul"),
         (limit, torch.float32, "slimlm_quant_matmul"),
     ]
     for rows, dtype, called in cases:
@@ -418,20 +404,22 @@ def test_dense_bf16_weights_give_the_float64_product(poisoned, monkeypatch, n, k
 def test_dense_weights_fit_where_the_loops_take_them():
     fits = cpu_library.available() and cpu_library.has_bf16_gemm()
     assert cpu_gemm.dense_fits(torch.zeros(8, 64, dtype=torch.bfloat16)) == fits
-    assert cpu_gemm.dense_fits(torch.zeros(8, 5)) == (cpu_library.available() and cpu_library.vector_bits() == 512)
+    assert cpu_gemm.dense_fits(torch.zeros(8, 5))  # fp32: every build's fused loop
     assert not cpu_gemm.dense_fits(torch.zeros(8, 64, dtype=torch.float16))
     assert not cpu_gemm.dense_fits(torch.zeros(8, 48, dtype=torch.bfloat16))  # K not a multiple of 32
 
 
-@pytest.mark.skipif(not (cpu_library.available() and cpu_library.vector_bits() == 512), reason="needs AVX-512")
+@pytest.mark.parametrize("isa", ["native", "haswell"])
 @pytest.mark.parametrize("n,k", [(100, 64), (960, 576), (70, 5)])
-@pytest.mark.parametrize("m", [1, 3, 4, 9, cpu_gemm.FUSED_MAX_ROWS_DENSE, cpu_gemm.FUSED_MAX_ROWS_DENSE + 1])
-def test_dense_fp32_weights_give_the_float64_product(poisoned, n, k, m):
-    """pack_dense's fp32 blocks: the fused loop reads them as they are (no scales), torch's matmul takes them
-    block by block above FUSED_MAX_ROWS_DENSE rows; either way fp32 accuracy."""
+@pytest.mark.parametrize("m", [1, 3, 4, 9, 33, 100])
+def test_dense_fp32_weights_give_the_float64_product(poisoned, monkeypatch, isa, n, k, m):
+    """pack_dense's fp32 blocks: the fused loop (AVX-512 or AVX2) reads them as they are (no scales), at every
+    row count, to fp32 accuracy."""
+    if isa == "haswell":
+        haswell_library(monkeypatch)
     weight, x = torch.randn(n, k), torch.randn(m, k)
     w = pack_dense(weight)
-    assert cpu_gemm.path(m, torch.float32, w) == ("fused" if m <= cpu_gemm.FUSED_MAX_ROWS_DENSE else "dense-blocks")
+    assert cpu_gemm.path(m, torch.float32, w) == "fused"
     with torch_threads(2):
         y = cpu_gemm.quant_matmul(x, w)
     assert y.shape == (m, n) and relative_error(y.double(), x.double() @ weight.double().T) < 1e-6
@@ -449,6 +437,5 @@ def test_row_pieces_keep_each_output_under_fresh_bytes_where_the_pieces_run_the_
     monkeypatch.setattr(cpu_gemm, "FRESH_BYTES", 256 * 4 * limit)
     monkeypatch.setattr(cpu_gemm, "path", lambda rows, dtype, w: "fused" if rows <= limit else "int8")
     assert cpu_gemm.row_pieces(torch.empty(3 * limit, 128), w) == 1  # a piece would run another loop
-    for loop in ("dequant-slices", "dense-blocks"):
-        monkeypatch.setattr(cpu_gemm, "path", lambda rows, dtype, w, loop=loop: loop)
-        assert cpu_gemm.row_pieces(torch.empty(3 * limit, 128), w) == 1
+    monkeypatch.setattr(cpu_gemm, "path", lambda rows, dtype, w: "dequant-slices")
+    assert cpu_gemm.row_pieces(torch.empty(3 * limit, 128), w) == 1

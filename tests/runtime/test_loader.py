@@ -19,7 +19,7 @@ from slimlm.runtime.llm import LLM
 from slimlm.runtime.sampling import SamplingParams
 from tests.conftest import make_text, make_tiny_llama, make_tokenizer
 from tests.formats.test_awq_gemm import pack_awq_gemm
-from tests.runtime.conftest import model_logprobs, next_token_logprobs
+from tests.runtime.conftest import model_logprobs, next_token_logprobs, transformers_greedy
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 
@@ -130,7 +130,7 @@ def test_scored_prompts_are_exact_and_other_steps_quantize_x_on_avx2(calibrated,
     ids = ids_for(out)
     llm = LLM(str(out))
     got = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
-    assert "slimlm_quant_matmul_i8" not in lib.calls and "slimlm_dequantize" in lib.calls  # 40 rows: fp32 slices
+    assert "slimlm_quant_matmul_i8" not in lib.calls and "slimlm_quant_matmul" in lib.calls  # the fused loop
     expected = model_logprobs(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), ids)
     assert torch.allclose(torch.tensor(got), expected, atol=2e-3)
     lib.calls = []
@@ -139,7 +139,7 @@ def test_scored_prompts_are_exact_and_other_steps_quantize_x_on_avx2(calibrated,
     fresh = LLM(str(out), prefix_caching=False)
     lib.calls = []
     fresh.generate([ids], SamplingParams(max_tokens=1))  # one prompt step, nothing scored: x̂ there too
-    assert "slimlm_quant_matmul_i8" in lib.calls and "slimlm_dequantize" not in lib.calls
+    assert "slimlm_quant_matmul_i8" in lib.calls and lib.calls.count("slimlm_quant_matmul") == 1  # the float head
 
 
 def test_exact_activations_give_transformers_tokens_on_avx2(calibrated, tmp_path, monkeypatch):
@@ -158,7 +158,7 @@ def test_exact_activations_give_transformers_tokens_on_avx2(calibrated, tmp_path
     assert "slimlm_quant_matmul_i8" not in lib.calls and "slimlm_quant_matmul" in lib.calls
     assert exact.engine.arithmetic() == "cpu kernels, float32, exact"
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    assert got == hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
+    assert got == transformers_greedy(hf, ids, 12)
     fast = LLM(str(out), dtype="float32")
     assert fast.engine.arithmetic().startswith("cpu kernels, float32, int8 activations")
     lib.calls = []
