@@ -19,7 +19,8 @@
 #define MAX_HEADS 128  // query heads
 #define MAX_DIM 256
 #define MAX_PARTS 16   // parts a sequence splits into at most
-#define MIN_PART 64    // tokens a part holds at least
+#define PART 256       // a sequence splits into ceil(L / PART) equal parts, at most MAX_PARTS (parts of 64
+                      // tokens made a decode step of 32 × 512 tokens 1.15× slower: more tasks and merges)
 
 // What a cache holds: fp32, bf16, or 8-bit codes (int8, fp8 e4m3) with a scale per KV head
 enum { KIND_F32, KIND_BF16, KIND_INT8, KIND_FP8, KIND_INT4 };
@@ -490,7 +491,7 @@ static void merge_parts(const float *sums, const float *stats, int64_t parts, in
 
 // The parts a sequence of L tokens splits into (slimlm_paged_decode says why it depends on L alone)
 static inline int64_t parts_of(int64_t L) {
-    const int64_t parts = (L + MIN_PART - 1) / MIN_PART;
+    const int64_t parts = (L + PART - 1) / PART;
     return parts < 1 ? 1 : parts > MAX_PARTS ? MAX_PARTS : parts;
 }
 
@@ -498,7 +499,7 @@ static inline int64_t parts_of(int64_t L) {
 // (NULL: 1) for 8-bit codes, or 4-bit rows [blocks, block_size, Hkv, D/2 + 4] (D a multiple of 32; q and out
 // in the rows' rotated space: the caller rotates); tables [S, width]. D a multiple of 16, <= MAX_DIM; Hq <= MAX_HEADS. Returns 0, or
 // -1 when out of memory.
-// A task is one part of one sequence, all its KV heads: a sequence longer than MIN_PART tokens splits into parts
+// A task is one part of one sequence, all its KV heads: a sequence longer than PART tokens splits into parts
 // of its tokens (as flash-decoding does; a multiple of 16 tokens each), merged after, so that one long sequence
 // runs on every thread. How many parts is a function of the sequence's length alone (parts_of), never of the
 // other sequences in the step or of the threads: a query's sums run in the same order however it is batched.

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("SLIMLM_VLLM_PYTHON")
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.timeout(3600),  # the first test builds every checkpoint and runs vLLM on all of them
     pytest.mark.skipif(
         not VLLM_PYTHON, reason="set SLIMLM_VLLM_PYTHON=$(bash benchmarks/peers/vllm_venv.sh) to run vLLM's build"
     ),
@@ -41,17 +42,17 @@ TEXTS = [
 ]
 TOKENS = 32
 CALIB = ["--calib", "owt", "--num-samples", "8", "--seq-len", "128"]
-# name: the compress command line after its method, and what vLLM is asked beyond LLM(model=DIR)
+# name: the compress command line (its method first; --model and --out added)
 KINDS = {
-    "rtn-w4g64-head8": (["rtn", "--bits", "4", "--group-size", "64"], ""),  # compress rtn's defaults
-    "rtn-w4g32-asym": (["rtn", "--bits", "4", "--group-size", "32", "--asym", "--float-lm-head"], ""),
-    "rtn-w4-channel": (["rtn", "--bits", "4", "--group-size", "-1", "--float-lm-head"], ""),
-    "rtn-w8-head8": (["rtn", "--bits", "8", "--group-size", "-1"], ""),
-    "rtn-w8g64-asym": (["rtn", "--bits", "8", "--group-size", "64", "--asym"], ""),
-    "gptq-w4g64": (["gptq", "--bits", "4", "--group-size", "64", *CALIB], ""),
-    "awq-w4g64-asym": (["awq", "--bits", "4", "--group-size", "64", "--search-batches", "1", *CALIB], ""),
-    "gqa-1kv": (["gqa", "--kv-heads", "1", "--uptrain-tokens", "0"], ""),
-    "prune-ffn1024-24layers": (["prune", "--ffn", "1024", "--layers", "24", "--distill-tokens", "0"], ""),
+    "rtn-w4g64-head8": ["rtn", "--bits", "4", "--group-size", "64"],  # compress rtn's defaults
+    "rtn-w4g32-asym": ["rtn", "--bits", "4", "--group-size", "32", "--asym", "--float-lm-head"],
+    "rtn-w4-channel": ["rtn", "--bits", "4", "--group-size", "-1", "--float-lm-head"],
+    "rtn-w8-head8": ["rtn", "--bits", "8", "--group-size", "-1"],
+    "rtn-w8g64-asym": ["rtn", "--bits", "8", "--group-size", "64", "--asym"],
+    "gptq-w4g64": ["gptq", "--bits", "4", "--group-size", "64", *CALIB],
+    "awq-w4g64-asym": ["awq", "--bits", "4", "--group-size", "64", "--search-batches", "1", *CALIB],
+    "gqa-1kv": ["gqa", "--kv-heads", "1", "--uptrain-tokens", "0"],
+    "prune-ffn1024-24layers": "prune --ffn 1024 --layers 24 --distill-tokens 0 --num-samples 8".split(),
 }
 KV_KINDS = {"rtn-w4g64-head8-kv-fp8": ("rtn-w4g64-head8", "fp8")}  # compress kv on a kind above, served fp8
 
@@ -66,7 +67,7 @@ def compress(*args: str) -> None:
 def checkpoints(smollm2, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vllm")
     out = {}
-    for name, (args, _) in KINDS.items():
+    for name, args in KINDS.items():
         out[name] = root / name
         compress(args[0], "--model", str(smollm2), *args[1:], "--out", str(out[name]))
     for name, (source, dtype) in KV_KINDS.items():
