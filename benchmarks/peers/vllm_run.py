@@ -68,6 +68,10 @@ class StandInWNA16(MPLinearKernel):
         return torch.nn.functional.linear(x, layer.stand_in_weight.to(x.dtype), bias)
 
 
+def key_scales(model: torch.nn.Module) -> list[float]:
+    return [float(m._k_scale) for m in model.modules() if hasattr(m, "_k_scale")]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", action="append", required=True)
@@ -85,7 +89,11 @@ def main() -> None:
         STAND_IN.clear()
         llm = LLM(model=model, dtype=a.dtype, kv_cache_dtype=kv or "auto", max_model_len=512, enforce_eager=True)
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        results[spec] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "stand_in": sorted(set(STAND_IN))}
+        results[spec] = {
+            "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+            "stand_in": sorted(set(STAND_IN)),
+            "k_scales": llm.apply_model(key_scales)[0],  # what vLLM's attention layers hold, in layer order
+        }
         del llm, outputs
         gc.collect()
     print(json.dumps(results))

@@ -124,18 +124,14 @@ def test_vllm_gives_slimlm_and_transformers_greedy_tokens(kind, checkpoints, pro
 
 
 @pytest.mark.parametrize("kind", list(KV_KINDS))
-def test_vllm_reads_the_fp8_kv_scales(kind, checkpoints, prompts, vllm_tokens):
-    """An fp8 cache rounds each key and value, in vLLM as in slimlm, but not alike (slimlm stores keys less
-    their mean, vLLM raw with the same scales): vLLM's text with the checkpoint's scales stays the text of the
-    unquantized cache for most of its tokens, as slimlm's does."""
-    plain = vllm_tokens[KV_KINDS[kind][0]]["tokens"]
-    vllm_fp8 = vllm_tokens[kind]["tokens"]
-    ours_fp8 = slimlm_tokens(checkpoints[kind], prompts, "fp8")
-    agree = [common_prefix(a, b) for a, b in zip(vllm_fp8, plain, strict=True)]
-    ours_agree = [common_prefix(a, b) for a, b in zip(ours_fp8, plain, strict=True)]
-    assert sum(agree) >= 0.5 * TOKENS * len(prompts), (agree, ours_agree)
+def test_vllm_reads_the_fp8_kv_scales(kind, checkpoints, vllm_tokens):
+    """vLLM's attention layers hold the checkpoint's calibrated k_scale, layer by layer (the checkpoint without
+    them: 1.0 everywhere). Its fp8 tokens are not compared: an fp8 cache changes SmolLM2's greedy text within a
+    few tokens in vLLM and in slimlm alike (measured: 0-6 tokens of 32 before they part from the bf16 cache's),
+    and they round keys differently (slimlm stores them less their mean)."""
+    from slimlm.formats import shards
 
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Tokens two greedy continuations share before they part."""
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+    tensors = shards.read(checkpoints[kind])
+    ours = [float(tensors[f"model.layers.{i}.self_attn.k_scale"]) for i in range(30)]
+    assert vllm_tokens[kind]["k_scales"] == pytest.approx(ours, rel=1e-6)
+    assert vllm_tokens[KV_KINDS[kind][0]]["k_scales"] == [1.0] * 30
