@@ -116,7 +116,7 @@ def test_a_recipe_runs_resumes_and_redoes_only_what_changed(tiny_llama, calib_tx
         (
             "model: m\nruns: r\neval: {tasks: slimlm_piqa, limitt: 2}\nstages: {a: []}\n",
             "x.yaml:3: eval.limitt: unknown option (`compress eval` takes dtype, kv_cache_memory, "
-            "kv_cache_dtype, device, "
+            "kv_cache_dtype, device, activations, "
             "model, tasks, limit, num_fewshot, batch_size, ppl, seq_len, max_tokens, output, overwrite)",
         ),
         (
