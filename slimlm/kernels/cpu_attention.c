@@ -520,8 +520,10 @@ int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache
     for (int64_t s = 0; s < S; s++) first[s + 1] = first[s] + parts_of(seq_lens[s]);
     const int64_t tasks = first[S];
     int64_t *seq_of = malloc(sizeof(int64_t) * tasks);
-    float *sums = malloc(sizeof(float) * tasks * Hq * D), *stats = malloc(sizeof(float) * tasks * 2 * Hq);
-    if (!seq_of || !sums || !stats) return free(first), free(seq_of), free(sums), free(stats), -1;
+    float *sums = NULL, *stats = NULL;  // every task's, when some sequence splits (its parts write there)
+    if (tasks > S)
+        sums = malloc(sizeof(float) * tasks * Hq * D), stats = malloc(sizeof(float) * tasks * 2 * Hq);
+    if (!seq_of || (tasks > S && (!sums || !stats))) return free(first), free(seq_of), free(sums), free(stats), -1;
     for (int64_t s = 0; s < S; s++)
         for (int64_t t = first[s]; t < first[s + 1]; t++) seq_of[t] = s;
     int failed = 0;

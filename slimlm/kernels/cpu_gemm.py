@@ -91,9 +91,9 @@ def path(rows: int, dtype: torch.dtype, w: PackedWeight) -> str:
     rows take one loop whatever their number (fused, or AVX2's int8, which quantizes each row alone): a row gets
     the same bits however many rows share its step (batch invariance), at the price of the loops that won at
     some row counts only (measured in benchmarks/results/batch-invariance-*)."""
+    if not _EXACT.get() and int8_fits(w):  # AVX2, either dtype of x
+        return "int8"
     if dtype != torch.bfloat16 or w.bits == 32:  # fp32 x (the kernels take any other dtype as fp32)
-        if not _EXACT.get() and int8_fits(w):
-            return "int8"
         return "fused"
     pairs = w.in_features % 2 == 0 and w.group_size % 2 == 0  # the bf16 dot product takes inputs in pairs
     if cpu_library.has_bf16_gemm() and pairs:
@@ -102,8 +102,6 @@ def path(rows: int, dtype: torch.dtype, w: PackedWeight) -> str:
         return "bf16-codes" if rows <= CODE_MAX_ROWS[w.bits] else "bf16-weights"
     if cpu_library.vector_bits() == 512:
         return "dequant-slices" if rows > FUSED_MAX_ROWS_BF16 else "fused"
-    if not _EXACT.get() and int8_fits(w):
-        return "int8"
     return "dequant-slices" if rows > FUSED_MAX_ROWS_AVX2 else "fused"
 
 
