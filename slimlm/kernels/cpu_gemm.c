@@ -21,7 +21,7 @@
 #include "cpu_isa.h"
 
 #define BN 64  // output features per block (packed.BLOCK_N)
-#define MB 4   // rows of x per register tile
+#define MB 6   // rows of x per register tile: 24 accumulators (4 gave 0.85x the GFLOP/s from 32 rows)
 
 int slimlm_vector_bits(void) { return 512; }
 
@@ -726,21 +726,27 @@ void slimlm_quant_matmul(int bits, const float *x, int64_t M, int64_t K, const u
                     case 1: TILE(4, 1); break;
                     case 2: TILE(4, 2); break;
                     case 3: TILE(4, 3); break;
-                    default: TILE(4, 4);
+                    case 4: TILE(4, 4); break;
+                    case 5: TILE(4, 5); break;
+                    default: TILE(4, 6);
                 }
             } else if (bits == 32) {
                 switch (rows) {
                     case 1: TILE(32, 1); break;
                     case 2: TILE(32, 2); break;
                     case 3: TILE(32, 3); break;
-                    default: TILE(32, 4);
+                    case 4: TILE(32, 4); break;
+                    case 5: TILE(32, 5); break;
+                    default: TILE(32, 6);
                 }
             } else {
                 switch (rows) {
                     case 1: TILE(8, 1); break;
                     case 2: TILE(8, 2); break;
                     case 3: TILE(8, 3); break;
-                    default: TILE(8, 4);
+                    case 4: TILE(8, 4); break;
+                    case 5: TILE(8, 5); break;
+                    default: TILE(8, 6);
                 }
             }
         }
