@@ -56,27 +56,27 @@ def cmd_recipe(a: argparse.Namespace) -> None:
 
     recipe = recipes.load(a.recipe, a.overrides)
     if recipe.report is not None:  # before any stage runs: its own earlier report, or no file there
-        if recipe.report.exists() and not report.written_by_slimlm(recipe.report):
-            raise SlimlmError(
-                f"{a.recipe}: report: {recipe.report} exists and slimlm did not write it; move it away or name "
-                "another file"
-            )
-        atomic.check_file(recipe.report, True, "report")
+        try:
+            atomic.check_file(recipe.report, True, "report", recipes.inputs(recipe))
+        except SlimlmError as e:
+            raise SlimlmError(f"{a.recipe}: {e}") from None
     if a.check:
         steps = sum(len(s) for s in recipe.stages.values())
         print(f"{a.recipe}: {len(recipe.stages)} stages, {steps} steps: valid")
         return
-    run_dirs = recipes.run(recipe)
-    if recipe.report is not None:
+    with atomic.claim([recipe.report] if recipe.report else []):
+        run_dirs = recipes.run(recipe)
+        if recipe.report is None:
+            return
         result = report.render(
             run_dirs,
             recipe.report,
             title=f"slimlm: {recipe.path.name} on {recipe.model}",
             notes=recipe.notes,
-            overwrite=report.written_by_slimlm(recipe.report),
+            overwrite=True,
         )
-        print(report.main_table(result["runs"]))
-        print(f"report: {recipe.report.resolve()}")
+    print(report.main_table(result["runs"]))
+    print(f"report: {recipe.report.resolve()}")
 
 
 def cmd_lm_eval(a: argparse.Namespace) -> None:

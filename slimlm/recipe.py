@@ -74,6 +74,43 @@ def _lines(node, path: str = "", out: dict | None = None) -> dict[str, int]:
     return out
 
 
+MAX_VALUES = 100_000  # values a recipe may hold once its aliases are expanded (a real one holds a few hundred)
+
+
+def _expanded(root, path: Path) -> None:
+    """Refuse, before anything walks the document, aliases that expand past MAX_VALUES (an alias bomb: ten
+    aliases of ten aliases of ... ) or that hold themselves (`&n [*n]`). Counts each shared node once per use,
+    remembering the counts, so the check itself takes time in the size of the text."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if id(node) in open_nodes:
+            raise SlimlmError(f"{path}:{node.start_mark.line + 1}: an alias refers to the value that holds it")
+        open_nodes.add(id(node))
+        children = [c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else node.value
+        total = 1 + (sum(size(c) for c in children) if isinstance(node, yaml.CollectionNode) else 0)
+        open_nodes.discard(id(node))
+        if total > MAX_VALUES:
+            raise SlimlmError(f"{path}: its aliases expand to more than {MAX_VALUES:,} values; write them out")
+        sizes[id(node)] = total
+        return total
+
+    size(root)
+
+
+def _unshared(value):
+    """A copy in which every alias is a value of its own: `--set` on one stage must not change another that
+    shared an anchor with it."""
+    if isinstance(value, dict):
+        return {k: _unshared(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unshared(v) for v in value]
+    return value
+
+
 def _problem(e: yaml.YAMLError) -> str:
     """What the YAML parser objects to, on one line."""
     return " ".join(str(getattr(e, "problem", None) or e).split())
@@ -139,8 +176,11 @@ def load(path: Path, overrides: list[str] = ()) -> Recipe:
         raise SlimlmError(f"recipe {path} does not exist")
     text = path.read_text()
     try:
-        lines = _lines(yaml.compose(text)) if text.strip() else {}
-        data = yaml.safe_load(text)
+        root = yaml.compose(text)
+        if root is not None:
+            _expanded(root, path)
+        lines = _lines(root) if root is not None else {}
+        data = _unshared(yaml.safe_load(text))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -201,8 +241,13 @@ def load(path: Path, overrides: list[str] = ()) -> Recipe:
         except OptionError as e:
             fail(f"{field}.{e.field}", e.problem)
     for name in parsed:  # a stage directory holding what the recipe did not write is refused now, not mid-run
-        _state(recipe.runs / name, name)
+        _state(recipe, name)
     return recipe
+
+
+def inputs(recipe: Recipe) -> list[Path]:
+    """The files the recipe's report reads: never a place for the report itself."""
+    return [recipe.runs / name / f for name in recipe.stages for f in ("eval.json", "bench.json", "run.json")]
 
 
 def job(command: str, options: dict, **set_by_recipe) -> Job:
@@ -226,31 +271,50 @@ def _fingerprint(model: str) -> str:
     return _hash(str(path.resolve()), [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files])
 
 
+def _output_hash(path: Path) -> str | None:
+    """What a stage's output is now (each file's name, size and time), None when it does not exist: recorded in
+    run.json when the recipe writes it, compared before the recipe replaces or reuses it."""
+    if not path.exists():
+        return None
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return _hash([(str(p.relative_to(path.parent)), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
+
+
 def run(recipe: Recipe, progress: bool = True) -> list[Path]:
-    """Run every stage not already done; returns the run directories, in the recipe's order."""
+    """Run every stage not already done; returns the run directories, in the recipe's order. The stage
+    directories are held (atomic.claim) for the whole run: a second recipe or command writing there is refused."""
 
     def log(message: str) -> None:
         if progress:
             print(f"[recipe] {message}", file=sys.stderr, flush=True)
 
     produced: dict[str, str] = {}  # step-chain hash -> its output: a chain two stages share runs once
-    return [_run_stage(recipe, name, steps, log, produced) for name, steps in recipe.stages.items()]
+    with atomic.claim([recipe.runs / name for name in recipe.stages]):
+        return [_run_stage(recipe, name, steps, log, produced) for name, steps in recipe.stages.items()]
 
 
-def _state(run_dir: Path, name: str) -> dict:
+def _state(recipe: Recipe, name: str) -> dict:
     """What the stage's earlier runs recorded, {} for a new stage. A directory that holds anything else is
-    refused: the recipe replaces its outputs with --overwrite, so it must only ever find its own there."""
+    refused: the recipe replaces its outputs, so it must only ever find its own there — a run.json of this
+    stage written by this recipe file (an edited recipe redoes what changed; another recipe is refused)."""
+    run_dir = recipe.runs / name
     state_path = run_dir / "run.json"
     if state_path.is_file():
         try:
             state = json.loads(state_path.read_text())
         except (OSError, ValueError):
             state = None
-        if isinstance(state, dict) and state.get("name") == name:
+        if isinstance(state, dict) and state.get("name") == name and isinstance(state.get("recipe"), str):
+            writer = state["recipe"]
+            if writer != str(recipe.path.resolve()):
+                raise SlimlmError(
+                    f"{run_dir} was written by the recipe {writer}; point runs: at another directory (or run that "
+                    "recipe)"
+                )
             return state
     if run_dir.is_dir() and any(run_dir.iterdir()):
         raise SlimlmError(
-            f"{run_dir} holds files this recipe did not write (no run.json of stage {name!r}); "
+            f"{run_dir} holds files this recipe did not write (no run.json of stage {name!r} by this recipe); "
             "point runs: at a new directory or move them away"
         )
     if run_dir.exists() and not run_dir.is_dir():
@@ -261,20 +325,35 @@ def _state(run_dir: Path, name: str) -> dict:
 def _run_stage(recipe: Recipe, name: str, steps: list[Step], log, produced: dict[str, str]) -> Path:
     run_dir = recipe.runs / name
     state_path = run_dir / "run.json"
-    state = _state(run_dir, name)
-    if not state:  # claimed before any work, so a run killed after its first output still owns the directory
-        state = {"name": name}
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic.write_file(state_path, json.dumps(state, indent=1), True, "run.json")
-    done = state.setdefault("hashes", {})
+    state = _state(recipe, name)
+    state = state or {"name": name}
+    done, outputs = state.setdefault("hashes", {}), state.setdefault("outputs", {})
     model, key = recipe.model, _hash(recipe.model, _fingerprint(recipe.model))
 
-    def record(part: str, value: str, current: str) -> None:
-        if done.get(part) == value and state.get("model") == current and state.get("name") == name:
-            return  # unchanged: a resumed run leaves run.json as it was
-        done[part] = value
-        state.update({"name": name, "model": current})
+    def save() -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
         atomic.write_file(state_path, json.dumps(state, indent=1), True, "run.json")
+
+    if "recipe" not in state:  # claimed before any work, so a run killed later still owns the directory
+        state["recipe"] = str(recipe.path.resolve())
+        save()
+
+    def own(output: Path) -> bool:
+        """Whether `output` exists as this recipe left it; anything else there stops the recipe in one line."""
+        now, recorded = _output_hash(output), outputs.get(output.name, {})
+        if now is not None and recorded.get("hash") not in (now, "writing"):
+            what = "changed since this recipe wrote it" if recorded else "was not written by this recipe"
+            raise SlimlmError(f"{output} {what}; move it away, or point runs: at a new directory")
+        return now is not None and recorded.get("hash") == now
+
+    def write(output: Path, part: str, value: str, job_: Job) -> None:
+        own(output)
+        source = hashlib.sha256(recipe.path.read_bytes()).hexdigest()  # the recipe's text that wrote it
+        outputs[output.name] = {"hash": "writing", "recipe_sha256": source}  # a killed job's output is ours
+        save()
+        job_.run()
+        done[part], outputs[output.name]["hash"] = value, _output_hash(output)
+        save()
 
     for i, step in enumerate(steps):
         out = run_dir / ("model" if i == len(steps) - 1 else f"step{i}-{step.command}")
@@ -282,22 +361,23 @@ def _run_stage(recipe: Recipe, name: str, steps: list[Step], log, produced: dict
         if key in produced and i < len(steps) - 1:
             log(f"{name}: step {i + 1}/{len(steps)} {step.command}: the same as {produced[key]}, reused")
             out = Path(produced[key])
-        elif done.get(f"step{i}") == key and (out / "slimlm.json").exists():
+        elif done.get(f"step{i}") == key and own(out):
             log(f"{name}: step {i + 1}/{len(steps)} {step.command}: done before, skipped")
         else:
             log(f"{name}: step {i + 1}/{len(steps)} {step.command} {step.options or ''}")
-            job(step.command, step.options, model=model, out=out, overwrite=True).run()
-            record(f"step{i}", key, str(out))
+            write(out, f"step{i}", key, job(step.command, step.options, model=model, out=out, overwrite=True))
         produced.setdefault(key, str(out))
         model = str(out)
-    record("model", key, model)
+    if done.get("model") != key or state.get("model") != model:
+        done["model"], state["model"] = key, model
+        save()
     for part, options, target in (("eval", recipe.eval, "eval.json"), ("bench", recipe.bench, "bench.json")):
         part_key = _hash(key, part, options)
-        if done.get(part) == part_key and (run_dir / target).exists():
+        if done.get(part) == part_key and own(run_dir / target):
             log(f"{name}: {part}: done before, skipped")
             continue
         log(f"{name}: {part}")
-        own = (
+        destination = (
             {"output": run_dir / target}
             if part == "eval"
             else {  # the run directory is this stage's (_state)
@@ -305,6 +385,5 @@ def _run_stage(recipe: Recipe, name: str, steps: list[Step], log, produced: dict
                 "baseline": recipe.model if steps else "none",
             }
         )
-        job(part, options, model=model, overwrite=True, **own).run()
-        record(part, part_key, model)
+        write(run_dir / target, part, part_key, job(part, options, model=model, overwrite=True, **destination))
     return run_dir

@@ -4,8 +4,11 @@ shipped recipe is valid."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -300,7 +303,8 @@ def test_a_recipe_replaces_only_what_it_wrote(tiny_llama, tmp_path, capsys):
     path = tmp_path / "r.yaml"
     path.write_text(f"model: {tiny_llama}\nruns: {tmp_path / 'runs'}\nstages:\n  rtn: [{{rtn: {{bits: 8}}}}]\n")
     assert main(["recipe", str(path)]) == 2
-    assert "holds files this recipe did not write (no run.json of stage 'rtn')" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "holds files this recipe did not write (no run.json of stage 'rtn' by this recipe)" in err
     assert (mine.parent / "eval.json").read_text() == "mine" and not mine.exists()
     own = tmp_path / "report.html"
     own.write_text("<html>my notes</html>")
@@ -310,7 +314,7 @@ def test_a_recipe_replaces_only_what_it_wrote(tiny_llama, tmp_path, capsys):
         "output_len: [2, 2], rounds: 1}\nstages:\n  float: []\n"
     )
     assert main(["recipe", str(path), "--check"]) == 2  # refused before any stage runs
-    assert f"report: {own} exists and slimlm did not write it; move it away or name another file" in (
+    assert f"report {own} exists and is not a slimlm result (JSON or report); name another file" in (
         capsys.readouterr().err
     )
     assert own.read_text() == "<html>my notes</html>" and not (tmp_path / "runs2").exists()
@@ -485,9 +489,9 @@ def fake_commands(monkeypatch) -> list[tuple]:
         return run
 
     for command in ("rtn", "gptq", "kv"):
-        monkeypatch.setattr(JOBS[command], "run", step(command))
+        monkeypatch.setattr(JOBS[command], "execute", step(command))
     for part in ("eval", "bench"):
-        monkeypatch.setattr(JOBS[part], "run", measure(part))
+        monkeypatch.setattr(JOBS[part], "execute", measure(part))
     return calls
 
 
@@ -557,7 +561,11 @@ def test_a_run_does_each_step_once_reuses_shared_chains_and_redoes_what_changed(
     assert run("stages.rtn-kv.1.kv.kv_dtype=fp8") == rtn_kv  # only what follows the edit
     edits = ("stages.rtn-kv.1.kv.kv_dtype=fp8", "eval.max_tokens=128")
     assert run(*edits) == [c for c in everything if c[0] == "eval"]
-    (runs / "rtn" / "model" / "slimlm.json").unlink()  # an output gone: its step runs again
+    (runs / "rtn" / "model" / "notes.txt").write_text("mine")  # an output changed: refused, left as it is
+    with pytest.raises(SlimlmError, match=f"{runs / 'rtn' / 'model'} changed since this recipe wrote it; move it"):
+        run(*edits)
+    assert (runs / "rtn" / "model" / "notes.txt").read_text() == "mine"
+    shutil.rmtree(runs / "rtn" / "model")  # an output gone: its step runs again
     assert run(*edits) == [rtn[0]]
     (src / "notes.md").write_text("edited")  # not the model
     assert run(*edits) == []
@@ -574,13 +582,13 @@ def test_a_stage_directory_is_refused_unless_its_run_json_names_the_stage(tmp_pa
     stage.mkdir(parents=True)
     recipes.run(recipes.load(path))  # an empty directory is taken
     assert json.loads((stage / "run.json").read_text())["name"] == "a"
-    for text in (json.dumps({"name": "b"}), "{not json", json.dumps(["a"])):
+    for text in (json.dumps({"name": "b"}), "{not json", json.dumps(["a"]), json.dumps({"name": "a"})):
         (stage / "run.json").write_text(text)
         with pytest.raises(
             SlimlmError,
             match=re.escape(
                 f"{stage} holds files this recipe did not write (no run.json "
-                "of stage 'a'); point runs: at a new directory or move them "
+                "of stage 'a' by this recipe); point runs: at a new directory or move them "
                 "away"
             ),
         ):
@@ -603,3 +611,45 @@ def test_an_override_with_a_newline_is_quoted_so_the_error_stays_one_line(tmp_pa
     with pytest.raises(SlimlmError) as error:
         recipes.load(path, ["no\nsuch.x=1"])
     assert str(error.value) == "--set 'no\\nsuch.x': the recipe has no field 'no\\nsuch' there"
+
+
+def test_a_second_recipe_is_refused_the_first_ones_stages(tmp_path, monkeypatch):
+    """Two recipe files with the same runs: (another model, the same stage names): the second stops before any
+    work and names the first; the first's outputs stay, and it still resumes."""
+    calls = fake_commands(monkeypatch)
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    first.write_text(f"model: m1\nruns: {tmp_path / 'runs'}\nstages:\n  a: [{{rtn: {{bits: 8}}}}]\n")
+    second.write_text(first.read_text().replace("m1", "m2"))
+    recipes.run(recipes.load(first))
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("*")}
+    with pytest.raises(SlimlmError, match=f"{tmp_path / 'runs' / 'a'} was written by the recipe {first}; point"):
+        recipes.load(second)
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("*")} == stamps
+    state = json.loads((tmp_path / "runs" / "a" / "run.json").read_text())
+    recipe_hash = hashlib.sha256(first.read_bytes()).hexdigest()
+    assert state["recipe"] == str(first) and state["outputs"]["model"]["recipe_sha256"] == recipe_hash
+    calls.clear()
+    recipes.run(recipes.load(first))
+    assert calls == []
+
+
+def test_an_alias_bomb_and_a_recursive_alias_are_refused_in_one_line_at_once(tmp_path):
+    bomb = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    bomb += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]  # 10^9 values expanded
+    for text, message in (
+        ("\n".join(bomb), "its aliases expand to more than 100,000 values; write them out"),
+        ("model: m\nruns: r\nnotes: &n [*n]\nstages: {a: []}\n", ":3: an alias refers to the value that holds it"),
+    ):
+        path = tmp_path / "x.yaml"
+        path.write_text(text)
+        start = time.perf_counter()
+        with pytest.raises(SlimlmError) as refused:
+            recipes.load(path)
+        assert time.perf_counter() - start < 5 and message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_set_changes_the_one_path_it_names_even_where_an_alias_shared_it(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("model: m\nruns: r\nstages:\n  a: [{rtn: &o {bits: 4}}]\n  b: [{rtn: *o}]\n")
+    recipe = recipes.load(path, ["stages.a.0.rtn.bits=8"])
+    assert recipe.stages["a"][0].options == {"bits": 8} and recipe.stages["b"][0].options == {"bits": 4}

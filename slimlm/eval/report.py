@@ -239,18 +239,6 @@ def environment() -> dict:
     }
 
 
-GENERATOR = '<meta name="generator" content="slimlm">'  # in every report: what a recipe may replace
-
-
-def written_by_slimlm(path: Path) -> bool:
-    """Whether `path` is a report slimlm wrote (a recipe regenerates its own report, never another file)."""
-    try:
-        with open(path, errors="replace") as f:
-            return GENERATOR in f.read(4096)
-    except OSError:
-        return False
-
-
 def render(
     run_dirs: list[Path],
     out: Path,

@@ -12,8 +12,11 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import hashlib
+import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +26,7 @@ from slimlm.errors import FieldError, SlimlmError
 
 # Files a Hugging Face / slimlm checkpoint directory holds: the only things --overwrite may delete.
 CHECKPOINT_MARKERS = ("config.json", "slimlm.json")
+REPORT_GENERATOR = '<meta name="generator" content="slimlm">'  # in every report: what --overwrite may replace
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -60,18 +64,45 @@ def check_output(out: Path, overwrite: bool, sources: list[Path] = ()) -> Path:
     return out
 
 
-def check_file(path: Path, overwrite: bool, field: str) -> Path:
+def check_file(path: Path, overwrite: bool, field: str, inputs: list[Path] = ()) -> Path:
     """Refuse, before any work, a results file (report, eval/bench/plan JSON) that would lose data: a
-    directory, a checkpoint's own file, or an existing file unless `overwrite`. `field`: the setting that named
-    it, for the error."""
+    directory, a file in a checkpoint's directory, one of the command's `inputs`, or an existing file unless
+    `overwrite` — and then only one of the kind the command writes (JSON, HTML), never, say, a model's tokenizer
+    or a notes file. `field`: the setting that named it, for the error."""
     path = Path(path).expanduser()
     if path.is_dir():
         raise FieldError(field, f"{path} is a directory; name a file")
-    if path.name in CHECKPOINT_MARKERS or path.suffix == ".safetensors":
-        raise FieldError(field, f"{path} is a checkpoint's own file; name a file outside the checkpoint")
-    if path.exists() and not overwrite:
-        raise FieldError(field, f"{path} exists; pass {{overwrite}} to replace it")
+    if path.name in CHECKPOINT_MARKERS or path.suffix == ".safetensors" or is_checkpoint(path.parent):
+        raise FieldError(field, f"{path} is in a checkpoint's directory; name a file outside the checkpoint")
+    if any(path.resolve() == Path(i).expanduser().resolve() for i in inputs):
+        raise FieldError(field, f"{path} is one of this command's inputs; name another file")
+    if path.exists() or path.is_symlink():
+        if not overwrite:
+            raise FieldError(field, f"{path} exists; pass {{overwrite}} to replace it")
+        if not _same_kind(path):
+            raise FieldError(field, f"{path} exists and is not a slimlm result (JSON or report); name another file")
     return path
+
+
+def is_checkpoint(d: Path) -> bool:
+    """Whether `d` is a checkpoint's directory: config.json, slimlm.json or weights in it."""
+    return d.is_dir() and (any((d / m).exists() for m in CHECKPOINT_MARKERS) or any(d.glob("*.safetensors")))
+
+
+def _same_kind(path: Path) -> bool:
+    """Whether an existing file is of the kind results are written as: a JSON document (.json) or a report
+    slimlm wrote (.html). Anything else (a symlink, a file of another kind or another suffix) is not replaced."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64 << 20)
+        if path.suffix == ".json":
+            json.loads(head)
+            return True
+        return path.suffix in (".html", ".htm") and REPORT_GENERATOR.encode() in head[:4096]
+    except (OSError, ValueError):
+        return False
 
 
 def write_file(path: Path, text: str, overwrite: bool, field: str) -> None:
@@ -87,6 +118,58 @@ def write_file(path: Path, text: str, overwrite: bool, field: str) -> None:
             Path(f.name).unlink(missing_ok=True)
     except OSError as e:
         raise SlimlmError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+_CLAIMED: set[Path] = set()  # what this process holds: a recipe holds its stages, then each step its own out
+
+
+@contextmanager
+def claim(paths: list[Path]) -> Iterator[None]:
+    """Hold every path a command writes (a checkpoint, a report, a JSON) for the command's whole run: a second
+    slimlm command that would write one of them is refused at its start, in one line, whatever its kind, rather
+    than mixing its output with this one's or losing its work at the end. The lock is an flock on a file in the
+    cache named by the path's hash (nothing is left beside the output), gone with the process that held it.
+    Under accelerate, the main process (RANK 0) holds for the group."""
+    held = []
+    try:
+        if os.environ.get("RANK", "0") == "0":
+            for path in sorted({Path(p).expanduser().resolve() for p in paths}):
+                if path not in _CLAIMED:
+                    held.append((path, *_lock(path)))
+                    _CLAIMED.add(path)
+        yield
+    finally:
+        for path, fd, lock in held:
+            lock.unlink(missing_ok=True)  # before the unlock: a waiter then sees the file gone and retries
+            os.close(fd)
+            _CLAIMED.discard(path)
+
+
+def _lock(path: Path) -> tuple[int, Path]:
+    from slimlm.cache import cache_dir
+
+    locks = cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    lock = locks / (hashlib.sha256(str(path).encode()).hexdigest()[:32] + ".lock")
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 300, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            busy = f"{path} is being written by another slimlm command ({holder}); wait for it or name another"
+            raise SlimlmError(busy) from None
+        try:  # the holder before us may have removed the file between our open and our lock: take the new one
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:200] if sys.argv and sys.argv[0] else "python"
+    os.pwrite(fd, f"pid {os.getpid()}: {command}".encode(), 0)
+    return fd, lock
 
 
 def replaceable(d: Path) -> bool:

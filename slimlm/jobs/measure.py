@@ -98,14 +98,12 @@ class Eval(EngineMemory):
     ppl: Annotated[str | None, Opt("perplexity text (default: wiki when no --tasks)", metavar="SOURCE")] = None
     seq_len: Annotated[int, Opt("--ppl window length", parse=window_int)] = 512
     max_tokens: Annotated[int, Opt("--ppl tokens taken from the source", parse=positive_int)] = 16384
-    output: Annotated[Path | None, Opt("write the results as JSON here")] = None
+    output: Annotated[Path | None, Opt("write the results as JSON here", output="file")] = None
     overwrite: Annotated[bool, OVERWRITE] = False
 
-    def run(self) -> dict:
+    def execute(self) -> dict:
         from slimlm import data
 
-        if self.output:
-            atomic.check_file(self.output, self.overwrite, "output")
         tasks = self.tasks or []
         ppl_source = self.ppl or (None if tasks else "wiki")
         if ppl_source:
@@ -192,16 +190,14 @@ class Bench(Job):
     ] = None
     http: Annotated[bool, Opt("also send the workload to compress serve over HTTP")] = False
     seed: Annotated[int, Opt(parse=seed_int)] = 0
-    json_path: Annotated[Path | None, Opt("write the results as JSON", flag="--json")] = None
+    json_path: Annotated[Path | None, Opt("write the results as JSON", flag="--json", output="file")] = None
     overwrite: Annotated[bool, OVERWRITE] = False
 
-    def run(self) -> dict:
+    def execute(self) -> dict:
         from slimlm import models
         from slimlm.perf import bench
         from slimlm.perf.config import BenchConfig, baseline_of
 
-        if self.json_path:
-            atomic.check_file(self.json_path, self.overwrite, "json_path")
         config = BenchConfig(
             batches=self.batch,
             context=self.context,
@@ -270,15 +266,16 @@ class Plan(Job):
             "measured bandwidth, against the measured ones"
         ),
     ] = None
-    json_path: Annotated[Path | None, Opt("also write the plan as JSON", flag="--json")] = None
+    json_path: Annotated[Path | None, Opt("also write the plan as JSON", flag="--json", output="file")] = None
     overwrite: Annotated[bool, OVERWRITE] = False
 
-    def run(self) -> dict | list:
+    def inputs(self) -> list[Path]:
+        return [self.bench] if self.bench else []
+
+    def execute(self) -> dict | list:
         from slimlm import models
         from slimlm.eval import plan
 
-        if self.json_path:
-            atomic.check_file(self.json_path, self.overwrite, "json_path")
         if self.model in plan.MODEL_PRESETS:
             dims = plan.MODEL_PRESETS[self.model]
         else:
@@ -327,15 +324,17 @@ class Report(Job):
         "bandwidth model vs measured"
     )
     runs: Annotated[list[Path], Opt("run directories (eval.json, bench.json, run.json)", positional=True, nargs="+")]
-    out: Annotated[Path, Opt()] = Path("report.html")
+    out: Annotated[Path, Opt(output="file")] = Path("report.html")
     overwrite: Annotated[bool, OVERWRITE] = False
     baseline: Annotated[str | None, Opt("the run quality is compared with (default: the first)")] = None
     title: Annotated[str, Opt()] = "slimlm tradeoff report"
 
-    def run(self) -> dict:
+    def inputs(self) -> list[Path]:
+        return [run / name for run in self.runs for name in ("eval.json", "bench.json", "run.json")]
+
+    def execute(self) -> dict:
         from slimlm.eval import report
 
-        atomic.check_file(self.out, self.overwrite, "out")
         result = report.render(self.runs, self.out, self.baseline, self.title, overwrite=self.overwrite)
         print(report.main_table(result["runs"]))
         print(f"report: {self.out.resolve()}")
@@ -391,18 +390,18 @@ class LongContext(EngineMemory):
     ]
     source: Annotated[str, Opt("filler text: a bundled text or a .txt/.jsonl file")] = "wiki"
     seed: Annotated[int, Opt(parse=seed_int)] = 0
-    output: Annotated[Path | None, Opt("write the results as JSON here (compress report plots them)")] = None
+    output: Annotated[
+        Path | None, Opt("write the results as JSON here (compress report plots them)", output="file")
+    ] = None
     overwrite: Annotated[bool, OVERWRITE] = False
 
-    def run(self) -> dict:
+    def execute(self) -> dict:
         import time
 
         from slimlm import models
         from slimlm.eval import long_context, records
         from slimlm.runtime.engine import Engine
 
-        if self.output:
-            atomic.check_file(self.output, self.overwrite, "output")
         config = self.engine_config(max_model_len=None)
         for policy in self.policies:
             try:

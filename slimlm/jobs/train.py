@@ -36,7 +36,7 @@ class Training(Job):
             choices=DTYPE_CHOICE,
         ),
     ] = "auto"
-    out: Annotated[Path, Opt("output checkpoint directory")]
+    out: Annotated[Path, Opt("output checkpoint directory", output="dir")]
     overwrite: Annotated[bool, Opt("replace --out if it exists")] = False
 
     def train_config(self, tokens: int):
@@ -96,7 +96,7 @@ class GQA(Training):
     num_samples: Annotated[int, Opt("calibration windows for the grouping", parse=positive_int)] = 16
     uptrain_tokens: Annotated[int, Opt("distillation budget (0: none)", parse=nonnegative_int)] = 0
 
-    def run(self) -> Path:
+    def execute(self) -> Path:
         from slimlm.train.job import convert_gqa
 
         out = convert_gqa(
@@ -147,7 +147,7 @@ class Prune(Training):
         ),
     ] = 0
 
-    def run(self) -> Path:
+    def execute(self) -> Path:
         from slimlm.train.job import prune_model
 
         sizes = {"hidden": self.hidden, "heads": self.heads, "ffn": self.ffn, "layers": self.layers}

@@ -88,7 +88,9 @@ def test_the_report_replaces_no_file_unless_asked_and_never_a_checkpoints(runs, 
     for target, fragment in (
         (out, "exists; pass --overwrite to replace it"),
         (tmp_path, "is a directory; name a file"),
-        (tiny_llama / "config.json", "is a checkpoint's own file"),
+        (tiny_llama / "config.json", "is in a checkpoint's directory"),
+        (tiny_llama / "tokenizer.json", "is in a checkpoint's directory"),
+        (runs[0] / "eval.json", "is one of this command's inputs"),
     ):
         before = target.read_text() if target.is_file() else None
         asked = [] if target == out else ["--overwrite"]  # asking does not make the others writable
@@ -96,7 +98,12 @@ def test_the_report_replaces_no_file_unless_asked_and_never_a_checkpoints(runs, 
         err = capsys.readouterr().err
         assert fragment in err and err.count("\n") == 1 and "Traceback" not in err
         assert before is None or target.read_text() == before
-    assert main(["report", *map(str, runs), "--out", str(out), "--overwrite"]) == 0
+    assert main(["report", *map(str, runs), "--out", str(out), "--overwrite"]) == 2  # not a report: kept
+    assert "exists and is not a slimlm result (JSON or report)" in capsys.readouterr().err
+    assert out.read_text() == "mine"
+    out.unlink()
+    for _ in range(2):  # then its own report, replaced
+        assert main(["report", *map(str, runs), "--out", str(out), "--overwrite"]) == 0
     assert "<html" in out.read_text()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp file left
 

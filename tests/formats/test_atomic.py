@@ -290,3 +290,107 @@ def test_parents_made_meanwhile_by_another_run_are_passed_over(tmp_path, monkeyp
     monkeypatch.setattr(Path, "mkdir", racing_mkdir)
     assert atomic._make_parents(tmp_path / "a" / "b" / "c") == [tmp_path / "a" / "b", tmp_path / "a" / "b" / "c"]
     assert (tmp_path / "a" / "b" / "c").is_dir()
+
+
+HOLDER = """
+import sys
+from slimlm.formats import atomic
+with atomic.claim([sys.argv[1]]):
+    print("held", flush=True)
+    sys.stdin.read()  # until the test closes it
+"""
+
+
+@pytest.fixture(autouse=True)
+def locks(tmp_path, monkeypatch) -> Path:
+    """This test's own lock directory (the cache's), for this process and the ones it starts."""
+    monkeypatch.setenv("SLIMLM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "locks"
+
+
+def hold_in_another_process(path: Path) -> subprocess.Popen:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+def test_a_claimed_output_is_refused_to_every_other_process_until_released(tmp_path, locks):
+    out = tmp_path / "x"
+    holder = hold_in_another_process(out)
+    try:
+        with pytest.raises(SlimlmError) as refused:
+            with atomic.claim([tmp_path / "y", out]):
+                pass
+        message = str(refused.value)
+        assert message.startswith(f"{out} is being written by another slimlm command (pid {holder.pid}: -c ")
+        assert message.endswith("; wait for it or name another") and "\n" not in message
+        with atomic.claim([tmp_path / "y"]):  # the one it did not hold was let go
+            pass
+    finally:
+        holder.stdin.close()
+        assert holder.wait() == 0
+    with atomic.claim([out]), atomic.claim([out]):  # free now; and a process may claim what it holds again
+        pass
+    assert list(locks.iterdir()) == []  # nothing left behind
+
+
+def test_a_lock_file_removed_by_its_last_holder_is_not_taken_by_a_waiter(tmp_path, locks, monkeypatch):
+    """A process that opened the lock file just before its holder removed it must not count that file as the
+    lock: a third process could meanwhile lock the new one. The waiter takes the new file instead."""
+    out = tmp_path / "x"
+    opened = []
+    real_open = os.open
+
+    def open_then_lose_the_race(path, *args):
+        fd = real_open(path, *args)
+        if str(path).endswith(".lock") and not opened:
+            opened.append(path)
+            os.unlink(path)  # what the holder does as it lets go, between our open and our flock
+        return fd
+
+    monkeypatch.setattr(atomic.os, "open", open_then_lose_the_race)
+    with atomic.claim([out]):
+        monkeypatch.setattr(atomic.os, "open", real_open)
+        (lock,) = locks.iterdir()
+        assert lock == Path(opened[0]) and lock.exists()  # the file it holds is the one at the path
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        holder = subprocess.run(
+            [sys.executable, "-c", HOLDER, str(out)], input="", capture_output=True, text=True, env=env
+        )
+        assert holder.returncode == 1 and "is being written by another slimlm command" in holder.stderr
+
+
+def test_two_commands_of_different_kinds_on_one_out_the_second_is_refused_before_any_work(
+    tiny_llama, tmp_path, monkeypatch, capsys
+):
+    """The cross-command race: a run holds --out (as gqa does for its whole training); rtn on the same --out,
+    with --overwrite, is refused at once, and what the first run has there is intact."""
+    from slimlm import models
+    from slimlm.cli import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text('{"first": 1}')
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("work started"))
+    holder = hold_in_another_process(out)
+    try:
+        for command in (["rtn", "--model", str(tiny_llama)], ["kv", str(tiny_llama), "--kv-dtype", "int8"]):
+            assert main([*command, "--out", str(out), "--overwrite"]) == 2
+            err = capsys.readouterr().err
+            assert "is being written by another slimlm command" in err and err.count("\n") == 1
+        report = tmp_path / "report.html"
+        another = hold_in_another_process(report)
+        assert main(["report", str(tmp_path), "--out", str(report)]) == 2
+        assert "is being written by another slimlm command" in capsys.readouterr().err
+        another.stdin.close()
+        another.wait()
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    assert [p.name for p in out.iterdir()] == ["config.json"] and (out / "config.json").read_text() == '{"first": 1}'
