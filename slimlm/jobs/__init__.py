@@ -5,7 +5,7 @@
 
 A job's fields (options.py) declare its flags, checks and help once; the CLI is generated from `JOBS`, a
 recipe step is `JOBS[command].from_options(mapping)`, and `run()` does the work. A new method is one job
-class (its fields and `run`) and one entry here.
+class (its fields and `execute`; `run()` claims its outputs, then executes) and one entry here.
 """
 
 from slimlm.jobs.measure import Bench, Eval, LongContext, Plan, Report

@@ -51,19 +51,12 @@ def task_list(text: str) -> list[str]:
     return tasks
 
 
-def measure_perplexity(
-    spec: str,
-    source: str,
-    seq_len: int,
-    max_tokens: int,
-    device: str | None,
-    kv_cache_dtype: str = "auto",
-    dtype: str = "auto",
-) -> dict:
+def measure_perplexity(spec: str, source: str, seq_len: int, max_tokens: int, **engine_config) -> dict:
+    """Perplexity of `spec` on `source` through an engine with `engine_config` (EngineConfig's fields)."""
     from slimlm.eval.perplexity import engine_for, perplexity
     from slimlm.formats import shards
 
-    engine = engine_for(spec, seq_len, device=device, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
+    engine = engine_for(spec, seq_len, **engine_config)
     from slimlm.eval import records
 
     result = perplexity(engine, source, seq_len=seq_len, max_tokens=max_tokens)
@@ -131,9 +124,8 @@ class Eval(EngineMemory):
             )
         ppl = None
         if ppl_source:
-            ppl = measure_perplexity(
-                self.model, ppl_source, self.seq_len, self.max_tokens, self.device, self.kv_cache_dtype, self.dtype
-            )
+            engine = {name: getattr(self, name) for name in EngineMemory.model_fields}  # all of the engine's
+            ppl = measure_perplexity(self.model, ppl_source, self.seq_len, self.max_tokens, **engine)
             print(
                 f"perplexity on {ppl_source}: {ppl['perplexity']:.3f} ({ppl['tokens_scored']} tokens, "
                 f"windows of {self.seq_len}, {ppl['seconds']:.0f}s)"

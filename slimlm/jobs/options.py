@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,14 @@ class Job(BaseModel):
             name: next((m for m in f.metadata if isinstance(m, Opt)), Opt()) for name, f in cls.model_fields.items()
         }
 
+    def __init__(self, **values: Any) -> None:
+        """A job from Python: the same checks as the command line's, and a wrong value is one line naming the
+        field (an OptionError), as from run() or a recipe."""
+        try:
+            super().__init__(**values)
+        except ValidationError as e:
+            raise _option_error(e, "", type(self)) from None
+
     @model_validator(mode="before")
     @classmethod
     def _check_values(cls, values: Any) -> Any:
@@ -90,6 +99,8 @@ class Job(BaseModel):
         opts = cls.opts()
         checked = {}
         for name, value in values.items():
+            if isinstance(value, bool) and name in cls.model_fields and not _takes_bool(cls.model_fields[name]):
+                raise ValueError(f"{name}: {value} is not a value of this option (true/false only sets switches)")
             try:
                 checked[name] = opts[name].check(value) if name in opts else value
             except (ValueError, argparse.ArgumentTypeError) as e:
@@ -117,6 +128,8 @@ class Job(BaseModel):
             return cls.model_validate(values)
         except ValidationError as e:
             raise _option_error(e, where, cls) from None
+        except OptionError as e:  # pydantic validates through __init__ when a model defines one
+            raise OptionError(where, e.field, e.problem) from None
 
     def inputs(self) -> list[Path]:
         """Files the job reads that its output files must never be (compress report's run files)."""
@@ -135,6 +148,15 @@ class Job(BaseModel):
 
     def execute(self) -> Any:
         raise NotImplementedError
+
+
+def _takes_bool(field) -> bool:
+    """Whether a field's type admits True/False (pydantic would otherwise read True as 1 for an int)."""
+
+    def admits(annotation) -> bool:
+        return annotation is bool or any(admits(a) for a in typing.get_args(annotation))
+
+    return admits(field.annotation)
 
 
 def _option_error(error: ValidationError, where: str, cls: type[Job]) -> OptionError:
@@ -287,9 +309,12 @@ def parse_size(text: str) -> int:
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     number, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
     try:
-        size = int(float(number) * units[unit])
+        value = float(number) * units[unit]
+        size = int(value)
     except (ValueError, OverflowError):
         raise ValueError(f"'{text}' is not a size; write e.g. 512M or 2G") from None
+    if size != value:  # 1.5 bytes: a typo for 1.5G, not a pool of one byte
+        raise ValueError(f"'{text}' is not a whole number of bytes; write e.g. 1.5G or 512M")
     if size <= 0:
         raise ValueError(f"'{text}' must be a positive size")
     return size

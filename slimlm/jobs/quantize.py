@@ -280,8 +280,8 @@ def quantize(job: Calibration, name: str, steps: list, args, report_error: bool 
     if not job.ppl:
         print(f"checkpoint: {out}")
         return out
-    base = measure_perplexity(job.model, job.ppl, job.seq_len, job.ppl_tokens, job.device)
-    quant = measure_perplexity(str(out), job.ppl, job.seq_len, job.ppl_tokens, job.device)
+    base = measure_perplexity(job.model, job.ppl, job.seq_len, job.ppl_tokens, device=job.device)
+    quant = measure_perplexity(str(out), job.ppl, job.seq_len, job.ppl_tokens, device=job.device)
     (out / "eval.json").write_text(json.dumps({"baseline": base, "quantized": quant}, indent=2) + "\n")
     label = "" if args is None else f"{name} w{args.bits} g{args.group_size} {'sym' if args.sym else 'asym'} "
     if job.kv_dtype:

@@ -45,8 +45,15 @@ class Training(Job):
 
         if not tokens:
             return None
-        if not 0 <= self.lm_weight <= 1 or self.temperature <= 0 or not 0 <= self.warmup < 1 or self.lr <= 0:
-            raise FieldError("lm_weight", "must be in [0, 1], {temperature} and {lr} > 0, {warmup} in [0, 1)")
+        for field, ok, rule in (
+            ("lm_weight", 0 <= self.lm_weight <= 1, "in [0, 1]"),
+            ("temperature", self.temperature > 0, "> 0"),
+            ("warmup", 0 <= self.warmup < 1, "in [0, 1)"),
+            # past 1 AdamW moves each weight by ~lr a step: the model is gone, or fp32 overflows (1e39)
+            ("lr", 0 < self.lr <= 1, "in (0, 1]"),
+        ):
+            if not ok:
+                raise FieldError(field, f"must be {rule}, got {getattr(self, field)}")
         return TrainConfig(
             train_tokens=tokens,
             seq_len=self.seq_len,

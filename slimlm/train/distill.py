@@ -239,13 +239,22 @@ def _backward(
     return total
 
 
-def _diverged(step: int, start: int, config: TrainConfig, loss: float, grad_norm: float) -> SlimlmError:
-    saved = max(start, step // config.checkpoint_every * config.checkpoint_every)
+def _diverged(step: int, start: int, config: TrainConfig, what: str) -> FieldError:
+    saved = max(start, min(step, config.steps - 1) // config.checkpoint_every * config.checkpoint_every)
     resume = f"a rerun resumes from step {saved}" if saved else "no checkpoint was reached"
-    return SlimlmError(
-        f"training diverged at step {step + 1} (loss {loss}, gradient norm {grad_norm}): stopped "
-        f"before that update, nothing written; lower the learning rate, lr ({resume})"
-    )
+    advice = f"nothing written; lower the learning rate, {{lr}} ({resume})"
+    return FieldError("lr", f"training diverged at step {step + 1} ({what}): {advice}")
+
+
+def _check_final(student: nn.Module, log: list[dict], step: int, start: int, config: TrainConfig) -> None:
+    """The last update is checked after it is made: every weight finite, and the last evaluation too (a model
+    whose weights are 1e30 is finite and useless: its perplexity is not)."""
+    bad = next((name for name, p in student.named_parameters() if not torch.isfinite(p).all()), None)
+    scores = {k: v for k, v in (log[-1] if log else {}).items() if k.startswith("eval")}
+    if bad is not None:
+        raise _diverged(step, start, config, f"{bad} is not finite after the last update")
+    if any(not math.isfinite(v) for v in scores.values()):
+        raise _diverged(step, start, config, f"the final evaluation is {scores}")
 
 
 def activation_bytes(config, tokens: int) -> tuple[int, int]:
@@ -368,7 +377,7 @@ def train(
         loss_value = accelerator.reduce(total, "mean").item()
         if not (math.isfinite(loss_value) and math.isfinite(float(grad_norm))):  # before the step: weights intact
             bar.close()  # the error on a line of its own
-            raise _diverged(step, start, config, loss_value, float(grad_norm))
+            raise _diverged(step, start, config, f"loss {loss_value}, gradient norm {float(grad_norm)}")
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -394,6 +403,7 @@ def train(
             accelerator.wait_for_everyone()
     bar.close()
     student = accelerator.unwrap_model(student)
+    _check_final(student, log, config.steps - 1, start, config)
     if recompute:
         student.activation_checkpointing_disable()
     student.eval()

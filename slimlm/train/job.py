@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import math
 import shutil
@@ -110,15 +111,16 @@ def _finish(job: _Job, student: torch.nn.Module, meta: dict, run: Run, tag: str)
             f"checkpoints in {run_dir}"
         )
         # what a checkpoint must share with this run to be resumed: the source's weights, the conversion or
-        # pruning and its options, the text (json-normal, as the checkpoint stores it)
+        # pruning and its options, the text — its tokens, not the file's name, which may now hold other text
+        # (json-normal, as the checkpoint stores it)
         identity = json.loads(
             json.dumps(
                 {
                     "source": meta["source_model"]["sha256"],
                     "method": meta["method"],
                     "arguments": meta["arguments"],
-                    "train_data": train_data,
-                    "eval_data": eval_data,
+                    "train_data": [train_data, _tokens_hash(job.windows)],
+                    "eval_data": [eval_data, _tokens_hash(evaluation)],
                 },
                 default=str,
             )
@@ -156,6 +158,10 @@ def _finish(job: _Job, student: torch.nn.Module, meta: dict, run: Run, tag: str)
         log(f"[{tag}] wrote {out}")
     state.wait_for_everyone()
     return out
+
+
+def _tokens_hash(windows: torch.Tensor) -> str:
+    return hashlib.sha256(windows.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
 
 
 def convert_gqa(

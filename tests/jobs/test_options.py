@@ -1,10 +1,10 @@
 """The jobs are the one definition of every command's options: the CLI, recipes and Python reach every field,
 with the same defaults and the same checks."""
 
+import re
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
 
 from slimlm import recipe as recipes
 from slimlm.cli import build_parser
@@ -89,7 +89,7 @@ def test_a_bad_value_reads_the_same_from_every_front_end(capsys):
         "stages.a.0.rtn.bits: invalid choice: 5 (choose from 2, 3, 4, 8)",
         "bits",
     )
-    with pytest.raises(ValidationError, match="bits: invalid choice: 5 \\(choose from 2, 3, 4, 8\\)"):
+    with pytest.raises(OptionError, match="^bits: invalid choice: 5 \\(choose from 2, 3, 4, 8\\)$"):
         JOBS["rtn"](out="o", bits=5)
     with pytest.raises(SlimlmError, match="^kv_cache_memory: '0' must be a positive size$"):
         JOBS["eval"].from_options({"model": "m", "kv_cache_memory": 0})
@@ -141,11 +141,39 @@ def test_sizes(text, size):
         ("0", "'0' must be a positive size"),
         ("lots", "'lots' is not a size; write e.g. 512M or 2G"),
         ("1e400G", "'1e400G' is not a size"),
+        ("1.5", "'1.5' is not a whole number of bytes; write e.g. 1.5G or 512M"),
+        ("0.3K", "'0.3K' is not a whole number of bytes"),
     ],
 )
 def test_bad_sizes(text, message):
-    with pytest.raises(ValueError, match=f"^{message}"):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
         parse_size(text)
+
+
+def test_a_fractional_pool_from_python_is_refused_not_truncated():
+    from slimlm.jobs import Eval
+
+    with pytest.raises(OptionError, match="^kv_cache_memory: '1.5' is not a whole number of bytes"):
+        Eval(model="m", kv_cache_memory=1.5)
+
+
+@pytest.mark.parametrize(
+    "command,field,value",
+    [("gptq", "num_samples", True), ("gptq", "float_target", True), ("eval", "limit", True), ("rtn", "bits", False)],
+)
+def test_a_bool_is_not_taken_for_a_number(command, field, value):
+    values = {**{k: v for k, v in REQUIRED.items() if k in JOBS[command].model_fields}, field: value}
+    with pytest.raises(OptionError) as error:
+        JOBS[command](**values)
+    assert str(error.value) == f"{field}: {value} is not a value of this option (true/false only sets switches)"
+
+
+def test_eval_ppl_builds_its_engine_with_the_kv_pool_asked_for(tiny_llama, calib_txt, capsys):
+    from slimlm.cli import main
+
+    assert main(["eval", str(tiny_llama), "--ppl", str(calib_txt), "--seq-len", "32", "--kv-cache-memory", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "a KV cache pool of 1 bytes holds less than one block" in err and err.count("\n") == 1
 
 
 def test_a_field_error_names_flags_on_the_command_line_and_fields_elsewhere(tmp_path, capsys):

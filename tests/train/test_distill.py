@@ -263,8 +263,10 @@ def test_a_checkpoint_resumes_only_the_same_source_options_and_data(
     other_text = tmp_path / "other.txt"
     other_text.write_text(make_text(300, seed=7))
     other_model = make_tiny_llama(tmp_path / "other-model", seed=123)
+    data = tmp_path / "data.txt"
+    data.write_text(calib_txt.read_text())
 
-    def run(model=tiny_llama, text=calib_txt, kv_heads="2"):
+    def run(model=tiny_llama, text=data, kv_heads="2"):
         argv = gqa_command(model, calib_txt, out, steps=8)
         argv[argv.index("--train-data") + 1] = str(text)
         argv[argv.index("--kv-heads") + 1] = kv_heads
@@ -282,8 +284,38 @@ def test_a_checkpoint_resumes_only_the_same_source_options_and_data(
     ):
         code, err = run(**changed)
         assert code == 2 and f"holds a run with another {word} than this one" in err, err
+    data.write_text(other_text.read_text())  # the same file name, other text
+    code, err = run()
+    assert code == 2 and "holds a run with another train_data than this one" in err, err
+    data.write_text(calib_txt.read_text())
     code, err = run()
     assert code == 2 and "training diverged at step 4" in err  # resumed: the same run, the same divergence
+
+
+def test_a_divergence_in_the_last_update_is_caught_before_anything_is_written(
+    tiny_llama, calib_txt, tmp_path, capsys, monkeypatch
+):
+    """The last update cannot be checked by the next step's loss (there is none): an infinite learning rate in
+    it leaves weights that are not finite. Nothing is written, and the message names --lr."""
+    from slimlm.cli import main
+    from slimlm.train import distill
+
+    real = distill.lr_factor
+    monkeypatch.setattr(distill, "lr_factor", lambda s, steps, *a: math.inf if s == steps - 1 else real(s, steps, *a))
+    out = tmp_path / "o"
+    assert main([*gqa_command(tiny_llama, calib_txt, out, steps=4), "--warmup", "0"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert "error: training diverged at step 4 (model." in err and "lower the learning rate, --lr (" in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("lr", ["1e39", "2", "0", "-1"])
+def test_a_learning_rate_outside_0_1_is_refused_before_any_work(tiny_llama, calib_txt, tmp_path, capsys, lr):
+    from slimlm.cli import main
+
+    assert main([*gqa_command(tiny_llama, calib_txt, tmp_path / "o", steps=4), "--lr", lr]) == 2
+    err = capsys.readouterr().err
+    assert f"--lr must be in (0, 1], got {float(lr)}" in err and err.count("\n") == 1
 
 
 def test_two_runs_never_train_in_one_run_directory(tiny_llama, calib_txt, tmp_path, capsys):
