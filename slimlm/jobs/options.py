@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats import atomic
 
 DTYPE_CHOICE = ("auto", "float32", "bfloat16")  # devices.COMPUTE_DTYPES, without importing torch
@@ -130,6 +130,8 @@ class Job(BaseModel):
             raise _option_error(e, where, cls) from None
         except OptionError as e:  # pydantic validates through __init__ when a model defines one
             raise OptionError(where, e.field, e.problem) from None
+        except FieldError as e:  # a job's own check across fields (FieldError passes through pydantic)
+            raise OptionError(where, e.field, e.render(lambda name: name).removeprefix(f"{e.field} ")) from None
 
     def inputs(self) -> list[Path]:
         """Files the job reads that its output files must never be (compress report's run files)."""
@@ -230,8 +232,14 @@ def flag_of(job: type[Job] | None) -> Callable[[str], str]:
 
 
 def from_args(job: type[Job], args: argparse.Namespace) -> Job:
-    """The parsed command line -> the job (its values already checked by the flags' types)."""
-    return job.model_validate({name: getattr(args, name) for name in job.model_fields})
+    """The parsed command line -> the job (its values already checked by the flags' types). A value equal to
+    the field's default is left out, so that the job's `model_fields_set` holds what the user changed."""
+    values = {}
+    for name, field in job.model_fields.items():
+        value = getattr(args, name)
+        if field.is_required() or value != field.get_default(call_default_factory=True):
+            values[name] = value
+    return job.model_validate(values)
 
 
 # The parse functions: text -> value, or a ValueError whose message follows the text it quotes.
@@ -270,6 +278,14 @@ def seed_int(text: str) -> int:
 
 def finite_float(text: str) -> float:
     return _number(float, text, math.isfinite, "must be a finite number")
+
+
+def unit_float(text: str) -> float:
+    return _number(float, text, lambda v: 0 <= v <= 1, "must be in [0, 1]")
+
+
+def open_unit_float(text: str) -> float:
+    return _number(float, text, lambda v: 0 < v < 1, "must be in (0, 1)")
 
 
 def positive_float(text: str) -> float:

@@ -1,7 +1,7 @@
 """The weight and KV-cache quantization jobs: rtn, gptq, awq (then rtn or gptq), kv.
 
 Each is the shared calibration options plus its method's own; `steps()` lists the pipeline steps it runs
-(a KV-cache step ends any of them when kv_dtype is set), and `run()` quantizes and writes the checkpoint.
+(a KV-cache step ends any of them when kv_dtype is set), and `execute()` quantizes and writes the checkpoint.
 """
 
 from __future__ import annotations
@@ -11,11 +11,24 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
+from pydantic import model_validator
+
 from slimlm import assets
+from slimlm.compress.gptq import FLOAT_TARGET
 from slimlm.errors import FieldError
 from slimlm.formats.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 from slimlm.jobs.measure import measure_perplexity
-from slimlm.jobs.options import DTYPE_CHOICE, Job, Opt, Switch, finite_float, integer, positive_int, seed_int
+from slimlm.jobs.options import (
+    DTYPE_CHOICE,
+    Job,
+    Opt,
+    Switch,
+    integer,
+    open_unit_float,
+    positive_int,
+    seed_int,
+    unit_float,
+)
 
 
 class Calibration(Job):
@@ -134,13 +147,10 @@ class Weights(KVScales):
         return self.quantize_lm_head or None
 
 
-# GPTQ's float target α (compress/gptq.py), the best measured: on SmolLM2-135M W4 g64 wiki ppl +18.2% against
-# plain GPTQ's +32.6% (0.1: +23.6%, 0.5: +39.0%; benchmarks/results/gptq-float-target-*).
-FLOAT_TARGET = 0.25
-
-
 class GPTQOptions(Job):
-    damp: Annotated[float, Opt("GPTQ dampening, a fraction of the mean Hessian diagonal", parse=finite_float)] = 0.01
+    damp: Annotated[
+        float, Opt("GPTQ dampening, a fraction of the mean Hessian diagonal, in (0, 1)", parse=open_unit_float)
+    ] = 0.01
     act_order: Annotated[
         str | None,
         Opt(
@@ -167,7 +177,7 @@ class GPTQOptions(Job):
             "GPTQ: how far each layer is fitted to the float model's outputs on the float model's inputs rather "
             "than to its float self on the inputs the compressed layers give (GPTAQ), 0 to 1 (default "
             f"{FLOAT_TARGET}, the measured best)",
-            parse=finite_float,
+            parse=unit_float,
             metavar="ALPHA",
             switches=(Switch("--no-float-target", 0.0, "GPTQ: fit each float layer on the inputs it is given"),),
         ),
@@ -231,6 +241,14 @@ class AWQ(GPTQOptions, Weights):
     then: Annotated[
         str, Opt("how the AWQ-scaled weights are quantized: rtn (AWQ's own, default) or gptq", choices=("rtn", "gptq"))
     ] = "rtn"
+
+    @model_validator(mode="after")
+    def _gptq_options_need_then_gptq(self) -> AWQ:
+        """A GPTQ option with --then rtn would be ignored: refused, so that what runs is what was asked."""
+        given = [name for name in GPTQOptions.model_fields if name in self.model_fields_set]
+        if self.then == "rtn" and given:
+            raise FieldError(given[0], "is a GPTQ option; AWQ runs it only with {then} gptq (default: rtn)")
+        return self
 
     def execute(self) -> Path:
         from slimlm.compress import awq, rtn

@@ -230,7 +230,7 @@ def test_linears_reading_the_same_input_share_one_hessian(tiny_llama):
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     layer = model.model.layers[0]
     linears = {n: m for n, m in pipeline.quantizable_linears(model).items() if n.startswith("model.layers.0.")}
-    gptq = GPTQ(QuantArgs(4, 32))
+    gptq = GPTQ(QuantArgs(4, 32), float_target=0.0)  # the plain hooks: no float chain to pair with
     handles = gptq.observe(layer, linears)
     calib = torch.randint(0, 100, (3, 16))
     for x in pipeline.capture_first_layer_inputs(model, calib, batch_size=1):
@@ -359,7 +359,7 @@ def test_the_step_shares_hessians_warns_once_and_lets_go_of_activations(tiny_lla
     for the input width warn once per job, naming the fix; after apply the step holds no activation or
     Hessian, and the codes are gptq_quantize's on the accumulated Hessian."""
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    step = GPTQ(QuantArgs(4, 32, True), damp=0.05, act_order="weight", observer="mse")
+    step = GPTQ(QuantArgs(4, 32, True), damp=0.05, act_order="weight", observer="mse", float_target=0.0)
     assert step.arguments() == {"damp": 0.05, "act_order": "weight", "observer": "mse", "float_target": 0.0}
     layer = pipeline.decoder_layers(model)[0]
     linears = {f"l.{n}": m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -447,7 +447,7 @@ def one_layer_step(tiny_llama, tokens: int, dtype=torch.float32):
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=dtype).eval()
     layer = pipeline.decoder_layers(model)[0]
     linears = {f"l.{n}": m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
-    step = GPTQ(QuantArgs(4, 32, True))
+    step = GPTQ(QuantArgs(4, 32, True), float_target=0.0)  # its hooks alone, without the float chain
     x = torch.randn(1, tokens, model.config.hidden_size, dtype=dtype)
     kwargs = {"position_embeddings": model.model.rotary_emb(x, torch.arange(tokens)[None]), "attention_mask": None}
     with torch.no_grad():
@@ -523,7 +523,7 @@ def test_linears_sharing_a_hessian_get_the_codes_each_would_get_alone(args, act_
     }
     other = HessianAccumulator(320, torch.device("cpu"))
     other.add(torch.randn(700, 320))
-    step = GPTQ(args, act_order=act_order)
+    step = GPTQ(args, act_order=act_order, float_target=0.0)
     step.hessians = {"a": acc, "b": other, "c": acc}
     out = step.apply(torch.nn.Module(), linears).quantized
     assert list(out) == ["a", "b", "c"]

@@ -1,6 +1,7 @@
 """The jobs are the one definition of every command's options: the CLI, recipes and Python reach every field,
 with the same defaults and the same checks."""
 
+import contextlib
 import re
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from slimlm.errors import SlimlmError
 from slimlm.jobs import JOBS, STEPS, Serve, options
 from slimlm.jobs.engine import EngineMemory, EngineOptions
 from slimlm.jobs.options import OptionError, from_args, parse_size
+from slimlm.jobs.quantize import GPTQOptions
 from slimlm.runtime.engine import EngineConfig
 
 REQUIRED = {
@@ -72,7 +74,8 @@ def test_a_recipe_reaches_every_field_it_does_not_set_itself(command):
         if name in recipes.SET_BY_RECIPE:
             continue
         value = REQUIRED.get(name) if field.is_required() else field.get_default(call_default_factory=True)
-        built = recipes.job(command, {**own, name: value}, **sets)
+        gptq_option = command == "awq" and name in GPTQOptions.model_fields  # given: only with then gptq
+        built = recipes.job(command, {**own, name: value, **({"then": "gptq"} if gptq_option else {})}, **sets)
         assert getattr(built, name) == value, name
 
 
@@ -107,8 +110,10 @@ def test_a_bad_value_reads_the_same_from_every_front_end(capsys):
     ],
 )
 def test_a_switch_is_the_same_in_a_recipe_as_on_the_command_line(flag, options, field, value):
-    from_cli = from_args(JOBS["awq"], build_parser().parse_args(["awq", "--out", "o", flag]))
-    from_recipe = JOBS["awq"].from_options({"out": "o", **options})
+    then = {"then": "gptq"} if field in GPTQOptions.model_fields else {}  # AWQ takes GPTQ's only then
+    argv = ["awq", "--out", "o", flag, *(["--then", "gptq"] if then else [])]
+    from_cli = from_args(JOBS["awq"], build_parser().parse_args(argv))
+    from_recipe = JOBS["awq"].from_options({"out": "o", **options, **then})
     assert getattr(from_cli, field) == getattr(from_recipe, field) == value
     assert JOBS["awq"].from_options({"out": "o", **{k: False for k in options}}) == JOBS["awq"](out="o")
     with pytest.raises(OptionError, match=f"^{next(iter(options))}: true or false, got 'yes'$"):
@@ -273,3 +278,50 @@ def test_from_options_sets_switches_keeps_going_and_names_where():
     with pytest.raises(OptionError, match="^quantize_lm_head: invalid choice: 5 \\(choose from 4, 8\\)$"):
         JOBS["rtn"].from_options({"out": "o", "quantize_lm_head": 5})  # a switch's 0 lets through only 0
     assert JOBS["rtn"].from_options({"out": "o", "quantize_lm_head": 0}).quantize_lm_head == 0
+
+
+@pytest.mark.parametrize("command", ["gptq", "awq"])
+def test_the_library_steps_default_to_what_the_commands_run(command):
+    """compress.gptq.GPTQ and compress.awq.AWQ called from Python with no options run the algorithm the
+    command runs with none: every keyword they share with the job has the job's default."""
+    import inspect
+
+    from slimlm.compress import awq, gptq
+
+    steps = [gptq.GPTQ] + ([awq.AWQ] if command == "awq" else [])
+    fields = JOBS[command].model_fields
+    shared = 0
+    for step in steps:
+        for name, p in inspect.signature(step.__init__).parameters.items():
+            if name in fields and p.default is not inspect.Parameter.empty:
+                assert p.default == fields[name].default, f"{step.__name__}.{name}"
+                shared += 1
+    assert shared >= (4 if command == "gptq" else 8)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--float-target", "0.5"], "error: --float-target is a GPTQ option; AWQ runs it only with --then gptq"),
+        (["--damp", "0.02"], "error: --damp is a GPTQ option; AWQ runs it only with --then gptq (default: rtn)"),
+        (["--act-order", "group"], "error: --act-order is a GPTQ option"),
+        (["--no-act-order"], "error: --act-order is a GPTQ option"),
+        (["--then", "gptq", "--damp", "5"], "argument --damp: '5' must be in (0, 1)"),
+        (["--float-target", "2"], "argument --float-target: '2' must be in [0, 1]"),
+    ],
+)
+def test_awq_refuses_the_gptq_options_it_would_ignore_and_checks_their_range(capsys, flags, message):
+    from slimlm.cli import main
+
+    with pytest.raises(SystemExit) if "argument" in message else contextlib.nullcontext():
+        assert main(["awq", "--model", "m", "--out", "o", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_recipe_step_is_refused_the_same_gptq_options():
+    with pytest.raises(OptionError) as error:
+        JOBS["awq"].from_options({"out": "o", "damp": 0.02}, "stages.a.0.awq")
+    assert str(error.value) == "stages.a.0.awq.damp: is a GPTQ option; AWQ runs it only with then gptq (default: rtn)"
+    with pytest.raises(OptionError, match=r"^stages.a.0.gptq.float_target: '2' must be in \[0, 1\]$"):
+        JOBS["gptq"].from_options({"out": "o", "float_target": 2}, "stages.a.0.gptq")
+    assert JOBS["awq"].from_options({"out": "o", "then": "gptq", "damp": 0.02}).damp == 0.02
