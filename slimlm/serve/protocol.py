@@ -2,7 +2,8 @@
 pieces of its responses: SamplingParams from a request, legacy-completion and chat log-probabilities, usage.
 
 Names, defaults and bounds follow OpenAI's API, with vLLM's extensions (top_k, ignore_eos, stop_token_ids).
-Unknown fields are ignored, as OpenAI-compatible servers do, so newer clients keep working.
+Unknown fields are ignored, as OpenAI-compatible servers do, so newer clients keep working; the OpenAI fields this
+server does not implement (penalties, logit_bias, tools, response_format, suffix, best_of) are a 400 naming them.
 """
 
 from __future__ import annotations
@@ -37,10 +38,21 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    # OpenAI fields this server does not implement: accepted at their no-op values only, never ignored
+    # OpenAI fields this server does not implement: accepted at their no-op values only, never ignored (a
+    # client asking for JSON output or a tool call must not get plain text and a 200)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    response_format: dict | None = None
+
+    def _unsupported(self) -> list[str]:
+        """The fields set to something this server would have to ignore (a 400 names them)."""
+        names = [name for name in ("presence_penalty", "frequency_penalty") if getattr(self, name)]
+        names += ["logit_bias"] if self.logit_bias else []
+        names += ["best_of"] if self.best_of not in (None, self.n) else []
+        names += ["response_format"] if (self.response_format or {}).get("type", "text") != "text" else []
+        return names
 
     @property
     def include_usage(self) -> bool:
@@ -48,8 +60,7 @@ class _Sampling(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """Raises SlimlmError (a 400) for what the field bounds above cannot express, e.g. an empty stop string."""
-        unsupported = [name for name in ("presence_penalty", "frequency_penalty") if getattr(self, name)]
-        unsupported += ["logit_bias"] if self.logit_bias else []
+        unsupported = self._unsupported()
         if unsupported:
             raise SlimlmError(f"{', '.join(unsupported)} is not supported by this server; leave it out")
         return SamplingParams(
@@ -74,6 +85,10 @@ class CompletionRequest(_Sampling):
     max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = Field(False, description="return the prompt too (with its log-probabilities when logprobs is set)")
+    suffix: str | None = None  # not implemented: accepted empty only
+
+    def _unsupported(self) -> list[str]:
+        return super()._unsupported() + (["suffix"] if self.suffix else [])
 
 
 class TextPart(BaseModel):
@@ -99,6 +114,17 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # tool calling is not implemented: no tools, or a choice that calls none, only
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+
+    def _unsupported(self) -> list[str]:
+        names = [name for name in ("tools", "functions") if getattr(self, name)]
+        calls = ("tool_choice", "function_call")
+        names += [name for name in calls if getattr(self, name) not in (None, "none", "auto")]
+        return super()._unsupported() + names
 
 
 def prompt_batch(prompt) -> list[str | list[int]]:

@@ -150,6 +150,43 @@ def test_bad_requests_get_400_with_an_openai_error_body(server, body, needle):
     assert needle in error["message"] and error["type"] == "invalid_request_error"
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize(
+    "route,extra,field",
+    [
+        ("chat", {"tools": [TOOL]}, "tools"),
+        ("chat", {"tool_choice": "required"}, "tool_choice"),
+        ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ("chat", {"functions": [TOOL["function"]]}, "functions"),
+        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}}, "response_format"),
+        ("completions", {"suffix": "x"}, "suffix"),
+        ("completions", {"best_of": 2}, "best_of"),
+    ],
+)
+def test_a_field_the_server_would_ignore_is_a_400_naming_it(client, route, extra, field):
+    """Tools, JSON output, suffix, best_of: not implemented, so refused by name rather than answered with plain
+    text and a 200 (through the openai client, as its users send them)."""
+    with pytest.raises(openai.BadRequestError, match=f"{field} is not supported by this server; leave it out"):
+        if route == "chat":
+            messages = [{"role": "user", "content": "hi"}]
+            client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, extra_body=extra)
+        else:
+            client.completions.create(model=NAME, prompt="hi", max_tokens=2, extra_body=extra)
+
+
+def test_the_no_op_values_of_those_fields_are_served(client):
+    messages = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=2, tool_choice="none", response_format={"type": "text"}
+    )
+    assert r.choices[0].message.content is not None
+    r = client.completions.create(model=NAME, prompt="hi", max_tokens=2, best_of=1, suffix="")
+    assert len(r.choices) == 1
+
+
 def test_malformed_json_and_unknown_routes(server):
     r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
