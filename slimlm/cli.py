@@ -60,6 +60,7 @@ def cmd_recipe(a: argparse.Namespace) -> None:
             atomic.check_file(recipe.report, True, "report", recipes.inputs(recipe))
         except SlimlmError as e:
             raise SlimlmError(f"{a.recipe}: {e}") from None
+    recipes.check(recipe)
     if a.check:
         steps = sum(len(s) for s in recipe.stages.values())
         print(f"{a.recipe}: {len(recipe.stages)} stages, {steps} steps: valid")

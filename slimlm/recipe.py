@@ -26,14 +26,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from slimlm.errors import SlimlmError
+from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats import atomic
 from slimlm.jobs import JOBS, STEPS, Job
 from slimlm.jobs.options import OptionError
@@ -243,6 +245,41 @@ def load(path: Path, overrides: list[str] = ()) -> Recipe:
     for name in parsed:  # a stage directory holding what the recipe did not write is refused now, not mid-run
         _state(recipe, name)
     return recipe
+
+
+def check(recipe: Recipe) -> None:
+    """Every check the run's jobs make before their work, now: the source model, its data, the devices, what
+    the first step of each stage does to the source, the eval's text and window, and that runs: can be written.
+    Later steps read an output that does not exist yet: their options were checked by load()."""
+    from slimlm import models
+
+    ancestor = recipe.runs.resolve()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    try:  # by trying: permission bits say nothing to root, and /proc or a read-only mount refuse anyway
+        os.rmdir(tempfile.mkdtemp(dir=ancestor, prefix=".slimlm-check-"))
+    except OSError as e:
+        raise SlimlmError(f"{recipe.path}: runs: {recipe.runs} cannot be written ({ancestor}: {e.strerror})") from None
+    try:
+        models.check(models.resolve(recipe.model))
+    except SlimlmError as e:
+        raise SlimlmError(f"{recipe.path}: model: {_said(e)}") from None
+    parts = [(f"stages.{name}.0.{steps[0].command}", steps[0]) for name, steps in recipe.stages.items() if steps]
+    for field, step in parts:
+        try:
+            job(step.command, step.options, model=recipe.model, out=recipe.runs / "check").check()
+        except SlimlmError as e:
+            raise SlimlmError(f"{recipe.path}: {field}: {_said(e)}") from None
+    for part, options in (("eval", recipe.eval), ("bench", recipe.bench)):
+        try:
+            job(part, options, model=recipe.model).check()
+        except SlimlmError as e:
+            raise SlimlmError(f"{recipe.path}: {part}: {_said(e)}") from None
+
+
+def _said(e: SlimlmError) -> str:
+    """An error as a recipe names fields: by their names (a FieldError's {field} placeholders)."""
+    return e.render(lambda name: name) if isinstance(e, FieldError) else str(e)
 
 
 def inputs(recipe: Recipe) -> list[Path]:

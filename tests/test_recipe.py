@@ -242,16 +242,17 @@ def test_a_loaded_recipe_holds_its_fields_and_names_the_overrides_behind_an_erro
     assert str(error.value) == f"{path}: the field 'model' is required"
 
 
-def test_overrides_are_checked_too(tmp_path, capsys):
+def test_overrides_are_checked_too(tiny_llama, tmp_path, capsys):
     path = tmp_path / "x.yaml"
-    path.write_text("model: m\nruns: r\nstages:\n  a: [{rtn: {bits: 4}}]\n")
+    text = f"model: {tiny_llama}\nruns: {tmp_path / 'r'}\neval: {{seq_len: 64}}\nstages:\n  a: [{{rtn: {{bits: 4}}}}]\n"
+    path.write_text(text)
     assert main(["recipe", str(path), "--check", "--set", "stages.a.0.rtn.bits=8"]) == 0
     assert "1 stages, 1 steps: valid" in capsys.readouterr().out
     assert main(["recipe", str(path), "--check", "--set", "stages.b.0.rtn.bits=8"]) == 2
     assert "--set stages.b.0.rtn.bits: the recipe has no field 'b' there" in capsys.readouterr().err
     assert main(["recipe", str(path), "--check", "--set", "stages.a.0.rtn.bits=five"]) == 2
     assert (
-        "x.yaml:4 (with --set stages.a.0.rtn.bits=five): stages.a.0.rtn.bits: 'five' is not an integer"
+        "x.yaml:5 (with --set stages.a.0.rtn.bits=five): stages.a.0.rtn.bits: 'five' is not an integer"
     ) in capsys.readouterr().err
 
 
@@ -653,3 +654,38 @@ def test_set_changes_the_one_path_it_names_even_where_an_alias_shared_it(tmp_pat
     path.write_text("model: m\nruns: r\nstages:\n  a: [{rtn: &o {bits: 4}}]\n  b: [{rtn: *o}]\n")
     recipe = recipes.load(path, ["stages.a.0.rtn.bits=8"])
     assert recipe.stages["a"][0].options == {"bits": 8} and recipe.stages["b"][0].options == {"bits": 4}
+
+
+@pytest.mark.parametrize(
+    "assignment,fragment",
+    [
+        ("model=no/such-model-here", ": model: "),
+        ("eval.ppl=missing.txt", ": eval: text file missing.txt does not exist"),
+        ("eval.ppl=ｗｉｋｉ", ": eval: unknown text source 'ｗｉｋｉ'"),  # fullwidth letters
+        ("eval.seq_len=600", ": eval: seq_len 600 exceeds the model's context (512 tokens)"),
+        ("stages.a.0.rtn.calib=missing.txt", ": stages.a.0.rtn: text file missing.txt does not exist"),
+        ("stages.a.0.rtn.device=cuda:7", ": stages.a.0.rtn: device cuda:7"),
+        ("stages.a.0.rtn.group_size=128", "does not divide the input dim"),
+        ("runs=/proc/slimlm-x", ": runs: /proc/slimlm-x cannot be written"),
+        ("stages.a.0={awq: {grid: 0}}", ": stages.a.0.awq: grid 0 must be a positive integer"),
+        ("stages.a.0={gptq: {damp: -1}}", "stages.a.0.gptq.damp: '-1' must be in (0, 1)"),
+        ("stages.a.0={gptq: {float_target: 2}}", "stages.a.0.gptq.float_target: '2' must be in [0, 1]"),
+        ("stages.a.0={prune: {target_params: 5}}", ": stages.a.0.prune: target_params 5.0 must be a fraction"),
+        ("stages.a.0={gqa: {lr: -1, kv_heads: 1}}", ": stages.a.0.gqa: lr must be in (0, 1], got -1.0"),
+        ("stages.a.0={gqa: {kv_heads: 3}}", ": stages.a.0.gqa: kv_heads 3 does not divide the 4 query heads"),
+    ],
+)
+def test_check_runs_the_checks_the_run_makes_before_its_work(tiny_llama, tmp_path, capsys, assignment, fragment):
+    """What the run would refuse before (or after) its first stage, --check refuses: the model, the data, the
+    device, the source's shapes, the eval window, where runs: goes (tiny_llama: 4 heads, context 512)."""
+    path = tmp_path / "x.yaml"
+    path.write_text(
+        f"model: {tiny_llama}\nruns: {tmp_path / 'runs'}\neval: {{max_tokens: 256, seq_len: 64}}\nbench: {{}}\n"
+        "stages:\n  a: [{rtn: {bits: 4, group_size: 32}}]\n  float: []\n"
+    )
+    assert main(["recipe", str(path), "--check"]) == 0
+    capsys.readouterr()
+    assert main(["recipe", str(path), "--check", "--set", assignment]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1, err
+    assert not (tmp_path / "runs").exists()

@@ -81,7 +81,7 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
     """Check everything, then calibrate layer by layer and write the checkpoint to job.out atomically.
     `checks`: callables run after the inputs are validated and before any work (e.g. the --ppl source)."""
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
-    source = _check(job)
+    source = check_inputs(job)
     for check in checks:
         check()
     calibration = job.calibration
@@ -90,10 +90,6 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
     with atomic.atomic_dir(out, job.overwrite, sources=[source.dir]) as tmp:  # checks --out before any work
         with_data = job.report_error or any(s.needs_data for s in job.steps)
         model, tokenizer, weights = _load(source, with_data)
-        if job.args is not None:
-            pipeline.check_group_size(model, job.args, job.ignore)
-        if job.lm_head_bits is not None:
-            _check_lm_head(model, job.args)
         start = time.time()
         passes = devices.compute_dtype(calibration.compute_dtype, next(model.parameters()).dtype, source.device)
         samples = None
@@ -157,8 +153,9 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
     return out
 
 
-def _check(job: Quantization) -> _Source:
-    """Every input checked before any work: the settings, the format, the device, the model, the data."""
+def check_inputs(job: Quantization) -> _Source:
+    """Every input checked before any work: the settings, the format, the device, the model (its shapes on the
+    meta device: which group sizes fit), the data. `compress recipe --check` runs this too."""
     c = job.calibration
     for name, value in (("num_samples", c.num_samples), ("seq_len", c.seq_len), ("batch_size", c.batch_size)):
         if not (type(value) is int and value > 0):
@@ -186,6 +183,11 @@ def _check(job: Quantization) -> _Source:
             "scales; give compress kv a float or compressed-tensors checkpoint, or set {kv_dtype} in the weight "
             "method",
         )
+    if job.args is not None:
+        shapes = models.empty_model(model_dir)
+        pipeline.check_group_size(shapes, job.args, job.ignore)
+        if job.lm_head_bits is not None:
+            _check_lm_head(shapes, job.args)
     data.check_source(c.source)  # even when no step reads it: a mistyped --calib is worth saying
     return _Source(model_dir, source_config, dev, method_args, head_args, keep_weights)
 

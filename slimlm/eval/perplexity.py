@@ -21,22 +21,23 @@ from slimlm.runtime.sampling import SamplingParams
 
 def engine_for(model: str, seq_len: int, **config) -> Engine:
     """An engine sized for scoring windows of `seq_len` (its context need not be the model's)."""
-    _check_window(seq_len, models.context_length(models.read_config(models.resolve(model))))
+    check_window(seq_len, models.context_length(models.read_config(models.resolve(model))))
     return Engine(model, EngineConfig(max_model_len=seq_len + 1, **config))
 
 
-def _check_window(seq_len: int, context: int) -> None:
+def check_window(seq_len: int, context: int) -> None:
     if seq_len >= context:
-        raise SlimlmError(
-            f"--seq-len {seq_len} exceeds the model's context ({context} tokens) less the one the "
-            f"runtime generates; use at most {context - 1}"
+        raise FieldError(
+            "seq_len",
+            f"{seq_len} exceeds the model's context ({context} tokens) less the one the runtime generates; use at "
+            f"most {context - 1}",
         )
 
 
 def perplexity(
     engine: Engine, source: str = "wiki", seq_len: int = 512, max_tokens: int = 16384, progress: bool = True
 ) -> dict:
-    _check_window(seq_len, engine.max_model_len)
+    check_window(seq_len, engine.max_model_len)
     ids = data.token_stream(data.passages(source), engine.tokenizer, max_tokens=max_tokens)
     windows = data.windows(ids, seq_len, max(1, max_tokens // seq_len)).tolist()
     if not windows:

@@ -94,6 +94,17 @@ class Eval(EngineMemory):
     output: Annotated[Path | None, Opt("write the results as JSON here", output="file")] = None
     overwrite: Annotated[bool, OVERWRITE] = False
 
+    def check(self) -> None:
+        """The model, the device, the perplexity text and its window, checked without running anything."""
+        from slimlm import data, devices, models
+        from slimlm.eval.perplexity import check_window
+
+        config = models.check(models.resolve(self.model))
+        devices.resolve_device(self.device)
+        if self.ppl or not self.tasks:
+            data.check_source(self.ppl or "wiki")
+            check_window(self.seq_len, models.context_length(config))
+
     def execute(self) -> dict:
         from slimlm import data
 
@@ -184,6 +195,13 @@ class Bench(Job):
     seed: Annotated[int, Opt(parse=seed_int)] = 0
     json_path: Annotated[Path | None, Opt("write the results as JSON", flag="--json", output="file")] = None
     overwrite: Annotated[bool, OVERWRITE] = False
+
+    def check(self) -> None:
+        from slimlm import models
+
+        for spec in (self.model, self.baseline):
+            if spec not in (None, "none"):
+                models.check(models.resolve(spec))
 
     def execute(self) -> dict:
         from slimlm import models

@@ -148,6 +148,10 @@ class Job(BaseModel):
                     atomic.check_file(path, getattr(self, "overwrite", False), name, self.inputs())
             return self.execute()
 
+    def check(self) -> None:
+        """What execute() checks before its work, without the work (the model, data, device as far as they can
+        be known up front): `compress recipe --check` runs it for every step. Jobs add to it."""
+
     def execute(self) -> Any:
         raise NotImplementedError
 

@@ -16,7 +16,7 @@ from pydantic import model_validator
 from slimlm import assets
 from slimlm.compress.gptq import FLOAT_TARGET
 from slimlm.errors import FieldError
-from slimlm.formats.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+from slimlm.formats.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantArgs
 from slimlm.jobs.measure import measure_perplexity
 from slimlm.jobs.options import (
     DTYPE_CHOICE,
@@ -55,6 +55,44 @@ class Calibration(Job):
             choices=DTYPE_CHOICE,
         ),
     ] = "auto"
+
+    def plan(self) -> tuple[str, list, QuantArgs | None, bool]:
+        """The run's name (as slimlm.json records it), its pipeline steps, the scheme the weights are rounded to
+        (None: they stay as they are) and whether each layer's output error is reported."""
+        raise NotImplementedError
+
+    def quantization(self):
+        from slimlm.compress.job import CalibData, Quantization
+
+        name, steps, args, report_error = self.plan()
+        weights = isinstance(self, Weights)
+        return Quantization(
+            name,
+            steps,
+            args,
+            self.model,
+            self.out,
+            CalibData(
+                self.calib, self.num_samples, self.seq_len, self.seed, self.batch_size, self.device, self.compute_dtype
+            ),
+            ignore=self.ignore if weights else (),
+            fmt=self.format if weights else "compressed-tensors",
+            lm_head_bits=self.lm_head_bits(args) if weights else None,
+            overwrite=self.overwrite,
+            report_error=report_error,
+        )
+
+    def check(self) -> None:
+        """What the run checks before its work, without the work: options, model, device, data (recipe --check)."""
+        from slimlm import data
+        from slimlm.compress.job import check_inputs
+
+        check_inputs(self.quantization())
+        if self.ppl:
+            data.check_source(self.ppl)
+
+    def execute(self) -> Path:
+        return quantize(self)
 
 
 class KVScales(Calibration):
@@ -129,13 +167,8 @@ class Weights(KVScales):
         from slimlm.formats.quantized import QuantArgs
 
         group = self.group_size
-        if group is None:
+        if group is None:  # execute() says which it took
             group = default_group_size(models.resolve(self.model))  # the job checks the model itself
-            print(
-                f"--group-size not given: using {group}, the largest of 128, 64, 32 that divides every layer's "
-                "input dim",
-                file=sys.stderr,
-            )
         return QuantArgs(bits=self.bits, group_size=group, sym=self.sym)
 
     def lm_head_bits(self, args) -> int | None:
@@ -198,24 +231,22 @@ class RTN(Weights):
         bool, Opt("run the calibration data through each layer to report its output error (RTN needs no data)")
     ] = False
 
-    def execute(self) -> Path:
+    def plan(self) -> tuple[str, list, QuantArgs | None, bool]:
         from slimlm.compress import rtn
 
         args = self.quant_args()
         kv = self.kv_steps()
-        return quantize(
-            self, "rtn" + "+kv" * bool(kv), [rtn.RTN(args), *kv], args, report_error=self.report_error or bool(kv)
-        )
+        return "rtn" + "+kv" * bool(kv), [rtn.RTN(args), *kv], args, self.report_error or bool(kv)
 
 
 class GPTQ(GPTQOptions, Weights):
     command = "gptq"
     help = "GPTQ weight quantization (Hessian-based error compensation)"
 
-    def execute(self) -> Path:
+    def plan(self) -> tuple[str, list, QuantArgs | None, bool]:
         args = self.quant_args()
         kv = self.kv_steps()
-        return quantize(self, "gptq" + "+kv" * bool(kv), [self.gptq(args), *kv], args)
+        return "gptq" + "+kv" * bool(kv), [self.gptq(args), *kv], args, True
 
 
 class AWQ(GPTQOptions, Weights):
@@ -250,7 +281,7 @@ class AWQ(GPTQOptions, Weights):
             raise FieldError(given[0], "is a GPTQ option; AWQ runs it only with {then} gptq (default: rtn)")
         return self
 
-    def execute(self) -> Path:
+    def plan(self) -> tuple[str, list, QuantArgs | None, bool]:
         from slimlm.compress import awq, rtn
 
         args = self.quant_args()
@@ -259,7 +290,7 @@ class AWQ(GPTQOptions, Weights):
         search = awq.AWQ(
             args, search_batches=self.search_batches, clip=self.clip, grid=self.grid, search_dtype=self.search_dtype
         )
-        return quantize(self, name, [search, quantizer, *self.kv_steps()], args)
+        return name, [search, quantizer, *self.kv_steps()], args, True
 
 
 class KV(KVScales):
@@ -270,30 +301,23 @@ class KV(KVScales):
         str, Opt("KV-cache dtype the scales are calibrated for: fp8 (e4m3) or int8", choices=("fp8", "int8"))
     ]
 
-    def execute(self) -> Path:
-        return quantize(self, "kv", self.kv_steps(), None, report_error=False)  # the weights do not change
+    def plan(self) -> tuple[str, list, QuantArgs | None, bool]:
+        return "kv", self.kv_steps(), None, False  # the weights do not change
 
 
-def quantize(job: Calibration, name: str, steps: list, args, report_error: bool = True) -> Path:
-    """Run the steps into job.out; with job.ppl, measure the source and the result and print the change."""
+def quantize(job: Calibration) -> Path:
+    """Run the job's steps into job.out; with job.ppl, measure the source and the result and print the change."""
     from slimlm import data
-    from slimlm.compress.job import CalibData, Quantization, quantize_weights
+    from slimlm.compress.job import quantize_weights
 
-    weights = isinstance(job, Weights)
-    calib = CalibData(job.calib, job.num_samples, job.seq_len, job.seed, job.batch_size, job.device, job.compute_dtype)
-    run = Quantization(
-        name,
-        steps,
-        args,
-        job.model,
-        job.out,
-        calib,
-        ignore=job.ignore if weights else (),
-        fmt=job.format if weights else "compressed-tensors",
-        lm_head_bits=job.lm_head_bits(args) if weights else None,
-        overwrite=job.overwrite,
-        report_error=report_error,
-    )
+    run = job.quantization()
+    name, steps, args = run.method, run.steps, run.args
+    if args is not None and job.group_size is None:
+        print(
+            f"--group-size not given: using {args.group_size}, the largest of 128, 64, 32 that divides every "
+            "layer's input dim",
+            file=sys.stderr,
+        )
     out = quantize_weights(run, checks=[lambda: data.check_source(job.ppl)] if job.ppl else [])
     if not job.ppl:
         print(f"checkpoint: {out}")

@@ -43,8 +43,6 @@ class Training(Job):
         """The distillation settings, or None for a budget of 0 tokens."""
         from slimlm.train.distill import TrainConfig
 
-        if not tokens:
-            return None
         for field, ok, rule in (
             ("lm_weight", 0 <= self.lm_weight <= 1, "in [0, 1]"),
             ("temperature", self.temperature > 0, "> 0"),
@@ -52,8 +50,10 @@ class Training(Job):
             # past 1 AdamW moves each weight by ~lr a step: the model is gone, or fp32 overflows (1e39)
             ("lr", 0 < self.lr <= 1, "in (0, 1]"),
         ):
-            if not ok:
+            if not ok:  # even without training: a wrong value is wrong in a recipe that adds tokens later
                 raise FieldError(field, f"must be {rule}, got {getattr(self, field)}")
+        if not tokens:
+            return None
         return TrainConfig(
             train_tokens=tokens,
             seq_len=self.seq_len,
@@ -102,6 +102,11 @@ class GQA(Training):
     calib: Annotated[str, Opt("text for --grouping similarity")] = "owt"
     num_samples: Annotated[int, Opt("calibration windows for the grouping", parse=positive_int)] = 16
     uptrain_tokens: Annotated[int, Opt("distillation budget (0: none)", parse=nonnegative_int)] = 0
+
+    def check(self) -> None:
+        from slimlm.train.job import check_gqa
+
+        check_gqa(self.run_config(self.uptrain_tokens), self.kv_heads, self.expand, self.grouping, self.calib)
 
     def execute(self) -> Path:
         from slimlm.train.job import convert_gqa
@@ -154,10 +159,19 @@ class Prune(Training):
         ),
     ] = 0
 
+    def sizes(self) -> dict[str, int | None]:
+        return {"hidden": self.hidden, "heads": self.heads, "ffn": self.ffn, "layers": self.layers}
+
+    def check(self) -> None:
+        from slimlm.train.job import check_prune
+
+        self.train_config(self.search_tokens)
+        check_prune(self.run_config(self.distill_tokens), self.target_params, self.sizes(), self.candidate, self.calib)
+
     def execute(self) -> Path:
         from slimlm.train.job import prune_model
 
-        sizes = {"hidden": self.hidden, "heads": self.heads, "ffn": self.ffn, "layers": self.layers}
+        sizes = self.sizes()
         search = self.train_config(self.search_tokens)  # the candidates' short runs: the same settings, no checkpoints
         if search is not None:
             search = dataclasses.replace(search, checkpoint_every=10**9, eval_every=10**9)

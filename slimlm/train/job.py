@@ -64,24 +64,54 @@ class _Job:
     windows: torch.Tensor | None  # the training windows, when there is training
 
 
+def check_source(command: str, run: Run) -> Path:
+    """The run's model and text, checked without loading either (recipe --check runs this too)."""
+    model_dir = models.resolve(run.model)
+    config = models.check(model_dir)  # an architecture the runtime serves
+    if "quantization_config" in config:
+        raise SlimlmError(
+            f"{model_dir} is quantized; {command} needs a float checkpoint ({command} first, then quantize)"
+        )
+    if run.train_config is not None:
+        data.check_source(run.train_data)
+        data.check_source(run.eval_data)
+    return model_dir
+
+
+def check_gqa(run: Run, kv_heads: int, expand: bool, grouping: str, calib: str) -> Path:
+    """Every check convert_gqa makes before its work, on the model's config alone."""
+    if grouping not in GROUPINGS:
+        raise FieldError("grouping", f"{grouping} is not one of {', '.join(GROUPINGS)}")
+    if expand and run.train_config is not None:
+        raise FieldError("expand", "is exact (the same function): it needs no {uptrain_tokens}")
+    model_dir = check_source("GQA conversion", run)
+    gqa.check_kv_heads(models.empty_model(model_dir).config, kv_heads, expand)
+    if not expand and grouping == "similarity":
+        data.check_source(calib)
+    return model_dir
+
+
+def check_prune(run: Run, target: float | None, sizes: dict, candidate: str | None, calib: str) -> Path:
+    """Every check prune_model makes before its work, on the model's shapes alone (the meta device)."""
+    if candidate is not None and (target is None or candidate not in prune.FAMILIES):
+        raise FieldError("candidate", f"needs {{target_params}} and one of {', '.join(prune.FAMILIES)}")
+    model_dir = check_source("pruning", run)
+    _shapes(models.empty_model(model_dir), target, sizes, candidate, lambda message: None)
+    data.check_source(calib)
+    return model_dir
+
+
 def _start(command: str, run: Run) -> _Job:
     """Every check that can fail before work starts, then the source model and the training text."""
     from accelerate import PartialState
 
     train_config = run.train_config
-    model_dir = models.resolve(run.model)
-    if "quantization_config" in models.read_config(model_dir):
-        raise SlimlmError(
-            f"{model_dir} is quantized; {command} needs a float checkpoint ({command} first, then quantize)"
-        )
+    model_dir = check_source(command, run)
     state = PartialState(cpu=not torch.cuda.is_available())  # on CPU, several processes mean gloo
     out = Path(run.out).expanduser().resolve()
     if state.is_main_process:  # before any work: an --out that would lose data is refused now
         atomic.check_output(out, run.overwrite, [model_dir])
-    if train_config is not None:
-        data.check_source(run.train_data)
-        data.check_source(run.eval_data)
-    teacher, tokenizer, _ = models.load(str(model_dir))  # checks the architecture and the weight files
+    teacher, tokenizer, _ = models.load(str(model_dir))  # checks the weight files
     windows = None
     if train_config is not None:
         windows = text_windows(run.train_data, tokenizer, train_config.seq_len)
@@ -173,12 +203,8 @@ def convert_gqa(
     num_samples: int = 16,
 ) -> Path:
     """Convert (and, with run.train_config, uptrain) run.model to `kv_heads` KV heads; returns the output dir."""
-    if grouping not in GROUPINGS:
-        raise FieldError("grouping", f"{grouping} is not one of {', '.join(GROUPINGS)}")
-    if expand and run.train_config is not None:
-        raise FieldError("expand", "is exact (the same function): it needs no {uptrain_tokens}")
+    check_gqa(run, kv_heads, expand, grouping, calib)
     job = _start("GQA conversion", run)
-    gqa.check_kv_heads(job.teacher.config, kv_heads, expand)
     student = copy.deepcopy(job.teacher)
     before = job.teacher.config.num_key_value_heads
     start = time.time()
@@ -339,8 +365,7 @@ def prune_model(
     right after pruning, or with `search`, after that short distillation of each) or to the explicit `sizes`
     (hidden, heads, ffn, layers), distill it with run.train_config, write it; returns the output dir."""
     log, progress = _logger(run.progress), run.progress
-    if candidate is not None and (target is None or candidate not in prune.FAMILIES):
-        raise FieldError("candidate", f"needs {{target_params}} and one of {', '.join(prune.FAMILIES)}")
+    check_prune(run, target, sizes or {}, candidate, calib)
     job = _start("pruning", run)
     teacher = job.teacher
     shape, found, current, total = _shapes(teacher, target, sizes or {}, candidate, log)

@@ -213,8 +213,8 @@ def test_the_converted_checkpoint_loads_in_transformers_and_the_runtime_agrees_t
         (["--kv-heads", "1", "--uptrain-tokens", "100"], "less than one global batch"),
         (["--kv-heads", "1", "--uptrain-tokens", "100000000"], "but the text gives"),
         (["--kv-heads", "1", "--uptrain-tokens", "4096", "--train", "nothing_like_this"], "matches no parameter"),
-        (["--kv-heads", "1", "--uptrain-tokens", "256", "--lr", "0"], "--temperature and --lr > 0"),
-        (["--kv-heads", "1", "--uptrain-tokens", "256", "--temperature", "-1"], "--temperature and --lr > 0"),
+        (["--kv-heads", "1", "--uptrain-tokens", "256", "--lr", "0"], "--lr must be in (0, 1], got 0.0"),
+        (["--kv-heads", "1", "--uptrain-tokens", "256", "--temperature", "-1"], "--temperature must be > 0, got -1.0"),
         (
             ["--kv-heads", "2", "--uptrain-tokens", "512", "--global-batch", "2", "--micro-batch", "1"],
             "training diverged at step 4",
