@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import functools
 import os
+import re
 import signal
 import sys
 import warnings
@@ -16,12 +17,18 @@ from slimlm.errors import FieldError, SlimlmError
 from slimlm.jobs import JOBS
 from slimlm.jobs.options import add_arguments, flag_of, from_args
 
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="compress", description="Compress, measure and serve LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, job in JOBS.items():
-        add_arguments(sub.add_parser(name, help=job.help, description=job.help), job)
+        p = sub.add_parser(name, help=job.help, description=job.help)
+        # a negative number in exponent form (--float-target -1e-9) is a value, not a flag: its range check says
+        # what is wrong with it, where argparse's own pattern (-1, -.5 only) answered "expected one argument"
+        p._negative_number_matcher = NEGATIVE_NUMBER  # noqa: SLF001
+        add_arguments(p, job)
 
     p = sub.add_parser(
         "recipe",

@@ -152,7 +152,7 @@ def _stages(stages: dict, fail) -> dict[str, list[Step]]:
     """The stages' steps, each a plain stage name and a list of one-command steps (`fail(field, message)`)."""
     parsed: dict[str, list[Step]] = {}
     for name, steps in stages.items():
-        field = f"stages.{name}"
+        field = f"stages.{_shown(name) if isinstance(name, str) else name}"
         if not isinstance(name, str) or not STAGE_NAME.fullmatch(name):  # never "." or "..": a letter first
             fail(field, f"a stage name is a plain name (letters, digits, '.', '_', '-'), got {name!r}")
         if not isinstance(steps, list | type(None)):

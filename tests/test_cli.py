@@ -453,7 +453,10 @@ def test_kv_flags_that_do_not_fit_are_named(capsys, tiny_llama, out_dir, tmp_pat
     [
         (["--port", "70000"], "--port 70000 is not a TCP port"),
         (["--kv-cache-memory", "1K"], "a KV cache pool of 1024 bytes holds less than one block"),
-        (["--kv-cache-memory", "64K", "--max-model-len", "512"], "fewer than one sequence of max_model_len 512"),
+        (
+            ["--kv-cache-memory", "64K", "--max-model-len", "512"],
+            "fewer than one sequence of 512 tokens; give --kv-cache-memory at least 0.2 MiB or lower --max-model-len",
+        ),
         (
             ["--speculative", "ngram", "--num-speculative-tokens", "99"],
             "num_speculative_tokens must be an integer in 1..",
@@ -590,3 +593,9 @@ def test_a_float_target_outside_zero_to_one_is_named_before_any_work(capsys, tin
         run_cli(capsys, command, "--model", str(tiny_llama), *flags)
     assert capsys.readouterr().err.splitlines()[-1].endswith("argument --float-target: '1.5' must be in [0, 1]")
     assert not Path(out_dir).exists()
+
+
+def test_a_negative_number_in_exponent_form_is_a_value_not_a_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["gptq", "--out", "o", "--float-target", "-1e-9"])
+    assert capsys.readouterr().err.splitlines()[-1].endswith("argument --float-target: '-1e-9' must be in [0, 1]")

@@ -689,3 +689,11 @@ def test_check_runs_the_checks_the_run_makes_before_its_work(tiny_llama, tmp_pat
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1, err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_stage_name_with_a_newline_is_quoted_in_its_one_line_error(tmp_path, capsys):
+    path = tmp_path / "x.yaml"
+    path.write_text('model: m\nruns: r\nstages:\n  "a\\nb": []\n')
+    assert main(["recipe", str(path), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "stages.'a\\nb': a stage name is a plain name" in err

@@ -22,7 +22,10 @@ from slimlm.runtime.sampling import SamplingParams
 def engine_for(model: str, seq_len: int, **config) -> Engine:
     """An engine sized for scoring windows of `seq_len` (its context need not be the model's)."""
     check_window(seq_len, models.context_length(models.read_config(models.resolve(model))))
-    return Engine(model, EngineConfig(max_model_len=seq_len + 1, **config))
+    try:
+        return Engine(model, EngineConfig(max_model_len=seq_len + 1, **config))
+    except FieldError as e:  # the engine's max_model_len is the window
+        raise FieldError(e.field, e.problem.replace("{max_model_len}", "{seq_len}")) from None
 
 
 def check_window(seq_len: int, context: int) -> None:

@@ -369,14 +369,28 @@ def policy_list(text: str) -> list:
 
     policies = []
     for item in text.split(","):
-        kind, _, budget = item.strip().partition(":")
+        kind, colon, budget = item.strip().partition(":")
+        if not kind:
+            raise ValueError(f"{text!r} names no policy there; give e.g. full,window:512,snapkv:1024")
+        if kind == "full" and colon:
+            raise ValueError(f"{item!r}: full keeps the whole history; it takes no budget")
         if kind != "full" and not budget:
             raise ValueError(f"{item!r}: give {kind} a budget, e.g. {kind}:512")
         try:
-            policies.append(KVPolicy(kind, positive_int(budget)) if budget else KVPolicy(kind))
+            policy = KVPolicy(kind, positive_int(budget)) if budget else KVPolicy(kind)
         except SlimlmError as e:
             raise ValueError(f"{item!r}: {e}") from None
+        if policy in policies:
+            raise ValueError(f"{item!r} is given twice")
+        policies.append(policy)
     return policies
+
+
+def length_list(text: str) -> list[int]:
+    lengths = int_list(text)
+    if len(set(lengths)) < len(lengths):
+        raise ValueError(f"'{text}' gives a length twice")
+    return lengths
 
 
 class LongContext(EngineMemory):
@@ -391,7 +405,11 @@ class LongContext(EngineMemory):
         "multikey",
         "copy",
     ]
-    lengths: Annotated[list[int], Opt("comma-separated prompt lengths in tokens", parse=int_list)] = [1024, 2048, 4096]
+    lengths: Annotated[list[int], Opt("comma-separated prompt lengths in tokens", parse=length_list)] = [
+        1024,
+        2048,
+        4096,
+    ]
     samples: Annotated[int, Opt("cases per task and length (depths spread evenly)", parse=positive_int)] = 4
     policies: Annotated[
         list[Any],
@@ -423,7 +441,10 @@ class LongContext(EngineMemory):
             raise FieldError(
                 "lengths", f"{max(self.lengths)} leaves no room to answer in the model's context of {context} tokens"
             )
-        engine = Engine(self.model, dataclasses.replace(config, max_model_len=max(self.lengths) + ANSWER_ROOM))
+        try:
+            engine = Engine(self.model, dataclasses.replace(config, max_model_len=max(self.lengths) + ANSWER_ROOM))
+        except FieldError as e:  # the engine's max_model_len is this command's longest length
+            raise FieldError(e.field, e.problem.replace("{max_model_len}", "the longest of {lengths}")) from None
         args = (engine.tokenizer, self.tasks, self.lengths, self.samples, self.seed, self.source)
         cases = long_context.make_cases(*args)
         start = time.perf_counter()

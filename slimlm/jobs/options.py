@@ -73,7 +73,9 @@ class OptionError(SlimlmError):
 class Job(BaseModel):
     """One command's options. Subclasses set `command` and `help`, declare fields with `Opt`s, and run()."""
 
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, validate_default=False)
+    model_config = ConfigDict(
+        extra="forbid", arbitrary_types_allowed=True, validate_default=False, validate_assignment=True
+    )
     command: ClassVar[str]
     help: ClassVar[str]
 
@@ -88,6 +90,13 @@ class Job(BaseModel):
         field (an OptionError), as from run() or a recipe."""
         try:
             super().__init__(**values)
+        except ValidationError as e:
+            raise _option_error(e, "", type(self)) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """`job.bits = 5`: checked as the constructor checks it (`job.model = None` would fail later, in run)."""
+        try:
+            super().__setattr__(name, value)
         except ValidationError as e:
             raise _option_error(e, "", type(self)) from None
 

@@ -161,10 +161,11 @@ class Engine:
             self.max_model_len = self.capacity
         if self.capacity < self.max_model_len:
             need = self.max_model_len * self.runner.kv_bytes_per_token
-            raise SlimlmError(
+            raise FieldError(  # {max_model_len}: a command that derives it from its own option says that one
+                "kv_cache_memory",
                 f"the KV cache pool ({config.kv_cache_memory / 2**20:.1f} MiB) holds {self.capacity} tokens, "
-                f"fewer than one sequence of max_model_len {self.max_model_len}; give it at least "
-                f"{need / 2**20:.1f} MiB (--kv-cache-memory) or lower max_model_len"
+                f"fewer than one sequence of {self.max_model_len} tokens; give {{kv_cache_memory}} at least "
+                f"{need / 2**20:.1f} MiB or lower {{max_model_len}}",
             )
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.prefix_caching)
         self._weight_bytes = self.runner.weight_bytes()  # walks every module: once, not per stats() call

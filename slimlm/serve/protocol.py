@@ -25,7 +25,7 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # NaN is "not a finite number", not "> 2"
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)

@@ -93,3 +93,28 @@ def test_the_command_writes_a_record_the_report_plots(tiny_llama, calib_txt, tmp
     assert "--policies snapkv:10: kv_budget 10 is too small for kv_policy snapkv" in capsys.readouterr().err
     assert main(["long-context", str(tiny_llama), "--lengths", "256,490", "--source", str(calib_txt)]) == 2
     assert "--lengths 490 leaves no room to answer in the model's context of 512 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--policies", ""], "'' names no policy there; give e.g. full,window:512,snapkv:1024"),
+        (["--policies", "full:5"], "'full:5': full keeps the whole history; it takes no budget"),
+        (["--policies", "full,window:64,window:64"], "'window:64' is given twice"),
+        (["--lengths", "64,64"], "'64,64' gives a length twice"),
+    ],
+)
+def test_policy_and_length_lists_refuse_empty_duplicate_and_meaningless_items(capsys, flags, message):
+    from slimlm.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["long-context", "m", *flags])
+    assert capsys.readouterr().err.splitlines()[-1].endswith(message)
+
+
+def test_a_pool_too_small_names_this_commands_lengths(tiny_llama, capsys):
+    from slimlm.cli import main
+
+    assert main(["long-context", str(tiny_llama), "--lengths", "256", "--kv-cache-memory", "64K"]) == 2
+    err = capsys.readouterr().err
+    assert "or lower the longest of --lengths" in err and "max-model-len" not in err and err.count("\n") == 1

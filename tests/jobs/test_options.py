@@ -325,3 +325,14 @@ def test_a_recipe_step_is_refused_the_same_gptq_options():
     with pytest.raises(OptionError, match=r"^stages.a.0.gptq.float_target: '2' must be in \[0, 1\]$"):
         JOBS["gptq"].from_options({"out": "o", "float_target": 2}, "stages.a.0.gptq")
     assert JOBS["awq"].from_options({"out": "o", "then": "gptq", "damp": 0.02}).damp == 0.02
+
+
+def test_an_assignment_is_checked_as_the_constructor_checks():
+    job = JOBS["rtn"](out="o")
+    job.bits = 8
+    assert job.bits == 8
+    with pytest.raises(OptionError, match=r"^bits: invalid choice: 5 \(choose from 2, 3, 4, 8\)$"):
+        job.bits = 5
+    with pytest.raises(OptionError, match="^model: Input should be a valid string$"):
+        job.model = None
+    assert job.bits == 8 and job.model == "smollm2-135m"

@@ -218,7 +218,7 @@ def test_bad_requests_are_rejected_one_by_one(tiny_llama, prompts):
     assert outs[1].outputs[0].token_ids and outs[3].outputs[0].token_ids
     too_long = LLM(str(tiny_llama)).generate([[5 + i % 150 for i in range(600)]], GREEDY)[0]
     assert "model's context holds 512" in too_long.error
-    with pytest.raises(SlimlmError, match="holds 128 tokens, fewer than one sequence of max_model_len 512"):
+    with pytest.raises(SlimlmError, match="holds 128 tokens, fewer than one sequence of 512 tokens"):
         LLM(str(tiny_llama), kv_cache_memory=8 * 16 * 2 * 2 * 2 * 16 * 4, max_model_len=512)
     with pytest.warns(UserWarning, match=r"max_model_len 128 of the model's 512: .* \(0\.1 MiB\) holds"):
         capped = LLM(str(tiny_llama), kv_cache_memory=8 * 16 * 2 * 2 * 2 * 16 * 4)  # no max_model_len asked for
@@ -474,8 +474,7 @@ def test_the_engine_builds_what_its_config_asks(tiny_llama):
     pool, need = 200_000 / 2**20, 512 * per_token / 2**20
     assert re.fullmatch(
         rf"the KV cache pool \({pool:.1f} MiB\) holds \d+ tokens, fewer than one sequence of "
-        rf"max_model_len 512; give it at least {need:.1f} MiB \(--kv-cache-memory\) or lower "
-        "max_model_len",
+        rf"512 tokens; give kv_cache_memory at least {need:.1f} MiB or lower max_model_len",
         str(e.value),
     ), str(e.value)
 

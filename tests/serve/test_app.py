@@ -141,10 +141,12 @@ def test_chat_logprobs(client):
         ({"prompt": "x", "logprobs": 99}, "logprobs"),
         ({"max_tokens": 3}, "prompt: Field required"),
         ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty is not supported by this server"),
+        ({"prompt": "x", "temperature": float("nan")}, "temperature: Input should be a finite number"),
+        ({"prompt": "x", "top_p": float("inf")}, "top_p: Input should be a finite number"),
     ],
 )
 def test_bad_requests_get_400_with_an_openai_error_body(server, body, needle):
-    r = httpx.post(f"{server}/v1/completions", json=body)
+    r = httpx.post(f"{server}/v1/completions", content=json.dumps(body), headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert needle in error["message"] and error["type"] == "invalid_request_error"
