@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
+#include "slimlm_kernels.h"
 
 #define MAX_HEADS 128  // query heads
 #define MAX_DIM 256
@@ -23,7 +24,6 @@
                       // tokens made a decode step of 32 × 512 tokens 1.15× slower: more tasks and merges)
 
 // What a cache holds: fp32, bf16, or 8-bit codes (int8, fp8 e4m3) with a scale per KV head
-enum { KIND_F32, KIND_BF16, KIND_INT8, KIND_FP8, KIND_INT4 };
 #define ELEM(kind) ((kind) == KIND_F32 ? 4 : (kind) == KIND_BF16 ? 2 : 1)  // bytes per value (not KIND_INT4)
 // bytes of one KV head's vector in a token's row: a 4-bit cache's is D/2 bytes of codes, then fp16 step and
 // minimum (formats/kv_int4.py: element d < D/2 in byte d's low nibble, element D/2 + d in its high nibble)

@@ -66,7 +66,7 @@ def kernel_takes(heads: int, kv_heads: int, head_dim: int) -> bool:
 
 
 VERIFY_MAX_ROWS = 16  # a sequence with at most this many new tokens is attended a query at a time (decode kernel)
-# What the C kernels take a cache as (cpu_attention.c's KIND_*): fp32, bf16, 8-bit codes with per-head scales, or
+# What the C kernels take a cache as (slimlm_kernels.h's KIND_*): fp32, bf16, 8-bit codes with per-head scales, or
 # 4-bit rows (formats.kv_int4; decode only)
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3, torch.uint8: 4}
 EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)

@@ -8,11 +8,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
+#include "slimlm_kernels.h"
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
 
-enum { KIND_F32, KIND_BF16, KIND_INT8, KIND_FP8, KIND_INT4 };  // what a cache holds, as in cpu_attention.c
 #define ELEM(kind) ((kind) == KIND_F32 ? 4 : (kind) == KIND_BF16 ? 2 : 1)
 #define HEAD_BYTES(kind, D) ((kind) == KIND_INT4 ? (D) / 2 + 4 : (D) * ELEM(kind))
 

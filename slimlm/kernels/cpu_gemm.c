@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
-#include "cpu_isa.h"
+#include "slimlm_kernels.h"
 
 #define BN 64  // output features per block (packed.BLOCK_N)
 #define MB 6   // rows of x per register tile: 24 accumulators (4 gave 0.85x the GFLOP/s from 32 rows)

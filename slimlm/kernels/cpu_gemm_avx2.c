@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <immintrin.h>
+#include "slimlm_kernels.h"
 
 #define BN 64  // output features per block (packed.BLOCK_N)
 #define MB 2   // rows of x per register tile: 2 × 8 accumulators, the most that stays in 16 registers

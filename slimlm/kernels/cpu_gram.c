@@ -21,6 +21,7 @@
 #include <string.h>
 #include <immintrin.h>
 #include <omp.h>
+#include "slimlm_kernels.h"
 
 #define PC 256  // token pairs per chunk
 #define NC 256  // columns per block

@@ -12,7 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <immintrin.h>  // F16C's fp16 conversions (a 4-bit KV row's step and minimum)
-#include "cpu_isa.h"
+#include "slimlm_kernels.h"
 
 static inline float from_bf16(uint16_t h) {
     union { uint32_t u; float f; } v = {(uint32_t)h << 16};
@@ -97,8 +97,6 @@ static inline __attribute__((always_inline)) void rotate(const char *x, const ch
     rotate_part(x + half, x, cos + half, sin + half, out + half, dim / 2, bf16);
 }
 
-// What a KV cache holds (cpu_attention.c's KIND_*): the step's float dtype, or 8-bit codes with a scale per head
-enum { KIND_F32, KIND_BF16, KIND_INT8, KIND_FP8, KIND_INT4 };
 #define INT4_ROW(dim) ((dim) / 2 + 4)  // bytes of a 4-bit row: the codes, then the fp16 step and minimum
 
 // x / scale as quantized_kv stores it: divided in fp32, clamped to ±127 (int8) or ±448 (fp8), then rounded to
@@ -280,25 +278,6 @@ void slimlm_silu_mul(const void *gu, void *out, int64_t rows, int64_t width, int
 // (cpu_gemm_avx2.c); AVX-512 CPUs without BF16 run the modules.
 #if defined(SLIMLM_BF16_GEMM) || (defined(__AVX2__) && !defined(__AVX512F__))
 #include <stdlib.h>
-
-void slimlm_quant_matmul(int bits, const float *x, int64_t M, int64_t K, const uint8_t *codes,
-                         const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group, float *y,
-                         int nthreads);
-#ifdef SLIMLM_BF16_GEMM
-int slimlm_quant_matmul_bf16(int bits, const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
-                             const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
-                             void *y, int64_t y_cols, int y_bf16, int64_t code_rows, int nthreads);
-int slimlm_quant_matmul_amx(int bits, const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
-                            const uint16_t *scales, const uint8_t *zeros, int64_t nblocks, int64_t group,
-                            void *y, int64_t y_cols, int y_bf16, int nthreads);  // only where AMX was built
-#else
-int slimlm_quant_matmul_i8(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *scales,
-                           const uint8_t *zeros, int64_t nblocks, int64_t group, float *y, int nthreads);
-#endif
-int slimlm_paged_decode(const float *q, const void *k_cache, const void *v_cache, int kind, const float *k_scale,
-                        const float *v_scale, const int32_t *tables, int64_t width, const int32_t *seq_lens, int64_t S,
-                        int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, float scale, int amx, float *out,
-                        int nthreads);  // kind: 0 fp32, 1 bf16 (the step's dtype here), 2 int8, 3 fp8
 
 // One packed linear, as cpu_gemm.quant_matmul would call it for this many rows (the loop chosen in Python),
 // and its bias in the step's dtype (NULL for none: Qwen2's q/k/v have one)

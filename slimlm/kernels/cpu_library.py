@@ -30,7 +30,7 @@ SOURCES = [
     Path(__file__).with_name("cpu_layer.c"),
     Path(__file__).with_name("cpu_gram.c"),
 ]
-HEADERS = [Path(__file__).with_name("cpu_isa.h")]
+HEADERS = [Path(__file__).with_name("slimlm_kernels.h")]
 # -mprefer-vector-width=512: gcc picks 256 otherwise. -fno-trapping-math: no code here reads the floating-point
 # exception flags, and without AVX-512's masks gcc will not run both sides of a float `?:` (silu's exp, a clamp)
 # in vectors while they might raise one: the AVX2 build's silu_mul ran scalar, 8× slower. Values are unchanged.
