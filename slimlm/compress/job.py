@@ -39,7 +39,8 @@ def _check_lm_head(model: torch.nn.Module, args: QuantArgs) -> None:
 class CalibData:
     """The calibration data, and where and in what dtype its passes run."""
 
-    source: str = "owt"  # owt | wiki | c4 | PATH.txt | PATH.jsonl (data.check_source)
+    calib: str = "owt"  # owt | wiki | c4 | PATH.txt | PATH.jsonl (data.check_source); the fields are the jobs'
+    # (jobs/quantize.Calibration fills them by name, and a test checks the defaults agree)
     num_samples: int = 128
     seq_len: int = 512
     seed: int = 0
@@ -95,11 +96,11 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
         samples = None
         if with_data:
             samples = data.calibration_windows(
-                calibration.source, tokenizer, calibration.num_samples, calibration.seq_len, calibration.seed
+                calibration.calib, tokenizer, calibration.num_samples, calibration.seq_len, calibration.seed
             )
             log(
                 f"[{job.method}] {source.dir.name}: {len(samples)}×{calibration.seq_len} calibration tokens from "
-                f"'{calibration.source}', {source.device}, passes in {devices.dtype_name(passes)}"
+                f"'{calibration.calib}', {source.device}, passes in {devices.dtype_name(passes)}"
             )
         else:
             log(f"[{job.method}] {source.dir.name}: no calibration data needed, on {source.device}")
@@ -123,7 +124,7 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
                 **source.method_args,
             },
             "calibration": {
-                "source": calibration.source,
+                "source": calibration.calib,
                 "num_samples": calibration.num_samples,
                 "seq_len": calibration.seq_len,
                 "seed": calibration.seed,
@@ -188,7 +189,7 @@ def check_inputs(job: Quantization) -> _Source:
         pipeline.check_group_size(shapes, job.args, job.ignore)
         if job.lm_head_bits is not None:
             _check_lm_head(shapes, job.args)
-    data.check_source(c.source)  # even when no step reads it: a mistyped --calib is worth saying
+    data.check_source(c.calib)  # even when no step reads it: a mistyped --calib is worth saying
     return _Source(model_dir, source_config, dev, method_args, head_args, keep_weights)
 
 

@@ -6,6 +6,7 @@ Each is the shared calibration options plus its method's own; `steps()` lists th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -72,9 +73,7 @@ class Calibration(Job):
             args,
             self.model,
             self.out,
-            CalibData(
-                self.calib, self.num_samples, self.seq_len, self.seed, self.batch_size, self.device, self.compute_dtype
-            ),
+            CalibData(**{f.name: getattr(self, f.name) for f in dataclasses.fields(CalibData)}),
             ignore=self.ignore if weights else (),
             fmt=self.format if weights else "compressed-tensors",
             lm_head_bits=self.lm_head_bits(args) if weights else None,

@@ -336,3 +336,14 @@ def test_an_assignment_is_checked_as_the_constructor_checks():
     with pytest.raises(OptionError, match="^model: Input should be a valid string$"):
         job.model = None
     assert job.bits == 8 and job.model == "smollm2-135m"
+
+
+@pytest.mark.parametrize("command", ["rtn", "gptq", "awq", "kv"])
+def test_the_calibration_settings_are_the_jobs_fields_with_their_defaults(command):
+    import dataclasses
+
+    from slimlm.compress.job import CalibData
+
+    fields = JOBS[command].model_fields
+    for f in dataclasses.fields(CalibData):
+        assert f.name in fields and f.default == fields[f.name].default, f.name
