@@ -81,7 +81,7 @@ def split(engine, step_s, steps: int) -> dict[str, float]:
 
 @torch.inference_mode()
 def measure(model: str, dtype: str, bandwidth: float, budget_s: float) -> dict:
-    engine = engine_for(model, BenchConfig(dtype=dtype, batches=[1]), CONTEXT + 8)
+    engine = engine_for(model, BenchConfig(dtype=dtype, batch=[1]), CONTEXT + 8)
     runner = engine.runner
     cpu = kernels.select("cpu")
     per_op = dataclasses.replace(cpu, decode_stack=None)

@@ -64,7 +64,7 @@ def build(rev: str, out: Path) -> ctypes.CDLL:
 
 
 def step_ms(model: str, dtype: str, batch: int, context: int, libs: dict, seconds: float) -> dict[str, float]:
-    config = BenchConfig(dtype=dtype, batches=[batch], context=context)
+    config = BenchConfig(dtype=dtype, batch=[batch], context=context)
     runner = engine_for(model, config, context + 1).runner
     runner.kv_cache.normal_()
     ids, step = decode_inputs(batch, context, runner.block_size)

@@ -32,7 +32,7 @@ from slimlm.perf.offline import decode_inputs
 model, dtype, batch, context, new, seconds, threads = sys.argv[1:8]
 batch, context, new, seconds = int(batch), int(context), int(new), float(seconds)
 torch.set_num_threads(int(threads))
-runner = engine_for(model, BenchConfig(dtype=dtype, batches=[batch], context=context + new), context + new).runner
+runner = engine_for(model, BenchConfig(dtype=dtype, batch=[batch], context=context + new), context + new).runner
 runner.kv_cache.normal_()
 (ids, step), times = decode_inputs(batch, context, runner.block_size, new), []
 last = torch.arange(new - 1, batch * new, new)  # each sequence's last token

@@ -49,7 +49,7 @@ def measure(models: list[str], dtype: str, batch: int, context: int, lib: ctypes
     seconds = (ctypes.c_double * len(PHASES)).in_dll(lib, "slimlm_phase_seconds")
     runs = {}
     for model in models:
-        runner = engine_for(model, BenchConfig(dtype=dtype, batches=[batch], context=context), context + 1).runner
+        runner = engine_for(model, BenchConfig(dtype=dtype, batch=[batch], context=context), context + 1).runner
         runner.kv_cache.normal_()
         if runner.model.decode_stack is None:
             raise SystemExit(f"step_phases.py: {model} does not decode in one call here")

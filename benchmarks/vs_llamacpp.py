@@ -124,9 +124,7 @@ def main() -> None:
     for _ in range(args.rounds):  # in turn, each side's best kept: single runs here drift by up to 2×
         runs = {peer_name: llama_cpp(args.llama_python, gguf, args.threads, prompt, args.steps)}
         for dtype in args.dtypes.split(","):
-            config = BenchConfig(
-                batches=[1, 32], context=64, prefill_len=len(prompt), steps=args.steps // 4, dtype=dtype
-            )
+            config = BenchConfig(batch=[1, 32], context=64, prefill_len=len(prompt), steps=args.steps // 4, dtype=dtype)
             run = offline(str(model), config, bandwidth)
             one, many = run["decode"]
             runs[f"slimlm {dtype} ({label})"] = {

@@ -208,23 +208,8 @@ class Bench(Job):
         from slimlm.perf import bench
         from slimlm.perf.config import BenchConfig, baseline_of
 
-        config = BenchConfig(
-            batches=self.batch,
-            context=self.context,
-            prefill_len=self.prefill_len,
-            rounds=self.rounds,
-            kv_cache_memory=self.kv_cache_memory,
-            dtype=self.dtype,
-            activations=self.activations,
-            requests=self.requests,
-            rate=self.rate,
-            prompt_len=self.prompt_len,
-            output_len=self.output_len,
-            slo_ttft_s=self.slo_ttft,
-            slo_itl_s=self.slo_itl,
-            seed=self.seed,
-            http=self.http,
-        )
+        shared = [f.name for f in dataclasses.fields(BenchConfig) if f.name in type(self).model_fields]
+        config = BenchConfig(**{name: getattr(self, name) for name in shared})  # by name: one field, one default
         model_dir = models.resolve(self.model)
         baseline = None if self.baseline == "none" else self.baseline
         if self.baseline is None and (model_dir / "slimlm.json").exists():

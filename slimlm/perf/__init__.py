@@ -11,7 +11,7 @@ Offline, on the engine's model runner (no scheduler in the way):
 Online, through the engine (with `http`, also to `compress serve` over HTTP): a seeded Poisson workload
 (prompts cut from the bundled owt text, lengths uniform in `prompt_len`, outputs uniform in `output_len`,
 greedy with EOS ignored): output tokens/s, TTFT and inter-token latency p50/p90/p99, and goodput, the
-requests per second that met the SLO (TTFT ≤ `slo_ttft_s` and mean inter-token latency ≤ `slo_itl_s`),
+requests per second that met the SLO (TTFT ≤ `slo_ttft` and mean inter-token latency ≤ `slo_itl`),
 and the output throughput against the workload's roofline (`plan.serving_roofline`: its arithmetic at the
 matmul rate and its bytes at the copy bandwidth, both measured in this run, or its last arrival; a rate of
 inf sends every request at once, which saturates the engine).

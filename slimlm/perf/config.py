@@ -12,7 +12,7 @@ from slimlm.eval import plan
 
 @dataclass
 class BenchConfig:
-    batches: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
+    batch: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
     context: int = 512
     prefill_len: int = 512
     steps: int = 5  # decode steps timed per batch size (the median is kept)
@@ -24,8 +24,8 @@ class BenchConfig:
     rate: float = 2.0  # Poisson arrivals per second
     prompt_len: tuple[int, int] = (64, 256)
     output_len: tuple[int, int] = (16, 64)
-    slo_ttft_s: float = 2.0
-    slo_itl_s: float = 0.2
+    slo_ttft: float = 2.0
+    slo_itl: float = 0.2
     seed: int = 0
     http: bool = False  # also send the workload to `compress serve` over HTTP
 
@@ -48,12 +48,12 @@ def pool_bytes(model: str, config: BenchConfig) -> int:
     from slimlm import models
 
     dims = plan.Dims.from_config(models.read_config(models.resolve(model)))
-    blocks = max(config.batches) * -(-(config.context + 1) // 16) + 1  # the engine's 16-token blocks
+    blocks = max(config.batch) * -(-(config.context + 1) // 16) + 1  # the engine's 16-token blocks
     return max(512 << 20, blocks * 16 * plan.kv_bytes_per_token(dims, "fp32"))
 
 
 def max_seqs(config: BenchConfig) -> int:
-    return max(64, max(config.batches))
+    return max(64, max(config.batch))
 
 
 def engine_for(model: str, config: BenchConfig, max_len: int):

@@ -63,7 +63,7 @@ def offline(model: str, config: BenchConfig, bandwidth: float) -> dict:
     engine = engine_for(model, config, max(config.context + 1, config.prefill_len))
     runner = engine.runner
     bs = engine.config.block_size
-    largest = max(config.batches)
+    largest = max(config.batch)
     if runner.num_blocks < largest * -(-(config.context + 1) // bs):
         raise FieldError(
             "kv_cache_memory",
@@ -92,7 +92,7 @@ def offline(model: str, config: BenchConfig, bandwidth: float) -> dict:
     prefill_s = min(forward(1, 0, config.prefill_len) for _ in range(2))
     weights, per_token = runner.weight_bytes(), runner.kv_bytes_per_token
     decode = []
-    for batch in config.batches:
+    for batch in config.batch:
         forward(batch, config.context, 1)
         step_s = statistics.median(forward(batch, config.context, 1) for _ in range(config.steps))
         floor = (weights + batch * config.context * per_token) / bandwidth

@@ -78,7 +78,7 @@ def latency_figures(requests: list[dict], times: dict[str, list[float]], wall: f
         gaps = [b - a for a, b in zip(t, t[1:], strict=False)]
         ttft.append(first)
         itl += gaps
-        good += first <= config.slo_ttft_s and (not gaps or statistics.mean(gaps) <= config.slo_itl_s)
+        good += first <= config.slo_ttft and (not gaps or statistics.mean(gaps) <= config.slo_itl)
     tokens = sum(len(times[r["id"]]) for r in requests)
     return {
         "output_tok_s": tokens / wall,

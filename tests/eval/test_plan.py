@@ -167,7 +167,7 @@ def test_predicted_against_a_bench_run(tiny_llama, tmp_path, capsys):
     from slimlm.perf.config import BenchConfig
 
     config = BenchConfig(
-        batches=[1, 2],
+        batch=[1, 2],
         context=32,
         prefill_len=16,
         steps=2,

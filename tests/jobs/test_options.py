@@ -347,3 +347,17 @@ def test_the_calibration_settings_are_the_jobs_fields_with_their_defaults(comman
     fields = JOBS[command].model_fields
     for f in dataclasses.fields(CalibData):
         assert f.name in fields and f.default == fields[f.name].default, f.name
+
+
+def test_the_bench_settings_are_the_bench_jobs_fields_with_their_defaults():
+    import dataclasses
+
+    from slimlm.perf.config import BenchConfig
+
+    fields = JOBS["bench"].model_fields
+    own = {"steps"}  # the library's alone: decode steps timed per batch size
+    for f in dataclasses.fields(BenchConfig):
+        if f.name in own:
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        assert f.name in fields and default == fields[f.name].get_default(call_default_factory=True), f.name

@@ -22,7 +22,7 @@ from slimlm.perf.offline import offline, resident_batch
 from slimlm.perf.workload import online, percentiles, workload
 
 SMALL = BenchConfig(
-    batches=[1, 3],
+    batch=[1, 3],
     context=40,
     prefill_len=32,
     steps=2,
@@ -79,7 +79,7 @@ def test_the_workload_is_seeded_and_the_online_run_serves_it_all(tiny_llama):
     total = sum(r["output_len"] for r in requests)
     assert result["output_tok_s"] == pytest.approx(total / result["wall_s"])
     assert result["ttft_s"]["p50"] <= result["ttft_s"]["p99"] and result["slo_met"] == 1.0
-    strict = online(str(tiny_llama), BenchConfig(**{**SMALL.__dict__, "slo_ttft_s": 1e-9}), requests)
+    strict = online(str(tiny_llama), BenchConfig(**{**SMALL.__dict__, "slo_ttft": 1e-9}), requests)
     assert strict["goodput_req_s"] == 0 and strict["slo_met"] == 0
 
 
@@ -255,7 +255,7 @@ def test_the_workload_over_http_gets_every_token(tiny_llama):
 
 def test_the_default_pool_holds_the_largest_batch(tiny_llama):
     per_token = 2 * 2 * 2 * 16 * 4  # the tiny model's fp32 KV per token
-    assert pool_bytes(str(tiny_llama), BenchConfig(batches=[1, 8], context=40)) == 512 << 20
-    big = BenchConfig(batches=[100_000], context=40)
+    assert pool_bytes(str(tiny_llama), BenchConfig(batch=[1, 8], context=40)) == 512 << 20
+    big = BenchConfig(batch=[100_000], context=40)
     assert pool_bytes(str(tiny_llama), big) == (100_000 * 3 + 1) * 16 * per_token
     assert pool_bytes(str(tiny_llama), BenchConfig(kv_cache_memory=1 << 20)) == 1 << 20
