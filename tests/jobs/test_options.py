@@ -6,6 +6,8 @@ import re
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from slimlm import recipe as recipes
 from slimlm.cli import build_parser
@@ -361,3 +363,34 @@ def test_the_bench_settings_are_the_bench_jobs_fields_with_their_defaults():
             continue
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         assert f.name in fields and default == fields[f.name].get_default(call_default_factory=True), f.name
+
+
+ANY_VALUE = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.lists(st.one_of(st.integers(-5, 300), st.text(max_size=4)), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(command=st.sampled_from(sorted(JOBS)), data=st.data())
+def test_any_value_of_any_field_is_a_job_or_a_one_line_error(command, data):
+    """The Python constructors, fuzzed: a value of any type for any field gives a valid job or an OptionError of
+    one line naming that field — never a pydantic ValidationError, a TypeError or a job holding a bool as a
+    number."""
+    job = JOBS[command]
+    field = data.draw(st.sampled_from(sorted(job.model_fields)))
+    value = data.draw(ANY_VALUE)
+    values = {**{k: v for k, v in REQUIRED.items() if k in job.model_fields}, field: value}
+    try:
+        built = job(**values)
+    except OptionError as e:
+        named = str(e).split(":")[0].split(".")[0]  # a list's item: names.0
+        assert "\n" not in str(e) and named in job.model_fields, str(e)
+        return
+    held = getattr(built, field)
+    assert not (isinstance(value, bool) and not isinstance(held, bool) and held in (0, 1)), (field, value, held)
