@@ -408,7 +408,7 @@ def prune_model(
         log(
             f"warning: no --distill-tokens, so the pruned model is not distilled: perplexity {after:.1f} against "
             f"the source's {before:.1f} on {SCORE_SAMPLES} held-out '{calib}' windows; distillation recovers most "
-            "of it (README, Measured)"
+            "of it (docs/measured.md)"
         )
     meta = {
         "method": "prune",

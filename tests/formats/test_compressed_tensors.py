@@ -58,8 +58,8 @@ def tiny_with_text(tiny_llama):
     return tiny_llama
 
 
-# 3 bits are left out: compressed-tensors < 0.18 (what pyproject allows, for asymmetric checkpoints: README,
-# Known limits) packs them another way (test_3bit_codes_are_one_dense_bit_stream).
+# 3 bits are left out: compressed-tensors < 0.18 (what pyproject allows, for asymmetric checkpoints:
+# docs/limits.md) packs them another way (test_3bit_codes_are_one_dense_bit_stream).
 @pytest.mark.parametrize(
     "args", [QuantArgs(4, 32, True), QuantArgs(4, 32, False), QuantArgs(2, -1, False), QuantArgs(8, 32, True)], ids=str
 )

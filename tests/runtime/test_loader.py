@@ -227,7 +227,7 @@ def test_avx2_w4_greedy_text_does_not_depend_on_the_batch(smollm2, tmp_path, mon
             marks=pytest.mark.xfail(
                 strict=True,
                 reason="compressed-tensors < 0.18 packs 3 bits ten to a word (slimlm, vLLM and 0.18+ pack them "
-                "densely), and 0.18-0.20.1 refuse asymmetric zero points: no version reads both (README)",
+                "densely), and 0.18-0.20.1 refuse asymmetric zero points: no version reads both (docs/limits.md)",
             ),
         ),
         ("rtn", QuantArgs(2, 32, True), {}),
@@ -247,7 +247,7 @@ def test_avx2_w4_greedy_text_does_not_depend_on_the_batch(smollm2, tmp_path, mon
 )
 def test_transformers_loads_every_scheme_and_gives_the_runtimes_logits(calibrated, tmp_path, method, args, kw):
     """transformers (through compressed-tensors, the versions pyproject allows) reads every scheme slimlm writes,
-    asymmetric ones included (compressed-tensors 0.18-0.20.1 refuse those: README, Known limits), but 3 bits."""
+    asymmetric ones included (compressed-tensors 0.18-0.20.1 refuse those: docs/limits.md), but 3 bits."""
     from transformers import AutoModelForCausalLM
 
     out = quantize(calibrated, tmp_path / "q", method, args, **kw)
