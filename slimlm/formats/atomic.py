@@ -90,18 +90,21 @@ def is_checkpoint(d: Path) -> bool:
 
 
 def _same_kind(path: Path) -> bool:
-    """Whether an existing file is of the kind results are written as: a JSON document (.json) or a report
-    slimlm wrote (.html). Anything else (a symlink, a file of another kind or another suffix) is not replaced."""
+    """Whether an existing file is of a kind results are written as: a JSON document (eval, bench, plan, whatever
+    its name) or a report slimlm wrote. Anything else (a symlink, notes, a tokenizer's text) is not replaced."""
     if path.is_symlink() or not path.is_file():
         return False
     try:
         with open(path, "rb") as f:
             head = f.read(64 << 20)
-        if path.suffix == ".json":
-            json.loads(head)
-            return True
-        return path.suffix in (".html", ".htm") and REPORT_GENERATOR.encode() in head[:4096]
-    except (OSError, ValueError):
+    except OSError:
+        return False
+    if REPORT_GENERATOR.encode() in head[:4096]:
+        return True
+    try:
+        json.loads(head)
+        return True
+    except ValueError:
         return False
 
 

@@ -394,3 +394,24 @@ def test_two_commands_of_different_kinds_on_one_out_the_second_is_refused_before
         holder.stdin.close()
         holder.wait()
     assert [p.name for p in out.iterdir()] == ["config.json"] and (out / "config.json").read_text() == '{"first": 1}'
+
+
+def test_overwrite_replaces_a_slimlm_result_whatever_its_name_and_nothing_else(tmp_path):
+    own, report, notes = tmp_path / "plan.txt", tmp_path / "r.html", tmp_path / "notes.json"
+    own.write_text('{"weights": 1}')
+    report.write_text(f"<!doctype html>\n{atomic.REPORT_GENERATOR}\n")
+    notes.write_text("my notes, not JSON")
+    assert atomic.check_file(own, True, "json_path") == own
+    assert atomic.check_file(report, True, "out") == report
+    for path in (notes, tmp_path / "link.json"):
+        if path.name == "link.json":
+            path.symlink_to(own)
+        with pytest.raises(SlimlmError, match="exists and is not a slimlm result"):
+            atomic.check_file(path, True, "out")
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").write_bytes(b"")
+    with pytest.raises(SlimlmError, match="is in a checkpoint's directory"):
+        atomic.check_file(checkpoint / "results.json", True, "out")
+    with pytest.raises(SlimlmError, match="is one of this command's inputs"):
+        atomic.check_file(own, True, "out", inputs=[tmp_path / "." / "plan.txt"])
