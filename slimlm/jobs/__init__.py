@@ -18,7 +18,8 @@ JOBS: dict[str, type[Job]] = {
     job.command: job
     for job in (Assets, RTN, GPTQ, AWQ, KV, GQA, Prune, Bench, Report, Plan, Eval, LongContext, Generate, Serve)
 }
-STEPS = ("rtn", "gptq", "awq", "kv", "gqa", "prune")  # the jobs that write a checkpoint a recipe can chain
+# the jobs that write a checkpoint (their `out` is a directory), which a recipe can chain
+STEPS = tuple(name for name, job in JOBS.items() if "out" in job.opts() and job.opts()["out"].output == "dir")
 
 __all__ = [
     "AWQ",

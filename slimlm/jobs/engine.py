@@ -22,7 +22,7 @@ Activations = Annotated[
     str,
     Opt(
         "how the CPU kernels multiply: auto = the fastest loop (on AVX2 a 4-bit linear takes x rounded to int8 per "
-        "32 inputs, as llama.cpp does: +0.1-0.2%% perplexity); exact = the checkpoint's arithmetic, what "
+        "32 inputs, as llama.cpp does: +0.1-0.2% perplexity); exact = the checkpoint's arithmetic, what "
         "transformers and vLLM compute",
         choices=ACTIVATIONS,
     ),

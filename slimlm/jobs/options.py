@@ -191,7 +191,7 @@ def add_arguments(parser: argparse.ArgumentParser, job: type[Job]) -> None:
     """The job's fields as flags (or positional arguments), with their checks as argparse types."""
     for name, field in job.model_fields.items():
         opt = job.opts()[name]
-        kwargs: dict[str, Any] = {"help": opt.help or None}
+        kwargs: dict[str, Any] = {"help": _escaped(opt.help) or None}
         if opt.parse is not None:
             kwargs["type"] = _argparse_type(opt.parse)
         if opt.choices is not None:
@@ -206,15 +206,20 @@ def add_arguments(parser: argparse.ArgumentParser, job: type[Job]) -> None:
         if opt.flag is not None:
             flag = opt.flag or "--" + name.replace("_", "-")
             if field.annotation in (bool, "bool"):
-                kwargs = {"help": opt.help, "action": "store_true"}
+                kwargs = {"help": _escaped(opt.help), "action": "store_true"}
             elif opt.nargs:
                 kwargs.update(nargs=opt.nargs, const=opt.const)
             elif opt.repeat:
                 kwargs["action"] = "append"
             target.add_argument(flag, dest=name, required=field.is_required(), **kwargs)
         for s in opt.switches:
-            target.add_argument(s.flag, dest=name, action="store_const", const=s.value, help=s.help)
+            target.add_argument(s.flag, dest=name, action="store_const", const=s.value, help=_escaped(s.help))
         parser.set_defaults(**{name: default})
+
+
+def _escaped(text: str) -> str:
+    """Help text as argparse wants it: it formats help with %, so a plain 19% is written 19%% there only."""
+    return text.replace("%", "%%")
 
 
 def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:

@@ -141,7 +141,7 @@ class Weights(KVScales):
         int | None,
         Opt(
             "lm_head rounded to nearest at BITS (default: 8, except with --format gptq at other bits; at 4 the "
-            "default model's wiki perplexity rose 26%% more); a tied one is untied, the embeddings stay float",
+            "default model's wiki perplexity rose 26% more); a tied one is untied, the embeddings stay float",
             parse=integer,
             choices=(4, 8),
             nargs="?",
@@ -198,7 +198,7 @@ class GPTQOptions(Job):
     observer: Annotated[
         str,
         Opt(
-            "GPTQ: how each group's scale is chosen: the group's range (minmax) or the range shrunk by up to 19%% "
+            "GPTQ: how each group's scale is chosen: the group's range (minmax) or the range shrunk by up to 19% "
             "where that rounds the group with less error (mse)",
             choices=("minmax", "mse"),
         ),
