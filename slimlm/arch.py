@@ -70,6 +70,9 @@ LAYER_AXES = {  # names within a decoder layer
     "mlp.gate_proj.weight": ("ffn", "hidden"),
     "mlp.up_proj.weight": ("ffn", "hidden"),
     "mlp.down_proj.weight": ("hidden", "ffn"),
+    # Qwen3's per-head q and k norms: one weight over head_dim that every head shares, so no cut touches it
+    "self_attn.q_norm.weight": ("head_dim",),
+    "self_attn.k_norm.weight": ("head_dim",),
 }
 # The config field that holds each pruned dimension's size ("layers": the decoder layers' count).
 SIZE_FIELD = {

@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",  # Qwen2 with q and k RMS-normed per head before RoPE, no q/k/v biases
 }
 
 SIZE_FIELDS = (

@@ -59,6 +59,7 @@ class Dims:
     tied: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
+    qk_norm: bool = False  # Qwen3: a head_dim-wide RMSNorm weight for q and one for k, per layer
 
     @classmethod
     def from_config(cls, config: dict) -> Dims:
@@ -75,6 +76,7 @@ class Dims:
             tied=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=qwen2 or bool(config.get("attention_bias")),
             o_bias=not qwen2 and bool(config.get("attention_bias")),
+            qk_norm=config.get("model_type") == "qwen3",
         )
 
 
@@ -109,7 +111,7 @@ def parameters(d: Dims) -> dict[str, int]:
         "lm_head": 0 if d.tied else v * dh,
         "attention": attention,
         "mlp": L * 3 * dh * f,
-        "norms": (2 * L + 1) * dh,
+        "norms": (2 * L + 1) * dh + d.qk_norm * 2 * L * hd,
     }
     out["total"] = sum(out.values())
     out["simplified"] = 2 * v * dh + 3 * dh * f * L + (2 * dh * n * hd + 2 * dh * k * hd) * L

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2; SmolLM is Llama) over one packed batch of tokens per step.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; SmolLM is Llama) over one packed batch of tokens per step.
 
 Tokens of all scheduled sequences are concatenated: every linear layer sees a single [tokens, hidden] matrix,
 and only attention knows where one sequence ends and the next begins (through `StepInputs`). Module and
@@ -121,12 +121,26 @@ class Attention(nn.Module):
         self.rotary_kv_write = kernels.reference.rotary_kv_write  # likewise
         self.k_scale = self.v_scale = None  # fp32 [kv_heads] for an fp8/int8 cache (loader.set_kv_cache)
         self.k_offset = None  # fp32 [kv_heads, head_dim]: the mean key a 4-bit or fp8 cache's keys lose (ModelRunner)
+        self.qk_norm = config.model_type == "qwen3"  # each head's q and k RMS-normed before RoPE
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+
+    def normed_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """q and k of every head RMS-normed over head_dim (Qwen3), v as it is: the rotary kernel's input."""
+        rows, q_width, kv_width = qkv.shape[0], self.heads * self.head_dim, self.kv_heads * self.head_dim
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        q = self.q_norm(q.reshape(-1, self.head_dim).contiguous())[0].reshape(rows, q_width)
+        k = self.k_norm(k.reshape(-1, self.head_dim).contiguous())[0].reshape(rows, kv_width)
+        return torch.cat([q, k, v], dim=-1)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs, kv_cache: torch.Tensor
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, head_dim]
         qkv = joined_outputs(self.qkv, x)
+        if self.qk_norm:
+            qkv = self.normed_heads(qkv)
         q = self.rotary_kv_write(
             qkv, cos, sin, step.slots, k_cache, v_cache, self.k_scale, self.v_scale, k_offset=self.k_offset
         )
@@ -242,6 +256,8 @@ class CausalLM(nn.Module):
         the four projections packed (q/k/v and gate/up joined), attention the C kernel's shape."""
         dtype, layers = self.model.norm.weight.dtype, []
         attn = self.model.layers[0].self_attn
+        if attn.qk_norm:  # the C layer has no per-head q/k norm: Qwen3 decodes through the modules
+            return None
         for layer in self.model.layers:
             parts = [*layer.self_attn.qkv, layer.self_attn.o_proj, *layer.mlp.gate_up, layer.mlp.down_proj]
             linears, biases = [p.packed for p in parts], [p.bias for p in parts]

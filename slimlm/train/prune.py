@@ -245,7 +245,7 @@ def prune(model: nn.Module, keep: Keep) -> nn.Module:
 
     def take(tensor: torch.Tensor, axes: tuple, index: dict[str, list[int]]) -> torch.Tensor:
         for axis, dim in enumerate(axes):
-            if dim is not None:
+            if dim in index:  # the vocabulary (None) and head_dim are never cut
                 tensor = tensor.index_select(axis, _index(index[dim], dim, hd))
         return tensor.contiguous()
 
@@ -277,6 +277,7 @@ def count_parameters(model: nn.Module, shape: Shape) -> int:
         "heads": shape.heads * hd,
         "kv_heads": shape.kv_heads * hd,
         "ffn": shape.ffn,
+        "head_dim": hd,
     }
     names = {name for name, _ in model.named_parameters()}  # tied weights appear once
 

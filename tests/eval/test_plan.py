@@ -15,7 +15,7 @@ SMALL = plan.Dims(vocab=1000, hidden=256, heads=2, kv_heads=1, head_dim=128, ffn
 DEVICE = plan.Device("test", peak_flops=1e12, bandwidth=1e9, memory=2e7)
 
 
-@pytest.mark.parametrize("model_type,tied", [("llama", True), ("llama", False), ("qwen2", False)])
+@pytest.mark.parametrize("model_type,tied", [("llama", True), ("llama", False), ("qwen2", False), ("qwen3", False)])
 def test_the_exact_count_is_transformers_count(model_type, tied):
     from transformers import AutoConfig, AutoModelForCausalLM
 

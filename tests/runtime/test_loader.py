@@ -36,7 +36,7 @@ def ids_for(model_dir: Path, n: int = 40) -> list[int]:
 
 def tiny(path: Path, kind: str, **sizes) -> Path:
     """A tiny random model of `kind`, its biases drawn large; `sizes` override the config's widths and depth."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     tok = make_tokenizer()
     common = (
@@ -53,6 +53,8 @@ def tiny(path: Path, kind: str, **sizes) -> Path:
     )
     config = {
         "qwen2": lambda: Qwen2Config(**common, tie_word_embeddings=False),  # q/k/v biases, separate lm_head
+        # q and k RMS-normed per head before RoPE; head_dim its own (Qwen3's is 128 at every size)
+        "qwen3": lambda: Qwen3Config(**common, head_dim=32, tie_word_embeddings=False),
         "mistral": lambda: MistralConfig(**common, sliding_window=128, head_dim=24),  # head_dim != hidden/heads
         "llama-rope-scaled": lambda: LlamaConfig(
             **common,
@@ -67,16 +69,18 @@ def tiny(path: Path, kind: str, **sizes) -> Path:
     }[kind]()
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # transformers zero-initialises biases; make them matter
+    with torch.no_grad():  # transformers zero-initialises biases and sets norms to 1; make them matter
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
+            elif name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "mistral", "llama-rope-scaled"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral", "llama-rope-scaled"])
 def test_architectures_match_transformers(tmp_path, kind):
     from transformers import AutoModelForCausalLM
 
@@ -407,3 +411,47 @@ print((status("VmHWM") - base) / (d / "model.safetensors").stat().st_size)
         [sys.executable, "-c", script, str(tmp_path / "w4")], capture_output=True, text=True, check=True
     ).stdout
     assert float(out) <= 1.3
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["rtn", "--bits", "4", "--group-size", "32"],
+        ["gptq", "--bits", "4", "--group-size", "32", "--num-samples", "4", "--seq-len", "32"],
+        ["awq", "--bits", "4", "--group-size", "32", "--num-samples", "4", "--seq-len", "32", "--then", "gptq"],
+        ["kv", "--kv-dtype", "int8", "--num-samples", "4", "--seq-len", "32"],
+        ["gqa", "--kv-heads", "1", "--num-samples", "2"],
+        ["prune", "--ffn", "64", "--heads", "2", "--num-samples", "2"],  # q/k norms: shared by every head, kept
+    ],
+    ids=lambda c: c[0],
+)
+def test_qwen3_compresses_loads_in_transformers_and_serves_its_logits(tmp_path, command):
+    """Qwen3 (no asset on PyPI: a tiny random config): every compress command writes a checkpoint transformers
+    loads, and the runtime's logprobs on it are transformers' (q and k normed per head, as its modules do)."""
+    from transformers import AutoModelForCausalLM
+
+    from slimlm.cli import main
+
+    source = tiny(tmp_path / "qwen3", "qwen3")
+    (tmp_path / "calib.txt").write_text(make_text(60))
+    out = tmp_path / "out"
+    where = [str(source)] if command[0] == "kv" else ["--model", str(source)]
+    assert main([command[0], *where, *command[1:], "--calib", str(tmp_path / "calib.txt"), "--out", str(out)]) == 0
+    ids = ids_for(out, 60)
+    theirs = model_logprobs(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), ids)
+    ours = LLM(str(out), dtype="float32", activations="exact", kv_cache_dtype="float32").generate(
+        [ids], SamplingParams(max_tokens=1, prompt_logprobs=0)
+    )[0]
+    assert (torch.tensor(ours.prompt_logprobs) - theirs).abs().max() < 2e-3
+
+
+def test_qwen3_greedy_decoding_is_transformers_token_for_token(tmp_path):
+    """Decode steps too (Qwen3 decodes through the modules: the one-call C layer has no q/k norm)."""
+    from transformers import AutoModelForCausalLM
+
+    source = tiny(tmp_path / "qwen3", "qwen3")
+    ids = ids_for(source, 12)
+    llm = LLM(str(source), dtype="float32")
+    assert llm.engine.runner.model.decode_stack is None
+    got = llm.generate([ids], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+    assert got == transformers_greedy(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), ids, 16)
