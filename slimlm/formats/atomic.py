@@ -152,7 +152,13 @@ def _lock(path: Path) -> tuple[int, Path]:
     from slimlm.cache import cache_dir
 
     locks = cache_dir() / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
+    try:
+        locks.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SlimlmError(
+            f"cannot hold {path} for this run: the lock directory {locks} cannot be made ({e.strerror}); set "
+            "SLIMLM_CACHE to a writable directory"
+        ) from None
     lock = locks / (hashlib.sha256(str(path).encode()).hexdigest()[:32] + ".lock")
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)

@@ -415,3 +415,12 @@ def test_overwrite_replaces_a_slimlm_result_whatever_its_name_and_nothing_else(t
         atomic.check_file(checkpoint / "results.json", True, "out")
     with pytest.raises(SlimlmError, match="is one of this command's inputs"):
         atomic.check_file(own, True, "out", inputs=[tmp_path / "." / "plan.txt"])
+
+
+def test_a_lock_directory_that_cannot_be_made_is_one_line_naming_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIMLM_CACHE", "/proc/slimlm-no-cache")
+    with pytest.raises(
+        SlimlmError, match="the lock directory /proc/slimlm-no-cache/locks cannot be made .*; set SLIMLM_CACHE"
+    ):
+        with atomic.claim([tmp_path / "x"]):
+            pass
