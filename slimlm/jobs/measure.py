@@ -22,6 +22,7 @@ from slimlm.jobs.options import (
     parse_size,
     positive_float,
     positive_int,
+    quoted,
     seed_int,
     span,
     window_int,
@@ -374,7 +375,7 @@ def policy_list(text: str) -> list:
 def length_list(text: str) -> list[int]:
     lengths = int_list(text)
     if len(set(lengths)) < len(lengths):
-        raise ValueError(f"'{text}' gives a length twice")
+        raise ValueError(f"{quoted(text)} gives a length twice")
     return lengths
 
 

@@ -263,14 +263,19 @@ def from_args(job: type[Job], args: argparse.Namespace) -> Job:
 # The parse functions: text -> value, or a ValueError whose message follows the text it quotes.
 
 
+def quoted(text: str) -> str:
+    """User text inside a one-line message: in quotes, escaped (repr) when it holds a newline or another control."""
+    return f"'{text}'" if text.isprintable() else repr(text)
+
+
 def _number(cast: type, text: str, ok: Callable | None = None, requirement: str = ""):
     """int(text) or float(text), then `ok(value)`; a ValueError saying which failed."""
     try:
         value = cast(text)
     except ValueError:
-        raise ValueError(f"'{text}' is not {'an integer' if cast is int else 'a number'}") from None
+        raise ValueError(f"{quoted(text)} is not {'an integer' if cast is int else 'a number'}") from None
     if ok is not None and not ok(value):
-        raise ValueError(f"'{text}' {requirement}")
+        raise ValueError(f"{quoted(text)} {requirement}")
     return value
 
 
@@ -317,7 +322,7 @@ def limit_arg(text: str) -> int | float:
         return int(value)
     if 0 < value < 1:
         return value
-    raise ValueError(f"'{text}' must be a document count from 1 to 1e9 or a fraction in (0, 1)")
+    raise ValueError(f"{quoted(text)} must be a document count from 1 to 1e9 or a fraction in (0, 1)")
 
 
 def int_list(text: str) -> list[int]:
@@ -326,14 +331,14 @@ def int_list(text: str) -> list[int]:
     except ValueError:
         values = []
     if not values or min(values) < 1:
-        raise ValueError(f"'{text}': give positive integers separated by commas, e.g. 1,8,32")
+        raise ValueError(f"{quoted(text)}: give positive integers separated by commas, e.g. 1,8,32")
     return values
 
 
 def span(text: str) -> tuple[int, int]:
     values = int_list(text)
     if len(values) != 2 or values[0] > values[1]:
-        raise ValueError(f"'{text}': give LO,HI with LO <= HI, e.g. 64,256")
+        raise ValueError(f"{quoted(text)}: give LO,HI with LO <= HI, e.g. 64,256")
     return values[0], values[1]
 
 
@@ -346,9 +351,9 @@ def parse_size(text: str) -> int:
         value = float(number) * units[unit]
         size = int(value)
     except (ValueError, OverflowError):
-        raise ValueError(f"'{text}' is not a size; write e.g. 512M or 2G") from None
+        raise ValueError(f"{quoted(text)} is not a size; write e.g. 512M or 2G") from None
     if size != value:  # 1.5 bytes: a typo for 1.5G, not a pool of one byte
-        raise ValueError(f"'{text}' is not a whole number of bytes; write e.g. 1.5G or 512M")
+        raise ValueError(f"{quoted(text)} is not a whole number of bytes; write e.g. 1.5G or 512M")
     if size <= 0:
-        raise ValueError(f"'{text}' must be a positive size")
+        raise ValueError(f"{quoted(text)} must be a positive size")
     return size
