@@ -83,6 +83,7 @@ class AWQ:
 
     needs_data = True
     changes_layer = True
+    float_target = 0.0  # the pipeline's float chain: not wanted (pipeline.Step)
 
     def __init__(
         self, args: QuantArgs, search_batches: int = 2, clip: bool = True, grid: int = GRID, search_dtype: str = "auto"

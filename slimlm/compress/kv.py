@@ -27,6 +27,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class KVCache:
     needs_data = True
     changes_layer = False
+    float_target = 0.0  # the pipeline's float chain: not wanted (pipeline.Step)
 
     def __init__(self, kv_dtype: str, strategy: str = "tensor") -> None:
         self.scheme = kv_cache.scheme(kv_dtype, strategy)

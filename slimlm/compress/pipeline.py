@@ -50,13 +50,15 @@ class StepResult:
 
 
 class Step(Protocol):
-    """A compression step, seen one decoder layer at a time.
-
-    A step with a nonzero `float_target` attribute (GPTQ's) is also given the float model's own inputs to the
-    layer: in its pass each batch of those goes through the layer first, with the step's `reference` set."""
+    """A compression step, seen one decoder layer at a time."""
 
     needs_data: bool  # whether observe() needs the calibration batches run through the layer
     changes_layer: bool  # whether apply() changes what the layer computes (False: KV scales, statistics)
+    # > 0 (GPTQ's): the step is also given the float model's own inputs to the layer; in its pass each batch of
+    # those goes through the layer first, with `reference` set to True (the pipeline sets it), so its hooks can
+    # pair the two. Steps that set 0 never see `reference`.
+    float_target: float
+    reference: bool
 
     def observe(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> list[Any]:
         """Attach hooks that gather statistics during the pass that follows; return their handles."""
@@ -175,7 +177,7 @@ def _output(y: Any) -> torch.Tensor:
 
 
 def _wants_float_inputs(step: Step) -> bool:
-    return bool(getattr(step, "float_target", 0))
+    return step.float_target > 0
 
 
 def _float_chain(steps: list[Step], inputs: list[LayerInputs]) -> tuple[list[LayerInputs] | None, bool]:

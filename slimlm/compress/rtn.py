@@ -14,6 +14,7 @@ from slimlm.formats.quantized import QuantArgs
 class RTN:
     needs_data = False
     changes_layer = True
+    float_target = 0.0  # the pipeline's float chain: not wanted (pipeline.Step)
 
     def __init__(self, args: QuantArgs):
         self.args = args

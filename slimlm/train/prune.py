@@ -84,6 +84,7 @@ class _Observer:
 
     needs_data = True
     changes_layer = False
+    float_target = 0.0  # the pipeline's float chain: not wanted (pipeline.Step)
 
     def __init__(self, config):
         self.heads, self.head_dim = config.num_attention_heads, arch.head_dim(config.to_dict())

@@ -15,6 +15,7 @@ class Identity:
 
     needs_data = True
     changes_layer = False
+    float_target = 0.0  # the pipeline's float chain: not wanted (pipeline.Step)
 
     def __init__(self):
         self.rows: dict[str, int] = {}
