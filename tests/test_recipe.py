@@ -697,3 +697,29 @@ def test_a_stage_name_with_a_newline_is_quoted_in_its_one_line_error(tmp_path, c
     assert main(["recipe", str(path), "--check"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "stages.'a\\nb': a stage name is a plain name" in err
+
+
+def test_aliases_are_counted_exactly_once_per_use(tmp_path, monkeypatch):
+    """The bound counts every value an alias stands for: [&a [1, 2], *a, *a] holds 1 + 3·3 = 10 values."""
+    import yaml
+
+    path = tmp_path / "x.yaml"
+    path.write_text("model: m\nruns: r\nnotes: [&a [1, 2], *a, *a]\nstages: {a: []}\n")
+    root = yaml.compose(path.read_text())
+    notes = root.value[2][1]
+    monkeypatch.setattr(recipes, "MAX_VALUES", 10)
+    recipes._expanded(notes, path)  # exactly the bound: allowed
+    monkeypatch.setattr(recipes, "MAX_VALUES", 9)
+    with pytest.raises(SlimlmError, match="its aliases expand to more than 9 values"):
+        recipes._expanded(notes, path)
+    recipes._expanded(root.value[0][1], path)  # a scalar: one value
+
+
+def test_an_output_hash_covers_every_file_of_a_directory_by_name(tmp_path):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "a.json").write_text("{}")
+    first = recipes._output_hash(out)
+    (out / "a.json").rename(out / "b.json")  # same size, same time: another name
+    assert recipes._output_hash(out) != first
+    assert recipes._output_hash(tmp_path / "none") is None
