@@ -149,11 +149,11 @@ class Job(BaseModel):
     def run(self) -> Any:
         """Do the job: first hold every output it names (atomic.claim: one writer per path, for the whole run)
         and refuse any output file that would lose data, then execute()."""
-        outputs = {name: getattr(self, name) for name, o in self.opts().items() if o.output}
-        outputs = {name: path for name, path in outputs.items() if path is not None}
-        with atomic.claim(list(outputs.values())):
-            for name, path in outputs.items():
-                if self.opts()[name].output == "file":
+        outputs = [(name, o.output, getattr(self, name)) for name, o in self.opts().items() if o.output]
+        outputs = [(name, kind, path) for name, kind, path in outputs if path is not None]
+        with atomic.claim([path for _, _, path in outputs]):
+            for name, kind, path in outputs:
+                if kind == "file":  # a checkpoint dir is checked by its writer, against its sources
                     atomic.check_file(path, getattr(self, "overwrite", False), name, self.inputs())
             return self.execute()
 
