@@ -95,6 +95,7 @@ class AWQ:
         if not (type(grid) is int and grid > 0):
             raise FieldError("grid", f"{grid!r} must be a positive integer ({GRID} is the default)")
         self.args, self.search_batches, self.clip, self.grid = args, search_batches, clip, grid
+        self.schemes: dict[str, QuantArgs] = {}  # by full name; the search and clipping use each linear's own
         self.search_dtype = search_dtype
         self.stats: dict[str, _Stats] = {}
         self.block_inputs: dict[str, list[tuple[tuple, dict]]] = {}
@@ -132,14 +133,15 @@ class AWQ:
         for m in layer_mappings(layer):
             if not all(lin in local_to_full for lin in m.linears):
                 continue  # some of these linears are --ignore'd: leave the group alone
-            s = self._search_scale(layer, m)
+            s = self._search_scale(layer, m, self.schemes.get(local_to_full[m.linears[0]], self.args))
             fold_scales(layer, m, s)
             for lin in m.linears:  # the stored inputs now reach the linears divided by s
                 self.stats[lin].samples = [x / s for x in self.stats[lin].samples]
         for local in local_to_full:
             weight = layer.get_submodule(local).weight
             if self.clip and local in self.stats and not local.endswith(("q_proj", "k_proj")):
-                weight.data = self._clip(weight.data, self.stats[local].clip_sample())
+                args = self.schemes.get(local_to_full[local], self.args)
+                weight.data = self._clip(weight.data, self.stats[local].clip_sample(), args)
         self.stats, self.block_inputs = {}, {}
         return StepResult()
 
@@ -155,7 +157,7 @@ class AWQ:
         the quantization stay in the layer's dtype."""
         return devices.compute_dtype(self.search_dtype, weight.dtype, weight.device)
 
-    def _search_scale(self, layer: nn.Module, m: Mapping) -> torch.Tensor:
+    def _search_scale(self, layer: nn.Module, m: Mapping, args: QuantArgs) -> torch.Tensor:
         originals = [layer.get_submodule(n).weight.data.clone() for n in m.linears]
         dtype = self._dtype_for_search(originals[0])
         block = in_dtype(layer.get_submodule(m.block), dtype)
@@ -170,7 +172,7 @@ class AWQ:
             s = s / (s.max() * s.min()).sqrt()
             for mod, w in zip(mods, originals, strict=True):
                 scaled = w.float() * s[None, :]
-                mod.weight.data = (fake_quantize(scaled, self.args) / s[None, :]).to(dtype)
+                mod.weight.data = (fake_quantize(scaled, args) / s[None, :]).to(dtype)
             out = self._block_output(block, inputs)
             loss = sum(((o - r).float().pow(2).mean() for o, r in zip(out, ref, strict=True)), 0.0)
             if loss.item() < best:
@@ -179,9 +181,9 @@ class AWQ:
             layer.get_submodule(name).weight.data = w
         return best_s.to(originals[0].dtype)
 
-    def _clip(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _clip(self, w: torch.Tensor, x: torch.Tensor, args: QuantArgs) -> torch.Tensor:
         """Per group, the shrink of the weight range (1.0 … 0.5) that best preserves x·wᵀ within the group."""
-        tokens, gs = x.shape[0], w.shape[1] if self.args.group_size == -1 else self.args.group_size
+        tokens, gs = x.shape[0], w.shape[1] if args.group_size == -1 else args.group_size
         xg = x.float().reshape(tokens, -1, gs)
         if gs < tokens:
             # mean_t (x_tg·d_og)² = d_og C_g d_ogᵀ with C_g the group's input covariance: out·in·gs products per
@@ -202,11 +204,10 @@ class AWQ:
                 return torch.einsum("ogk,tgk->otg", d.to(xs.dtype), xs).float().pow(2).mean(dim=1)
 
             rows = max(1, CLIP_CHUNK_ELEMENTS // (tokens * w.shape[1]))
-        return torch.cat([self._clip_rows(w[r : r + rows], gs, error) for r in range(0, w.shape[0], rows)])
+        return torch.cat([self._clip_rows(w[r : r + rows], gs, error, args) for r in range(0, w.shape[0], rows)])
 
-    def _clip_rows(self, w: torch.Tensor, gs: int, error) -> torch.Tensor:
+    def _clip_rows(self, w: torch.Tensor, gs: int, error, args: QuantArgs) -> torch.Tensor:
         """`error(ŵ − w)`: the mean squared output error per row and group, [out, G], of grouped differences."""
-        args = self.args
         out_f, in_f = w.shape
         wg = w.float().reshape(out_f, -1, gs)  # [out, G, gs]
         amax = wg.abs().amax(dim=-1, keepdim=True)

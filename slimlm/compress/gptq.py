@@ -269,6 +269,7 @@ class GPTQ:
             raise FieldError("observer", f"{observer} is not supported; use one of {', '.join(OBSERVERS)}")
         self.args, self.damp, self.act_order, self.observer = args, damp, act_order, observer
         self.float_target = float_target
+        self.schemes: dict[str, QuantArgs] = {}
         self.reference = False  # set by the pipeline while the float model's inputs go through the layer
         self.hessians: dict[str, HessianAccumulator] = {}
         self._sums: dict[str, torch.Tensor] = {}  # the float target's, by linear (see _shift_hook)
@@ -372,7 +373,8 @@ class GPTQ:
             shift = (
                 torch.cat([self._shift(n, m) for n, m in zip(names, mods, strict=True)]) if self.float_target else None
             )
-            q = gptq_quantize(W, acc.H, self.args, self.damp, self.act_order, ", ".join(names), self.observer, shift)
+            args = self.schemes.get(names[0], self.args)  # linears sharing an input share a scheme (budget.UNITS)
+            q = gptq_quantize(W, acc.H, args, self.damp, self.act_order, ", ".join(names), self.observer, shift)
             parts = _split_rows(q, [m.out_features for m in mods])
             for name, m, part in zip(names, mods, parts, strict=True):
                 part.scale = part.scale.to(m.weight.dtype)

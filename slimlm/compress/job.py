@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -11,11 +12,11 @@ from pathlib import Path
 import torch
 
 from slimlm import arch, data, devices, models
-from slimlm.compress import offload, pipeline
+from slimlm.compress import mixed_precision, offload, pipeline
 from slimlm.compress.quantize import quantize_rtn
 from slimlm.errors import FieldError
 from slimlm.formats import atomic, gptq_v1, kv_cache, shards, writer
-from slimlm.formats.quantized import SUPPORTED_GROUP_SIZES, QuantArgs, QuantizedWeight
+from slimlm.formats.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantArgs, QuantizedWeight
 
 
 def default_group_size(model_dir: Path) -> int:
@@ -64,6 +65,8 @@ class Quantization:
     lm_head_bits: int | None = None  # rounded to nearest at these bits; None: float
     overwrite: bool = False
     report_error: bool = True  # run the data through each layer to report its output error
+    budget: float | None = None  # bits per decoder-layer weight, scales included: each unit's scheme is chosen
+    budget_bits: tuple[int, ...] = mixed_precision.BITS  # the code widths it chooses from
 
 
 @dataclass
@@ -89,7 +92,7 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
     torch.manual_seed(calibration.seed)
     out = Path(job.out).expanduser().resolve()
     with atomic.atomic_dir(out, job.overwrite, sources=[source.dir]) as tmp:  # checks --out before any work
-        with_data = job.report_error or any(s.needs_data for s in job.steps)
+        with_data = job.report_error or job.budget is not None or any(s.needs_data for s in job.steps)
         model, tokenizer, weights = _load(source, with_data)
         start = time.time()
         passes = devices.compute_dtype(calibration.compute_dtype, next(model.parameters()).dtype, source.device)
@@ -106,13 +109,17 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
             log(f"[{job.method}] {source.dir.name}: no calibration data needed, on {source.device}")
         # Each finished layer goes to disk in the checkpoint's own format at once (shards.ShardWriter), so
         # the job never holds the whole model's codes: memory stays bounded by a layer and one shard.
+        run = pipeline.Passes(calibration.batch_size, source.device, passes, job.report_error, progress)
+        chosen = None
+        if job.budget is not None:
+            chosen = _choose_schemes(job, model, weights, samples, run, log)
+            model, tokenizer, weights = _load(source, with_data)  # the pass left the layers it read on meta
         layers = _LayerWriter(
             shards.ShardWriter(tmp),
             job.fmt,
             source.keep_weights,
             weights.dtypes if job.args is None and weights is not None else {},
         )
-        run = pipeline.Passes(calibration.batch_size, source.device, passes, job.report_error, progress)
         result = pipeline.run(model, job.steps, samples, run, job.ignore, weights, on_layer=layers.write)
         seconds = time.time() - start
         meta = {
@@ -142,6 +149,8 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
             "device": str(source.device),
             "layers": result.report,
         }
+        if chosen is not None:
+            meta["budget"] = mixed_precision.record(chosen, job.budget)
         config_patch = {**result.config_patch, **_finish(job, source, model, weights, layers)}
         del result
         config = model.config
@@ -154,6 +163,36 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
     return out
 
 
+def _choose_schemes(
+    job: Quantization,
+    model: torch.nn.Module,
+    weights: offload.LazyWeights | None,
+    samples: torch.Tensor,
+    run: pipeline.Passes,
+    log: Callable[[str], None],
+) -> mixed_precision.Choice:
+    """The budget's scheme for every decoder linear, from one pass of the float model over the first
+    SENSITIVITY_WINDOWS calibration windows; given to every step that rounds weights."""
+    sensitivity = mixed_precision.Sensitivity(job.args.sym, tuple(job.budget_bits))
+    quiet = replace(run, report_error=False, progress=False)
+    log(f"[{job.method}] budget {job.budget} bits per weight: measuring each layer's error at every scheme")
+    pipeline.run(
+        model,
+        [sensitivity],
+        samples[: mixed_precision.SENSITIVITY_WINDOWS],
+        quiet,
+        job.ignore,
+        weights,
+        lambda *_: None,
+    )
+    choice = mixed_precision.choose(sensitivity.units, mixed_precision.budget_bytes(sensitivity.units, job.budget))
+    for step in job.steps:
+        if hasattr(step, "schemes"):
+            step.schemes = choice.schemes
+    log(f"[{job.method}] {mixed_precision.summary(choice)}")
+    return choice
+
+
 def check_inputs(job: Quantization) -> _Source:
     """Every input checked before any work: the settings, the format, the device, the model (its shapes on the
     meta device: which group sizes fit), the data. `compress recipe --check` runs this too."""
@@ -163,6 +202,20 @@ def check_inputs(job: Quantization) -> _Source:
             raise FieldError(name, f"{value!r} must be a positive integer")
     if job.fmt == "gptq" and job.args is not None:
         gptq_v1.check_exportable(job.args)
+    if job.budget is not None:
+        if job.args is None:
+            raise FieldError("budget", "needs a weight quantization method (rtn, gptq, awq, autoround)")
+        if job.fmt == "gptq":
+            raise FieldError("budget", "mixes schemes, which {format} gptq cannot store; use compressed-tensors")
+        if not job.budget_bits or not set(job.budget_bits) <= set(SUPPORTED_BITS):
+            raise FieldError(
+                "budget_bits", f"{list(job.budget_bits)}: choose from {', '.join(map(str, SUPPORTED_BITS))}"
+            )
+        if not mixed_precision.MIN_BITS <= job.budget <= mixed_precision.MAX_BITS:
+            raise FieldError(
+                "budget",
+                f"{job.budget} must be between {mixed_precision.MIN_BITS} and {mixed_precision.MAX_BITS} bits per weight",
+            )
     if job.lm_head_bits is not None and job.args is None:
         raise FieldError("quantize_lm_head", "needs a weight quantization method (rtn, gptq, awq)")
     method_args: dict = {}
@@ -217,7 +270,7 @@ class _LayerWriter:
     # A KV-cache step alone leaves a float source's weights as they are: stored as the source stores them
     # (a bf16 model's layers, materialized in fp32 for the passes, are not written at twice their size).
     as_stored: dict[str, torch.dtype]
-    quantized_names: list[str] = field(default_factory=list)
+    written: dict[str, QuantArgs] = field(default_factory=dict)  # each quantized linear's scheme
     kv_scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def write(self, quantized: dict[str, QuantizedWeight], tensors: dict[str, torch.Tensor]) -> None:
@@ -225,7 +278,7 @@ class _LayerWriter:
             self.kv_scales.update({k: v for k, v in tensors.items() if k.endswith(kv_cache.SUFFIXES)})
             return
         tensors = {k: v.to(self.as_stored[k]) if k in self.as_stored else v for k, v in tensors.items()}
-        self.quantized_names.extend(quantized)
+        self.written.update({name: q.args for name, q in quantized.items()})
         self.sink.add(writer.quantized_tensors(quantized, tensors, self.fmt))
 
 
@@ -260,11 +313,15 @@ def _finish(
         patch = {"tie_word_embeddings": False} if model.config.tie_word_embeddings else {}
     layers.sink.add(writer.quantized_tensors(quantized, outside, job.fmt))
     linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    ignored = sorted(linear_names - set(layers.quantized_names) - set(quantized))
+    ignored = sorted(linear_names - set(layers.written) - set(quantized))
     # The head in a group of its own even at the layers' scheme: vLLM's lm_head is no "Linear", so under the
     # class target alone it looked for a float lm_head.weight in a W8 checkpoint.
     named = {name: q.args for name, q in quantized.items()}
-    patch["quantization_config"] = writer.quantization_config(job.fmt, job.args, ignored, source.method_args, named)
+    # A budget's mix: its most common scheme is the "Linear" group's, each other one a group of its own.
+    schemes = Counter(layers.written.values())
+    main = schemes.most_common(1)[0][0] if schemes else job.args
+    others = {name: args for name, args in layers.written.items() if args != main}
+    patch["quantization_config"] = writer.quantization_config(job.fmt, main, ignored, source.method_args, named, others)
     if layers.as_stored:  # the float weights' dtype is the source's, and config.json says so
         patch["dtype"] = models.stored_dtype_name(source.config)
     return patch

@@ -59,6 +59,9 @@ class Step(Protocol):
     # pair the two. Steps that set 0 never see `reference`.
     float_target: float
     reference: bool
+    # Steps that round weights: the scheme of each linear that does not take the step's own (full names; the
+    # budget search sets them before the run).
+    schemes: dict[str, QuantArgs]
 
     def observe(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> list[Any]:
         """Attach hooks that gather statistics during the pass that follows; return their handles."""

@@ -18,6 +18,7 @@ class RTN:
 
     def __init__(self, args: QuantArgs):
         self.args = args
+        self.schemes: dict[str, QuantArgs] = {}
 
     def observe(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> list[Any]:
         return []
@@ -25,7 +26,7 @@ class RTN:
     def apply(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> StepResult:
         out = {}
         for name, m in linears.items():
-            q = quantize_rtn(m.weight.data, self.args)
+            q = quantize_rtn(m.weight.data, self.schemes.get(name, self.args))
             q.scale = q.scale.to(m.weight.dtype)
             out[name] = q
         return StepResult(quantized=out)

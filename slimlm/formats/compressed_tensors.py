@@ -13,12 +13,10 @@ config groups and format "dense".
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from slimlm.errors import SlimlmError
-from slimlm.formats.packing import pack_int32, unpack_int32
+from slimlm.formats.packing import pack_int32, packed_words, unpack_int32
 from slimlm.formats.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantArgs, QuantizedWeight
 
 MARKER = "weight_packed"  # the tensor suffix that marks a quantized linear
@@ -31,15 +29,22 @@ def quantization_config(
     act_order: str | None = None,
     kv_cache_scheme: dict | None = None,
     named: dict[str, QuantArgs] | None = None,
+    layers: dict[str, QuantArgs] | None = None,
 ) -> dict:
     """`args` None: float weights, only the KV cache quantized (format "dense", no config groups). `named`:
-    modules with a scheme of their own (an 8-bit lm_head), each a group that targets it by its exact name,
-    which compressed-tensors and vLLM both prefer over the "Linear" class target of the others."""
+    modules with a scheme of their own rounded to nearest (an 8-bit lm_head); `layers`: linears the method
+    quantized at another scheme than `args` (with its act-order). Each scheme is a group that targets its
+    modules by their exact names, which compressed-tensors and vLLM both prefer over the "Linear" class target
+    of the others."""
     groups = {}
     if args is not None:
         groups["group_0"] = _group(["Linear"], args, act_order)
-        for i, (name, own) in enumerate(sorted((named or {}).items()), start=1):
-            groups[f"group_{i}"] = _group([name], own, None)
+        by_scheme: dict[tuple[QuantArgs, str | None], list[str]] = {}
+        for names, order in ((layers or {}, act_order), (named or {}, None)):
+            for name, own in sorted(names.items()):
+                by_scheme.setdefault((own, order), []).append(name)
+        for i, ((own, order), targets) in enumerate(by_scheme.items(), start=1):
+            groups[f"group_{i}"] = _group(targets, own, order)
     return {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized" if groups else "dense",
@@ -162,13 +167,13 @@ def from_tensors(t: dict[str, torch.Tensor], args: QuantArgs, name: str) -> Quan
     groups = args.groups(in_f)
     if args.group_size != -1 and in_f % args.group_size:
         raise SlimlmError(f"{name}: group_size {args.group_size} does not divide its input dim {in_f}")
-    packed = _check(t, "weight_packed", name, (out_f, math.ceil(in_f * args.bits / 32)), torch.int32)
+    packed = _check(t, "weight_packed", name, (out_f, packed_words(in_f, args.bits)), torch.int32)
     scale = _check(t, "weight_scale", name, (out_f, groups), None)
     if not scale.is_floating_point():
         raise SlimlmError(f"{name}.weight_scale has dtype {scale.dtype}; scales are floats")
     zero = None
     if not args.sym:
-        zp = _check(t, "weight_zero_point", name, (math.ceil(out_f * args.bits / 32), groups), torch.int32)
+        zp = _check(t, "weight_zero_point", name, (packed_words(out_f, args.bits), groups), torch.int32)
         zero = unpack_int32(zp, args.bits, out_f, dim=0)
     elif "weight_zero_point" in t:
         raise SlimlmError(f"{name} has a weight_zero_point but the config says symmetric")

@@ -15,6 +15,11 @@ import torch
 CHUNK_ELEMENTS = 1 << 20
 
 
+def packed_words(n: int, bits: int) -> int:
+    """int32 words that hold n codes of `bits` bits."""
+    return math.ceil(n * bits / 32)
+
+
 def pack_int32(codes: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
     """Pack signed `bits`-bit codes into int32 words along `dim`: element i sits at bit i·bits of its row."""
     rows_first = codes.transpose(0, 1) if dim == 0 else codes
@@ -23,7 +28,7 @@ def pack_int32(codes: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
     # 151,936 rows would hold its packed words twice).
     rows, n = rows_first.shape
     step = max(1, CHUNK_ELEMENTS // max(n, 1))
-    out = torch.empty(rows, math.ceil(n * bits / 32), dtype=torch.int32, device=codes.device)
+    out = torch.empty(rows, packed_words(n, bits), dtype=torch.int32, device=codes.device)
     for r in range(0, rows, step):
         out[r : r + step] = _pack_rows(rows_first[r : r + step], bits)
     return out.transpose(0, 1).contiguous() if dim == 0 else out

@@ -30,10 +30,16 @@ def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def quantization_config(
-    fmt: str, args: QuantArgs | None, ignore: list[str], method_args: dict, named: dict[str, QuantArgs] | None = None
+    fmt: str,
+    args: QuantArgs | None,
+    ignore: list[str],
+    method_args: dict,
+    named: dict[str, QuantArgs] | None = None,
+    layers: dict[str, QuantArgs] | None = None,
 ) -> dict:
     """The config's quantization_config; `method_args` carries act_order, damp and kv_cache_scheme; `named`
-    the modules with a scheme of their own (compressed-tensors only)."""
+    the modules with a scheme of their own rounded to nearest (an lm_head), `layers` the linears the method
+    quantized at a scheme other than `args` (a budget's mix; compressed-tensors only)."""
     if fmt not in FORMATS:
         raise FieldError("format", f"{fmt} is not supported; use one of {', '.join(FORMATS)}")
     kv_scheme = method_args.get("kv_cache_scheme")
@@ -44,14 +50,14 @@ def quantization_config(
                 "{format} gptq has no place for KV-cache scales; use {format} compressed-tensors to quantize the KV "
                 "cache too",
             )
-        if any(own != args for own in (named or {}).values()):
+        if any(own != args for own in [*(named or {}).values(), *(layers or {}).values()]):
             raise FieldError(
                 "format",
                 "{format} gptq stores one scheme for every linear; use {format} compressed-tensors for an lm_head of "
-                "other bits",
+                "other bits or a budget's mix",
             )
         return gptq_v1.quantization_config(args, method_args.get("act_order"), method_args.get("damp"))
-    return compressed_tensors.quantization_config(args, ignore, method_args.get("act_order"), kv_scheme, named)
+    return compressed_tensors.quantization_config(args, ignore, method_args.get("act_order"), kv_scheme, named, layers)
 
 
 def quantized_tensors(

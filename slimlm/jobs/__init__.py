@@ -10,19 +10,36 @@ class (its fields and `execute`; `run()` claims its outputs, then executes) and 
 
 from slimlm.jobs.measure import Bench, Eval, LongContext, Plan, Report
 from slimlm.jobs.options import Job
-from slimlm.jobs.quantize import AWQ, GPTQ, KV, RTN
+from slimlm.jobs.quantize import AWQ, GPTQ, KV, RTN, AutoRound
 from slimlm.jobs.serve import Assets, Generate, Serve
 from slimlm.jobs.train import GQA, Prune
 
 JOBS: dict[str, type[Job]] = {
     job.command: job
-    for job in (Assets, RTN, GPTQ, AWQ, KV, GQA, Prune, Bench, Report, Plan, Eval, LongContext, Generate, Serve)
+    for job in (
+        Assets,
+        RTN,
+        GPTQ,
+        AutoRound,
+        AWQ,
+        KV,
+        GQA,
+        Prune,
+        Bench,
+        Report,
+        Plan,
+        Eval,
+        LongContext,
+        Generate,
+        Serve,
+    )
 }
 # the jobs that write a checkpoint (their `out` is a directory), which a recipe can chain
 STEPS = tuple(name for name, job in JOBS.items() if "out" in job.opts() and job.opts()["out"].output == "dir")
 
 __all__ = [
     "AWQ",
+    "AutoRound",
     "GPTQ",
     "GQA",
     "JOBS",

@@ -1,4 +1,4 @@
-"""The weight and KV-cache quantization jobs: rtn, gptq, awq (then rtn or gptq), kv.
+"""The weight and KV-cache quantization jobs: rtn, gptq, autoround, awq (then rtn, gptq or autoround), kv.
 
 Each is the shared calibration options plus its method's own; `steps()` lists the pipeline steps it runs
 (a KV-cache step ends any of them when kv_dtype is set), and `execute()` quantizes and writes the checkpoint.
@@ -15,7 +15,9 @@ from typing import Annotated
 from pydantic import model_validator
 
 from slimlm import assets
+from slimlm.compress.autoround import ITERS, WINDOWS
 from slimlm.compress.gptq import FLOAT_TARGET
+from slimlm.compress.mixed_precision import BITS as BUDGET_BITS
 from slimlm.errors import FieldError
 from slimlm.formats.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantArgs
 from slimlm.jobs.measure import measure_perplexity
@@ -24,8 +26,10 @@ from slimlm.jobs.options import (
     Job,
     Opt,
     Switch,
+    int_list,
     integer,
     open_unit_float,
+    positive_float,
     positive_int,
     seed_int,
     unit_float,
@@ -79,6 +83,8 @@ class Calibration(Job):
             lm_head_bits=self.lm_head_bits(args) if weights else None,
             overwrite=self.overwrite,
             report_error=report_error,
+            budget=self.budget if weights else None,
+            budget_bits=tuple(self.budget_bits) if weights else (),
         )
 
     def check(self) -> None:
@@ -152,6 +158,25 @@ class Weights(KVScales):
             ),
         ),
     ] = None
+    budget: Annotated[
+        float | None,
+        Opt(
+            "mixed precision: bits per decoder-layer weight, scales and zero points included (e.g. 3.5); each group "
+            "of linears gets the scheme (2/3/4/8 bits, groups of 32/64/128) that costs the model least for its "
+            "bytes, measured on the calibration data; --bits and --group-size then only set the lm_head's groups",
+            parse=positive_float,
+            metavar="BITS",
+        ),
+    ] = None
+    budget_bits: Annotated[
+        list[int],
+        Opt(
+            "the code widths --budget chooses from (default 2,4,8: transformers with compressed-tensors < 0.18 "
+            "reads no 3-bit checkpoint, and the runtime serves 3 bits dequantized)",
+            parse=int_list,
+            metavar="B,B,...",
+        ),
+    ] = list(BUDGET_BITS)
     format: Annotated[
         str,
         Opt(
@@ -223,6 +248,27 @@ class GPTQOptions(Job):
         )
 
 
+class AutoRoundOptions(Job):
+    iters: Annotated[
+        int,
+        Opt(
+            f"learned rounding: signed-gradient steps per decoder layer (0: round to nearest; default {ITERS})",
+            parse=integer,
+        ),
+    ] = ITERS
+    lr: Annotated[
+        float | None, Opt("learned rounding: step size, falling linearly to 0 (default 1/ITERS)", parse=open_unit_float)
+    ] = None
+    windows: Annotated[int, Opt("learned rounding: calibration windows in each step's loss", parse=positive_int)] = (
+        WINDOWS
+    )
+
+    def autoround(self, args):
+        from slimlm.compress import autoround
+
+        return autoround.AutoRound(args, iters=self.iters, lr=self.lr, windows=self.windows, seed=self.seed)
+
+
 class RTN(Weights):
     command = "rtn"
     help = "round-to-nearest weight quantization"
@@ -248,7 +294,17 @@ class GPTQ(GPTQOptions, Weights):
         return "gptq" + "+kv" * bool(kv), [self.gptq(args), *kv], args, True
 
 
-class AWQ(GPTQOptions, Weights):
+class AutoRound(AutoRoundOptions, Weights):
+    command = "autoround"
+    help = "learned rounding (AutoRound): each weight's rounding and each group's range fitted to the layer's output"
+
+    def plan(self) -> tuple[str, list, QuantArgs | None, bool]:
+        args = self.quant_args()
+        kv = self.kv_steps()
+        return "autoround" + "+kv" * bool(kv), [self.autoround(args), *kv], args, True
+
+
+class AWQ(AutoRoundOptions, GPTQOptions, Weights):
     command = "awq"
     help = "AWQ: activation-aware scales folded into the previous op, clipping search"
     sym: Annotated[
@@ -269,22 +325,31 @@ class AWQ(GPTQOptions, Weights):
         ),
     ] = "auto"
     then: Annotated[
-        str, Opt("how the AWQ-scaled weights are quantized: rtn (AWQ's own, default) or gptq", choices=("rtn", "gptq"))
+        str,
+        Opt(
+            "how the AWQ-scaled weights are quantized: rtn (AWQ's own, default), gptq or autoround",
+            choices=("rtn", "gptq", "autoround"),
+        ),
     ] = "rtn"
 
     @model_validator(mode="after")
-    def _gptq_options_need_then_gptq(self) -> AWQ:
-        """A GPTQ option with --then rtn would be ignored: refused, so that what runs is what was asked."""
-        given = [name for name in GPTQOptions.model_fields if name in self.model_fields_set]
-        if self.then == "rtn" and given:
-            raise FieldError(given[0], "is a GPTQ option; AWQ runs it only with {then} gptq (default: rtn)")
+    def _options_need_their_then(self) -> AWQ:
+        """A GPTQ or learned-rounding option another --then would ignore is refused, so that what runs is what
+        was asked."""
+        for then, kind, options in (
+            ("gptq", "a GPTQ", GPTQOptions),
+            ("autoround", "a learned-rounding", AutoRoundOptions),
+        ):
+            given = [name for name in options.model_fields if name in self.model_fields_set]
+            if self.then != then and given:
+                raise FieldError(given[0], f"is {kind} option; AWQ runs it only with {{then}} {then} (default: rtn)")
         return self
 
     def plan(self) -> tuple[str, list, QuantArgs | None, bool]:
         from slimlm.compress import awq, rtn
 
         args = self.quant_args()
-        quantizer = self.gptq(args) if self.then == "gptq" else rtn.RTN(args)
+        quantizer = {"gptq": self.gptq, "autoround": self.autoround, "rtn": rtn.RTN}[self.then](args)
         name = ("awq" if self.then == "rtn" else f"awq+{self.then}") + "+kv" * (self.kv_dtype is not None)
         search = awq.AWQ(
             args, search_batches=self.search_batches, clip=self.clip, grid=self.grid, search_dtype=self.search_dtype

@@ -88,7 +88,7 @@ def test_clipping_never_hurts_the_sampled_output():
     from slimlm.compress.quantize import quantize_rtn
 
     err = lambda wq: ((x @ wq.T - x @ w.T) ** 2).mean().item()  # noqa: E731
-    clipped = awq._clip(w, x)
+    clipped = awq._clip(w, x, awq.args)
     assert (clipped.abs() <= w.abs() + 1e-7).all()
     assert err(quantize_rtn(clipped, awq.args).dequantize()) <= err(quantize_rtn(w, awq.args).dequantize())
 
@@ -208,7 +208,7 @@ def test_the_scale_is_the_grid_power_with_the_least_block_error(dtype, search):
             out = [block(*a, **k)[0] for a, k in inputs]
             losses.append(sum((o - r).float().pow(2).mean() for o, r in zip(out, ref, strict=True)).item())
             scales.append(s)
-        found = awq._search_scale(layer, mapping)
+        found = awq._search_scale(layer, mapping, awq.args)
     assert found.dtype == dtype
     assert torch.equal(found, scales[losses.index(min(losses))].to(dtype))
     assert losses.index(min(losses)) > 0  # the outliers make some α > 0 win
@@ -266,16 +266,16 @@ def test_clipping_is_the_per_group_search_of_the_reference(args, monkeypatch):
     x[:, 48:] = 0.0  # a group no token sees (with groups of 32): every shrink ties, the first (none) is kept
     awq = AWQ(args, search_dtype="float32")
     expected = reference_clip(w, x, args)
-    assert torch.allclose(awq._clip(w, x), expected, atol=1e-6)
+    assert torch.allclose(awq._clip(w, x, awq.args), expected, atol=1e-6)
     assert not torch.equal(expected, w)  # some group is clipped
     # Products in bf16 rank the shrinks as fp32 ones do but for near ties
     gs = 64 if args.group_size == -1 else args.group_size
-    in_bf16 = AWQ(args, search_dtype="bfloat16")._clip(w, x)
+    in_bf16 = AWQ(args, search_dtype="bfloat16")._clip(w, x, args)
     assert (in_bf16 == expected).reshape(80, -1, gs).all(-1).float().mean() > 0.9
     assert torch.equal(in_bf16[0], expected[0])  # the unseen outlier's group gets the largest shrink
     monkeypatch.setattr(awq_module, "CLIP_CHUNK_ELEMENTS", 2 * 32 * 64)  # two rows at a time
-    assert torch.allclose(awq._clip(w, x), expected, atol=1e-6)
-    assert awq._clip(w.bfloat16(), x).dtype == torch.bfloat16
+    assert torch.allclose(awq._clip(w, x, awq.args), expected, atol=1e-6)
+    assert awq._clip(w.bfloat16(), x, awq.args).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("args", [QuantArgs(3, 32, False), QuantArgs(4, 32, True)])
@@ -287,6 +287,6 @@ def test_clipping_over_more_tokens_than_a_group_is_the_reference_search(args):
     w[3, 5] = 15.0
     x[:, 48:] = 0.0  # a group no token sees: every shrink ties at zero error, the first (none) is kept
     expected = reference_clip(w, x, args)
-    got = AWQ(args, search_dtype="bfloat16")._clip(w, x)  # fp32 whatever the search dtype
+    got = AWQ(args, search_dtype="bfloat16")._clip(w, x, args)  # fp32 whatever the search dtype
     assert torch.allclose(got, expected, atol=1e-6)
     assert not torch.equal(expected, w)

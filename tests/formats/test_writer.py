@@ -47,8 +47,11 @@ def test_gptq_format_refuses_kv_scales_and_a_second_scheme():
     with pytest.raises(SlimlmError) as e:
         writer.quantization_config("gptq", args, [], {}, named={"lm_head": QuantArgs(8, -1)})
     assert str(e.value) == (
-        "format gptq stores one scheme for every linear; use format compressed-tensors for an lm_head of other bits"
+        "format gptq stores one scheme for every linear; use format compressed-tensors for an lm_head of other bits "
+        "or a budget's mix"
     )
+    with pytest.raises(SlimlmError, match="one scheme for every linear"):
+        writer.quantization_config("gptq", args, [], {}, layers={"model.layers.0.mlp.up_proj": QuantArgs(8, 128)})
     same = writer.quantization_config("gptq", args, [], {"act_order": "group", "damp": 0.05}, named={"x": args})
     assert same == gptq_v1.quantization_config(args, "group", 0.05) and same["desc_act"] is True
 

@@ -1,0 +1,186 @@
+import pytest
+import torch
+from torch.func import functional_call
+from transformers import AutoModelForCausalLM
+
+from slimlm.compress import pipeline
+from slimlm.compress.autoround import AutoRound, fake_quantized
+from slimlm.compress.quantize import quantize_rtn
+from slimlm.errors import FieldError
+from slimlm.formats.quantized import QuantArgs
+from tests.conftest import transformers_logits_error
+
+
+def fitted(tiny_llama, args: QuantArgs, float_target: float = 0.0, **options):
+    """AutoRound run on the first decoder layer of the tiny model, 6 windows of 32 tokens; returns the step, the
+    layer as it was, its linears, the layer's inputs and the quantized weights."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = torch.randint(3, model.config.vocab_size, (6, 32), generator=torch.Generator().manual_seed(0))
+    inputs = pipeline.capture_first_layer_inputs(model, ids, 3)
+    layer = model.model.layers[0]
+    linears = {f"model.layers.0.{n}": m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    step = AutoRound(args, float_target=float_target, **options)
+    original = {n: m.weight.detach().clone() for n, m in linears.items()}
+    handles = step.observe(layer, linears)
+    with torch.no_grad():
+        for x in inputs:
+            if float_target:  # the pipeline's pairs: the float model's inputs first (here: slightly different)
+                step.reference = True
+                layer(x.hidden * 1.01, **x.kwargs)
+                step.reference = False
+            layer(x.hidden, **x.kwargs)
+    for h in handles:
+        h.remove()
+    quantized = step.apply(layer, linears).quantized
+    return step, layer, original, inputs, quantized
+
+
+def output_error(layer, inputs, weights: dict[str, torch.Tensor]) -> float:
+    """The layer's output error with `weights` (full names) in place of its own, against the layer as it is."""
+    local = {f"{n.removeprefix('model.layers.0.')}.weight": w for n, w in weights.items()}
+    with torch.no_grad():
+        err = 0.0
+        for x in inputs:
+            ref = layer(x.hidden, **x.kwargs)
+            ours = functional_call(layer, local, (x.hidden,), x.kwargs)
+            err += (ours - ref).pow(2).sum().item()
+    return err
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_no_steps_is_round_to_nearest_to_the_bit(tiny_llama, sym):
+    args = QuantArgs(4, 32, sym)
+    _, _, original, _, quantized = fitted(tiny_llama, args, iters=0)
+    for name, q in quantized.items():
+        rtn = quantize_rtn(original[name], args)
+        assert torch.equal(q.codes, rtn.codes), name
+        assert torch.equal(q.scale, rtn.scale), name
+        assert (q.zero is None) == sym and (sym or torch.equal(q.zero, rtn.zero)), name
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_fitting_lowers_the_layer_error_and_stays_in_range(tiny_llama, sym):
+    """Every window in every step's loss: the loss is the layer error the fit minimizes, so the kept step is
+    below RTN's and the loss falls over the steps. Offsets stay in [−0.5, 0.5]: a code is at most one step
+    from w/s + z; the range multipliers in [0.5, 1]: each group's scale between half and all of RTN's."""
+    args = QuantArgs(3, 32, sym)
+    step, layer, original, inputs, quantized = fitted(tiny_llama, args, iters=40, windows=6)
+    losses = step.losses
+    assert len(losses) == 40 and min(losses) < losses[0]
+    assert sum(losses[-10:]) < sum(losses[:10])
+    rtn = {n: quantize_rtn(w, args) for n, w in original.items()}
+    ours = output_error(layer, inputs, {n: q.dequantize() for n, q in quantized.items()})
+    theirs = output_error(layer, inputs, {n: q.dequantize() for n, q in rtn.items()})
+    assert ours < 0.9 * theirs
+    moved = 0
+    for name, q in quantized.items():
+        ratio = q.scale / rtn[name].scale
+        assert ratio.min() >= 0.5 - 1e-6 and ratio.max() <= 1 + 1e-6, name
+        idx = torch.arange(q.codes.shape[1]) // 32
+        real = original[name] / q.scale[:, idx] + (0 if q.zero is None else q.zero.float()[:, idx])
+        inside = (real >= args.qmin) & (real <= args.qmax)
+        assert ((q.codes.float() - real).abs()[inside] <= 1 + 1e-5).all(), name
+        moved += (q.codes != rtn[name].codes).sum().item()
+    assert moved > 0
+
+
+def test_one_step_is_the_signed_gradient_step_from_round_to_nearest(tiny_llama):
+    """Step 1's loss is the loss at p₀ − lr·sign(∇L(p₀)) (then clamped), p₀ = (V 0, α 1, β 1), ∇ through
+    rounding taken straight."""
+    args, lr = QuantArgs(4, 32, False), 0.3
+    step, layer, original, inputs, _ = fitted(tiny_llama, args, iters=2, windows=6, lr=lr)
+    params = {}
+    for name, w in original.items():
+        g = w.reshape(w.shape[0], -1, 32)
+        params[name] = [torch.zeros_like(g, requires_grad=True)] + [
+            torch.ones(g.shape[:2], requires_grad=True) for _ in range(2)
+        ]
+
+    def loss():
+        fake = {
+            name: fake_quantized(w.reshape(w.shape[0], -1, 32), *params[name], args).reshape(w.shape)
+            for name, w in original.items()
+        }
+        local = {f"{n.removeprefix('model.layers.0.')}.weight": w for n, w in fake.items()}
+        total, count = 0.0, 0
+        for x in inputs:
+            with torch.no_grad():
+                ref = layer(x.hidden, **x.kwargs)
+            total = total + (functional_call(layer, local, (x.hidden,), x.kwargs) - ref).pow(2).sum()
+            count += ref.numel()
+        return total / count
+
+    first = loss()
+    first.backward()
+    with torch.no_grad():
+        for v, a, b in params.values():
+            v.sub_(lr * v.grad.sign()).clamp_(-0.5, 0.5)
+            a.sub_(lr * a.grad.sign()).clamp_(0.5, 1)
+            b.sub_(lr * b.grad.sign()).clamp_(0.5, 1)
+    assert step.losses[0] == pytest.approx(first.item(), rel=1e-5)
+    assert step.losses[1] == pytest.approx(loss().item(), rel=1e-5)
+    assert step.losses[1] != pytest.approx(step.losses[0], rel=1e-3)
+
+
+def test_the_float_target_blends_in_the_float_models_outputs(tiny_llama):
+    """With float_target 1 the fit is to the outputs on the float model's inputs, not the layer's own: with
+    0 steps the loss measured is the distance to those."""
+    args = QuantArgs(4, 32, True)
+    own = fitted(tiny_llama, args, float_target=0.0, iters=1, windows=6)[0].losses[0]
+    step, layer, original, inputs, _ = fitted(tiny_llama, args, float_target=1.0, iters=1, windows=6)
+    rtn = {
+        f"{n.removeprefix('model.layers.0.')}.weight": quantize_rtn(w, args).dequantize() for n, w in original.items()
+    }
+    with torch.no_grad():
+        diff = [functional_call(layer, rtn, (x.hidden,), x.kwargs) - layer(x.hidden * 1.01, **x.kwargs) for x in inputs]
+    expected = sum(d.pow(2).sum().item() for d in diff) / sum(d.numel() for d in diff)
+    assert step.losses[0] == pytest.approx(expected, rel=1e-5)
+    assert own != pytest.approx(expected, rel=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"iters": -1}, "iters"),
+        ({"lr": 0.0}, "lr"),
+        ({"lr": 2.0}, "lr"),
+        ({"windows": 0}, "windows"),
+        ({"float_target": 1.5}, "float_target"),
+    ],
+)
+def test_bad_settings_are_refused(options, field):
+    with pytest.raises(FieldError) as e:
+        AutoRound(QuantArgs(), **options)
+    assert e.value.field == field
+
+
+def test_command_writes_a_checkpoint_transformers_and_the_runtime_read(tiny_llama, calib_txt, tmp_path):
+    from slimlm.jobs import AWQ
+    from slimlm.jobs import AutoRound as Job
+
+    out = Job(
+        model=str(tiny_llama),
+        calib=str(calib_txt),
+        num_samples=8,
+        seq_len=32,
+        out=tmp_path / "ar",
+        iters=5,
+        group_size=32,
+        sym=False,
+    ).run()
+    assert transformers_logits_error(out) < 1e-4
+    meta = (out / "slimlm.json").read_text()
+    assert '"method": "autoround"' in meta and '"iters": 5' in meta
+    out2 = AWQ(
+        model=str(tiny_llama),
+        calib=str(calib_txt),
+        num_samples=8,
+        seq_len=32,
+        out=tmp_path / "awq-ar",
+        then="autoround",
+        iters=3,
+        group_size=32,
+    ).run()
+    assert '"method": "awq+autoround"' in (out2 / "slimlm.json").read_text()
+    with pytest.raises(FieldError, match="learned-rounding option; AWQ runs it only with then autoround"):
+        AWQ(model=str(tiny_llama), out=tmp_path / "x", iters=3)

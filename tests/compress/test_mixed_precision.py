@@ -1,0 +1,165 @@
+import itertools
+import json
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from slimlm.compress import mixed_precision as budget
+from slimlm.compress import pipeline
+from slimlm.compress.quantize import fake_quantize, quantize_rtn
+from slimlm.errors import FieldError
+from slimlm.formats import compressed_tensors
+from slimlm.formats.quantized import QuantArgs
+from tests.conftest import transformers_logits_error
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize(("out_f", "in_f", "group"), [(96, 128, 32), (70, 128, 64), (33, 256, 128), (64, 96, -1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_bytes_counted_are_the_bytes_the_checkpoint_stores(bits, sym, out_f, in_f, group, dtype):
+    args = QuantArgs(bits, group, sym)
+    q = quantize_rtn(torch.randn(out_f, in_f, dtype=dtype), args)
+    q.scale = q.scale.to(dtype)
+    stored = sum(t.numel() * t.element_size() for t in compressed_tensors.to_tensors(q).values())
+    assert budget.linear_bytes(args, out_f, in_f, dtype.itemsize) == stored
+
+
+def brute_force(units: list[budget.Unit], limit: int) -> float:
+    best = float("inf")
+    for options in itertools.product(*(range(len(u.schemes)) for u in units)):
+        size = sum(u.bytes[o] for u, o in zip(units, options, strict=True))
+        if size <= limit:
+            best = min(best, sum(u.errors[o] for u, o in zip(units, options, strict=True)))
+    return best
+
+
+def random_units(rng: random.Random, n: int, options: int) -> list[budget.Unit]:
+    schemes = [QuantArgs(b, 32) for b in (2, 3, 4, 8)][:options]
+    units = []
+    for i in range(n):
+        sizes = sorted(rng.randint(100, 1000) for _ in range(options))
+        errors = sorted((rng.random() * 10 for _ in range(options)), reverse=rng.random() < 0.8)
+        units.append(budget.Unit((f"u{i}",), 1000, schemes, sizes, errors))
+    return units
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_knapsack_finds_the_brute_force_optimum(seed):
+    """3 units × 3 schemes, and 6 × 4, at budgets from the least to past the most: the least error that fits,
+    with bytes that fit, and the schemes it reports adding up to both."""
+    rng = random.Random(seed)
+    for n, options in ((3, 3), (6, 4)):
+        units = random_units(rng, n, options)
+        lo, hi = sum(min(u.bytes) for u in units), sum(max(u.bytes) for u in units)
+        for limit in sorted({lo, hi, hi + 5, *(rng.randint(lo, hi) for _ in range(8))}):
+            choice = budget.choose(units, limit)
+            assert choice.exact
+            assert choice.error == pytest.approx(brute_force(units, limit))
+            assert choice.bytes <= limit
+            picked = [u.schemes.index(choice.schemes[u.names[0]]) for u in units]
+            assert choice.bytes == sum(u.bytes[o] for u, o in zip(units, picked, strict=True))
+            assert choice.error == pytest.approx(sum(u.errors[o] for u, o in zip(units, picked, strict=True)))
+
+
+def test_a_thinned_frontier_still_fits_and_says_so(monkeypatch):
+    monkeypatch.setattr(budget, "MAX_FRONTIER", 8)
+    units = random_units(random.Random(0), 8, 4)
+    limit = (sum(min(u.bytes) for u in units) + sum(max(u.bytes) for u in units)) // 2
+    choice = budget.choose(units, limit)
+    assert not choice.exact and choice.bytes <= limit
+    assert choice.error <= 1.5 * brute_force(units, limit)
+
+
+def test_a_budget_below_the_smallest_schemes_is_refused():
+    units = random_units(random.Random(0), 3, 3)
+    with pytest.raises(FieldError, match="budget is too small"):
+        budget.choose(units, sum(min(u.bytes) for u in units) - 1)
+
+
+def test_sensitivity_is_the_diagonal_hessian_error_of_each_unit_at_each_scheme(tiny_llama):
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = torch.randint(3, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(0))
+    seen: dict[str, list[torch.Tensor]] = {}
+    hooks = [
+        m.register_forward_pre_hook(lambda _m, a, n=n: seen.setdefault(n, []).append(a[0].reshape(-1, a[0].shape[-1])))
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and ".layers." in n
+    ]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    step = budget.Sensitivity(sym=False, bits=(2, 3, 4, 8))
+    pipeline.run(model, [step], ids, pipeline.Passes(batch_size=2, report_error=False, progress=False))
+    names = [u.names for u in step.units]
+    assert names[:4] == [
+        tuple(f"model.layers.0.{n}" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ("model.layers.0.self_attn.o_proj",),
+        ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"),
+        ("model.layers.0.mlp.down_proj",),
+    ]
+    assert len(step.units) == 8
+    for unit in step.units:
+        assert unit.weights == sum(model.get_submodule(n).weight.numel() for n in unit.names)
+        for args, err in zip(unit.schemes, unit.errors, strict=True):
+            expected = 0.0
+            for n in unit.names:
+                w = model.get_submodule(n).weight.detach()
+                x = torch.cat(seen[n])
+                expected += ((w - fake_quantize(w, args)).square() * (2 * x.square().mean(0))).sum().item()
+            assert err == pytest.approx(expected, rel=1e-4)
+        by_bits = {a.bits: e for a, e in zip(unit.schemes, unit.errors, strict=True) if a.group_size == 32}
+        assert by_bits[2] > by_bits[3] > by_bits[4] > by_bits[8]
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_a_budget_writes_a_mix_that_transformers_and_the_runtime_read(tiny_llama, calib_txt, tmp_path, method):
+    from slimlm.jobs import GPTQ, RTN
+    from slimlm.runtime.llm import LLM
+    from slimlm.runtime.sampling import SamplingParams
+    from tests.runtime.conftest import model_logprobs
+
+    job = {"rtn": RTN, "gptq": GPTQ}[method]
+    out = job(
+        model=str(tiny_llama),
+        calib=str(calib_txt),
+        num_samples=8,
+        seq_len=32,
+        out=tmp_path / method,
+        budget=4.5,
+        sym=False,
+    ).run()
+    meta = json.loads((out / "slimlm.json").read_text())["budget"]
+    assert meta["bits_per_weight"] == 4.5 and meta["achieved_bits_per_weight"] <= 4.5
+    assert len(set(meta["schemes"].values())) > 1  # a mix
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    named = compressed_tensors.named_args(qcfg)
+    main = compressed_tensors.args_from_config(qcfg)
+    for name, scheme in meta["schemes"].items():
+        assert budget.scheme_name(named.get(name, main)) == scheme
+    assert transformers_logits_error(out) < 1e-4
+    # the runtime: its 4- and 8-bit kernels and its dequantized 2 bits give transformers' log-probabilities
+    with pytest.warns(UserWarning, match="no kernel for \\[2\\]-bit"):
+        llm = LLM(str(out), dtype="float32")
+    ids = llm.tokenizer.encode("the city river music school team war state")
+    got = torch.tensor(llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs)
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert torch.allclose(got, model_logprobs(hf, ids), atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"budget": 1.5}, "budget 1.5 must be between 2.0 and 16.0"),
+        ({"budget": 4.0, "format": "gptq"}, "budget mixes schemes, which format gptq cannot store"),
+        ({"budget": 4.0, "budget_bits": [4, 5]}, r"budget_bits \[4, 5\]: choose from 2, 3, 4, 8"),
+    ],
+)
+def test_bad_budgets_are_refused_before_any_work(tiny_llama, tmp_path, options, message):
+    from slimlm.jobs import GPTQ
+
+    with pytest.raises(FieldError, match=message):
+        GPTQ(model=str(tiny_llama), out=tmp_path / "x", **options).check()
