@@ -1,4 +1,5 @@
-"""Side by side: slimlm RTN / GPTQ / AWQ against llm-compressor (and GPTQModel when its venv is given).
+"""Side by side: slimlm RTN / GPTQ / AWQ / AutoRound and budgets against llm-compressor (and GPTQModel and
+AutoRound when their venvs are given), with each checkpoint's bits per decoder weight.
 
 Every method gets the same calibration token windows (owt, joined with EOS and cut, see slimlm.data) and
 every result is scored by the same perplexity code on the same wiki windows, in this process. Each
@@ -13,6 +14,10 @@ a checkpoint of the embedding, those decoder layers, the final norm and the head
 
 Peers run in their own venvs (they pin other transformers versions); see benchmarks/peers/*.py for the
 exact calls. Prints a table and writes JSON + Markdown under benchmarks/results/.
+
+Bits per weight count what a checkpoint stores for the decoder layers' linears (packed codes, scales in their
+stored dtype, zero points) over their weight count. A method name ending in `-budget=B` runs that slimlm method
+with `--budget B` (mixed precision), e.g. `gptq-budget=3.5`.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ SETTINGS = {  # name: (bits, group size, symmetric)
     "w4g128-asym": (4, 128, False),
     "w4-channel-sym": (4, -1, True),
     "w3g64-asym": (3, 64, False),
+    "w3g128-asym": (3, 128, False),
+    "w2g64-asym": (2, 64, False),
     "w8-channel-sym": (8, -1, True),
 }
 
@@ -50,6 +57,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--llmcompressor-python", help="python of a venv with llmcompressor==0.14.0.1")
     p.add_argument("--gptqmodel-python", help="python of a venv with gptqmodel==7.6.0")
+    p.add_argument("--autoround-python", help="python of a venv with auto-round==0.16.1")
     p.add_argument("--model", default="smollm2-135m", help="asset name or local directory")
     p.add_argument("--layers", type=int, help="quantize a checkpoint of the model's first LAYERS decoder layers")
     p.add_argument("--samples", type=int, default=32, help="calibration windows of --seq-len tokens")
@@ -109,9 +117,10 @@ def main() -> None:
     for setting in a.settings.split(","):
         jobs = quantize_jobs(setting, a, calib_file, model_dir)
         for method in methods:
-            plain, _, alpha = method.partition("-float-target=")  # e.g. gptq-float-target=0.5
-            if alpha and plain in jobs:
-                jobs[method] = jobs[plain] + ["--float-target", alpha]
+            for suffix, flag in (("-float-target=", "--float-target"), ("-budget=", "--budget")):
+                plain, _, value = method.partition(suffix)  # e.g. gptq-float-target=0.5, gptq-budget=3.5
+                if value and plain in jobs:
+                    jobs[method] = jobs[plain] + [flag, value]
             if method not in jobs:
                 continue
             out = a.work / f"{setting}-{method}"
@@ -120,12 +129,42 @@ def main() -> None:
             if (out / "config.json").exists():
                 engine = engine_for(str(out), a.seq_len)
                 row["ppl"] = perplexity(engine, "wiki", a.seq_len, a.ppl_tokens, progress=False)["perplexity"]
+                row["linear_bytes"] = linear_bytes(out)
+                row["bits_per_weight"] = round(8 * row["linear_bytes"] / linear_weights(model_dir), 3)
             else:
                 row["ppl"], row["error"] = float("nan"), log.strip().splitlines()[-1] if log.strip() else "failed"
             rows.append(row)
             print(json.dumps(row), flush=True)
 
     report(rows, base["perplexity"], a)
+
+
+def _linear_tensors(checkpoint: Path):
+    """(name, shape, bytes) of every stored tensor of a decoder-layer linear."""
+    for f in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as shard:
+            for name in shard.keys():
+                index, _, local = name.removeprefix(arch.LAYERS + ".").partition(".")
+                if name.startswith(arch.LAYERS + ".") and local.rpartition(".")[0] in arch.LINEARS:
+                    t = shard.get_slice(name)
+                    shape = t.get_shape()
+                    size = 1
+                    for d in shape:
+                        size *= d
+                    yield local, shape, size * {"F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I64": 8}.get(t.get_dtype(), 1)
+
+
+def linear_bytes(checkpoint: Path) -> int:
+    return sum(size for _, _, size in _linear_tensors(checkpoint))
+
+
+def linear_weights(model_dir: Path) -> int:
+    """The decoder linears' weight count, from a float checkpoint."""
+    count = 0
+    for local, shape, _ in _linear_tensors(model_dir):
+        if local.endswith(".weight"):
+            count += shape[0] * shape[1]
+    return count
 
 
 def first_layers(model_dir: Path, layers: int, out: Path) -> Path:
@@ -206,11 +245,17 @@ def quantize_jobs(setting: str, a: argparse.Namespace, calib_file: Path, model_d
         "awq-noclip-gptq": [*ours, "awq", *ours_common, *qflags, "--then", "gptq", "--no-clip"],
         "awq-gptq-mse": [*ours, "awq", *ours_common, *qflags, "--then", "gptq", "--observer", "mse"],
         "awq-gptq-plain": [*ours, "awq", *ours_common, *qflags, "--then", "gptq", "--no-float-target"],
+        "autoround": [*ours, "autoround", *ours_common, *qflags],
+        "awq-autoround": [*ours, "awq", *ours_common, *qflags, "--then", "autoround"],
     }
     if getattr(a, "llmcompressor_python", None):
         runner = str(HERE / "peers" / "llmcompressor_run.py")
         jobs["llmc-gptq"] = [a.llmcompressor_python, runner, "--method", "gptq", *peer_common]
         jobs["llmc-awq"] = [a.llmcompressor_python, runner, "--method", "awq", *peer_common]
+    if getattr(a, "autoround_python", None):
+        runner = str(HERE / "peers" / "autoround_run.py")
+        jobs["ar-peer"] = [a.autoround_python, runner, *peer_common]  # AutoRound's default: 200 steps
+        jobs["ar-peer-light"] = [a.autoround_python, runner, *peer_common, "--iters", "50", "--lr", "5e-3"]
     if getattr(a, "gptqmodel_python", None):
         jobs["gptqmodel"] = [a.gptqmodel_python, str(HERE / "peers" / "gptqmodel_run.py"), *peer_common]
     return jobs
@@ -256,6 +301,8 @@ def report(rows: list[dict], base_ppl: float, a: argparse.Namespace) -> None:
         "awq-noclip-gptq": "llmc-gptq",
         "gptq-plain": "llmc-gptq",
         "awq-gptq-plain": "llmc-gptq",
+        "autoround": "ar-peer",
+        "awq-autoround": "ar-peer",
     }
     by_key = {(r["setting"], r["method"]): r for r in rows}
     lines = [
@@ -264,13 +311,14 @@ def report(rows: list[dict], base_ppl: float, a: argparse.Namespace) -> None:
         f"wiki perplexity over {a.ppl_tokens} tokens (same windows for all), 2 CPU cores.",
         *([a.note] if a.note else []),
         "",
-        "| setting | method | wiki ppl | increase | time s | peak RSS GB | ppl increase ratio vs llm-compressor "
-        "| time ratio vs llm-compressor |",
-        "|---|---|---|---|---|---|---|---|",
+        "| setting | method | bits/weight | wiki ppl | increase | time s | peak RSS GB | ppl increase ratio vs peer "
+        "| time ratio vs peer |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         inc = r["ppl"] / base_ppl - 1
-        peer = by_key.get((r["setting"], peers.get(r["method"].partition("-float-target")[0], "")))
+        plain = r["method"].partition("-float-target")[0].partition("-budget")[0]
+        peer = by_key.get((r["setting"], peers.get(plain, "")))
         ratio_q = ratio_t = ""
         if peer and peer["ppl"] == peer["ppl"]:
             ratio_q = f"{inc / (peer['ppl'] / base_ppl - 1):.2f}"
@@ -279,9 +327,10 @@ def report(rows: list[dict], base_ppl: float, a: argparse.Namespace) -> None:
         secs = "" if r["seconds"] is None else f"{r['seconds']:.0f}"
         peak = "" if r["peak_gb"] is None else f"{r['peak_gb']:.2f}"
         err = f" ({r['error'][:60]})" if r.get("error") else ""
+        bits = f"{r['bits_per_weight']:.3f}" if r.get("bits_per_weight") else ""
         lines.append(
-            f"| {r['setting']} | {r['method']}{err} | {r['ppl']:.3f} | {inc:+.1%} | {secs} | {peak} | {ratio_q} | "
-            f"{ratio_t} |"
+            f"| {r['setting']} | {r['method']}{err} | {bits} | {r['ppl']:.3f} | {inc:+.1%} | {secs} | {peak} | "
+            f"{ratio_q} | {ratio_t} |"
         )
     name = "quant_vs_peers" + f"-{a.model}-{a.layers}layers" * bool(a.layers) + f"-seed{a.seed}" * bool(a.seed)
     save_results(name, "\n".join(lines), {"base_ppl": base_ppl, "rows": rows})

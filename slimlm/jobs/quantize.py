@@ -162,8 +162,8 @@ class Weights(KVScales):
         float | None,
         Opt(
             "mixed precision: bits per decoder-layer weight, scales and zero points included (e.g. 3.5); each group "
-            "of linears gets the scheme (2/3/4/8 bits, groups of 32/64/128) that costs the model least for its "
-            "bytes, measured on the calibration data; --bits and --group-size then only set the lm_head's groups",
+            "of linears reading one input gets the scheme (--budget-bits, groups of 32/64/128) that costs the least "
+            "output error for its bytes, measured on the calibration data; --group-size then sets only the lm_head's",
             parse=positive_float,
             metavar="BITS",
         ),

@@ -15,7 +15,7 @@ from slimlm.errors import FieldError, SlimlmError
 from slimlm.jobs import JOBS, STEPS, Serve, options
 from slimlm.jobs.engine import EngineMemory, EngineOptions
 from slimlm.jobs.options import OptionError, from_args, parse_size
-from slimlm.jobs.quantize import GPTQOptions
+from slimlm.jobs.quantize import AutoRoundOptions, GPTQOptions
 from slimlm.runtime.engine import EngineConfig
 
 REQUIRED = {
@@ -76,8 +76,12 @@ def test_a_recipe_reaches_every_field_it_does_not_set_itself(command):
         if name in recipes.SET_BY_RECIPE:
             continue
         value = REQUIRED.get(name) if field.is_required() else field.get_default(call_default_factory=True)
-        gptq_option = command == "awq" and name in GPTQOptions.model_fields  # given: only with then gptq
-        built = recipes.job(command, {**own, name: value, **({"then": "gptq"} if gptq_option else {})}, **sets)
+        then = {}  # AWQ takes a GPTQ or learned-rounding option only with that --then
+        if command == "awq" and name in GPTQOptions.model_fields:
+            then = {"then": "gptq"}
+        elif command == "awq" and name in AutoRoundOptions.model_fields:
+            then = {"then": "autoround"}
+        built = recipes.job(command, {**own, name: value, **then}, **sets)
         assert getattr(built, name) == value, name
 
 
