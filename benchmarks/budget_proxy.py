@@ -1,10 +1,11 @@
 """Does the budget's error proxy rank the model's linears as the real loss does?
 
 For every unit of linears (q/k/v, o, gate/up, down of each decoder layer), the budget search predicts the
-cost of a scheme by E = Σ (W − Ŵ)² · diag(H) (slimlm/compress/mixed_precision.py). Here each unit alone is
-rounded to nearest at one scheme (the rest of the model float) and the model's wiki loss is measured; the
-script prints the Spearman rank correlation between E and the loss increase over all units, beside the same
-for a proxy without the Hessian (Σ (W − Ŵ)²), and the units the two rankings disagree on most.
+cost of a scheme by E = Σ (W − Ŵ)² · diag(H) / ‖h‖², the output error over the energy of the residual stream
+it joins (slimlm/compress/mixed_precision.py). Here each unit alone is rounded to nearest at one scheme (the
+rest of the model float) and the model's wiki loss is measured; the script prints the Spearman rank
+correlation between E and the loss increase over all units, beside the same for the output error alone
+(Σ (W − Ŵ)² · diag(H)) and for the weight error alone (Σ (W − Ŵ)²), and the units that cost the most.
 
     .venv/bin/python benchmarks/budget_proxy.py [--model smollm2-135m] [--scheme 2,64] [--tokens 4096]
 """
@@ -43,6 +44,7 @@ def main() -> None:
     step = mixed_precision.Sensitivity(sym=False, bits=(bits,))
     pipeline.run(model, [step], calib, pipeline.Passes(report_error=False, progress=False), on_layer=lambda *_: None)
     seconds = time.time() - start
+    stream = residual_energy(model, calib)
     wiki = data.calibration_windows("wiki", tokenizer, a.tokens // a.seq_len, a.seq_len, 0)
 
     def loss() -> float:
@@ -60,13 +62,22 @@ def main() -> None:
             q = fake_quantize(w.data, args)
             plain += (w.data - q).square().sum().item()
             w.data = q
-        rows.append({"unit": unit.names[0], "proxy": unit.errors[k], "plain": plain, "loss_increase": loss() - base})
+        layer = int(unit.names[0].removeprefix("model.layers.").split(".")[0])
+        rows.append(
+            {
+                "unit": unit.names[0],
+                "proxy": unit.errors[k],
+                "output": unit.errors[k] * stream[layer],
+                "plain": plain,
+                "loss_increase": loss() - base,
+            }
+        )
         for n, w in saved.items():
             model.get_submodule(n).weight.data = w
         print(json.dumps(rows[-1]), flush=True)
 
-    rho = spearman([r["proxy"] for r in rows], [r["loss_increase"] for r in rows])
-    rho_plain = spearman([r["plain"] for r in rows], [r["loss_increase"] for r in rows])
+    truth = [r["loss_increase"] for r in rows]
+    rho, rho_out, rho_plain = (spearman([r[key] for r in rows], truth) for key in ("proxy", "output", "plain"))
     by_loss = sorted(rows, key=lambda r: -r["loss_increase"])
     lines = [
         f"{a.model}: each of {len(rows)} units (q/k/v, o, gate/up, down per layer) alone rounded to nearest at "
@@ -75,19 +86,45 @@ def main() -> None:
         "",
         "| proxy | Spearman rank correlation with the loss increase |",
         "|---|---|",
-        f"| Σ (W − Ŵ)² · diag(H) (the budget's) | {rho:.3f} |",
-        f"| Σ (W − Ŵ)² (no Hessian) | {rho_plain:.3f} |",
+        f"| Σ (W − Ŵ)² · diag(H) / ‖h‖² (the budget's) | {rho:.3f} |",
+        f"| Σ (W − Ŵ)² · diag(H) (output error) | {rho_out:.3f} |",
+        f"| Σ (W − Ŵ)² (weight error) | {rho_plain:.3f} |",
         "",
         "The ten units that cost the most loss, with each proxy's rank (1 = predicted worst):",
         "",
-        "| unit | loss increase | rank by the budget's proxy | rank without H |",
-        "|---|---|---|---|",
+        "| unit | loss increase | rank by the budget's proxy | by output error | by weight error |",
+        "|---|---|---|---|---|",
     ]
-    rank = {r["unit"]: i + 1 for i, r in enumerate(sorted(rows, key=lambda r: -r["proxy"]))}
-    rank_plain = {r["unit"]: i + 1 for i, r in enumerate(sorted(rows, key=lambda r: -r["plain"]))}
+    rank = {key: {r["unit"]: i + 1 for i, r in enumerate(sorted(rows, key=lambda r: -r[key]))} for key in rows[0]}
     for r in by_loss[:10]:
-        lines.append(f"| {r['unit']} | {r['loss_increase']:+.4f} | {rank[r['unit']]} | {rank_plain[r['unit']]} |")
+        u = r["unit"]
+        lines.append(
+            f"| {u} | {r['loss_increase']:+.4f} | {rank['proxy'][u]} | {rank['output'][u]} | {rank['plain'][u]} |"
+        )
     save_results(f"budget_proxy-{a.model}-w{bits}g{group}", "\n".join(lines), {"base_loss": base, "rows": rows})
+
+
+def residual_energy(model, calib: torch.Tensor) -> list[float]:
+    """Mean ‖h‖² per token of the residual stream entering each decoder layer."""
+    sums: dict[int, list[float]] = {}
+
+    def hook(i):
+        def record(_m, a, kwargs):
+            h = (a[0] if a else kwargs["hidden_states"]).float()
+            acc = sums.setdefault(i, [0.0, 0])
+            acc[0] += h.square().sum().item()
+            acc[1] += h.numel() // h.shape[-1]
+
+        return record
+
+    layers = model.model.layers
+    handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    with torch.no_grad():
+        for i in range(0, len(calib), 8):
+            model(calib[i : i + 8])
+    for h in handles:
+        h.remove()
+    return [sums[i][0] / sums[i][1] for i in range(len(layers))]
 
 
 def spearman(x: list[float], y: list[float]) -> float:

@@ -255,6 +255,7 @@ def quantize_jobs(setting: str, a: argparse.Namespace, calib_file: Path, model_d
     if getattr(a, "autoround_python", None):
         runner = str(HERE / "peers" / "autoround_run.py")
         jobs["ar-peer"] = [a.autoround_python, runner, *peer_common]  # AutoRound's default: 200 steps
+        jobs["ar-peer-100"] = [a.autoround_python, runner, *peer_common, "--iters", "100"]  # slimlm's steps
         jobs["ar-peer-light"] = [a.autoround_python, runner, *peer_common, "--iters", "50", "--lr", "5e-3"]
     if getattr(a, "gptqmodel_python", None):
         jobs["gptqmodel"] = [a.gptqmodel_python, str(HERE / "peers" / "gptqmodel_run.py"), *peer_common]
@@ -301,8 +302,8 @@ def report(rows: list[dict], base_ppl: float, a: argparse.Namespace) -> None:
         "awq-noclip-gptq": "llmc-gptq",
         "gptq-plain": "llmc-gptq",
         "awq-gptq-plain": "llmc-gptq",
-        "autoround": "ar-peer",
-        "awq-autoround": "ar-peer",
+        "autoround": "ar-peer-100",
+        "awq-autoround": "ar-peer-100",
     }
     by_key = {(r["setting"], r["method"]): r for r in rows}
     lines = [

@@ -10,6 +10,8 @@ which measures wall time and peak memory from outside.
 """
 
 import argparse
+import shutil
+from pathlib import Path
 
 import torch
 from auto_round import AutoRound
@@ -47,7 +49,11 @@ def main() -> None:
         lr=a.lr,
         device_map="cpu",
     )
-    rounder.quantize_and_save(a.out, format="llm_compressor")
+    work = Path(a.out).with_name(Path(a.out).name + ".autoround")
+    rounder.quantize_and_save(str(work), format="llm_compressor")
+    made = next(p.parent for p in work.rglob("config.json"))  # AutoRound names a folder of its own inside
+    shutil.move(str(made), a.out)
+    shutil.rmtree(work, ignore_errors=True)
     tokenizer.save_pretrained(a.out)
 
 

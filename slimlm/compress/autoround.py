@@ -29,8 +29,11 @@ from slimlm.compress.pipeline import StepResult, in_dtype
 from slimlm.errors import FieldError
 from slimlm.formats.quantized import QuantArgs, QuantizedWeight
 
-ITERS = 200  # the paper's default
-WINDOWS = 4  # calibration windows in each step's loss
+# The defaults, measured on the default model (W4 g64 asym, 128×512 calibration tokens, wiki ppl over 16K tokens,
+# float 29.28; RTN +28.8%, GPTQ +12.8% in 248 s): 200 steps of 4 windows +7.5%, 100 of 4 +7.0%, 100 of 2 +8.9% in
+# 533 s (2.15× GPTQ's). 4 windows a step take twice the time, over the bound of 3× GPTQ's.
+ITERS = 100
+WINDOWS = 2  # calibration windows in each step's loss
 RANGE_MIN = 0.5  # the paper's lower bound on α, β
 
 

@@ -214,7 +214,7 @@ def check_inputs(job: Quantization) -> _Source:
         if not mixed_precision.MIN_BITS <= job.budget <= mixed_precision.MAX_BITS:
             raise FieldError(
                 "budget",
-                f"{job.budget} must be between {mixed_precision.MIN_BITS} and {mixed_precision.MAX_BITS} bits per weight",
+                f"{job.budget} must be between {mixed_precision.MIN_BITS} and {mixed_precision.MAX_BITS} bits a weight",
             )
     if job.lm_head_bits is not None and job.args is None:
         raise FieldError("quantize_lm_head", "needs a weight quantization method (rtn, gptq, awq)")

@@ -4,11 +4,12 @@
    linears that read the same input (q/k/v, o, gate/up, down: one scheme each, so they still share GPTQ's
    Hessian and the runtime's fused call) and every candidate scheme, the error proxy
 
-       E = Σ_linears Σ_ij (W − Ŵ)²_ij · H_jj,      H_jj = 2/n Σ_tokens x_j²
+       E = Σ_linears Σ_ij (W − Ŵ)²_ij · H_jj / ‖h‖²,      H_jj = 2/n Σ_tokens x_j²,  ‖h‖² = 1/n Σ_tokens ‖h_t‖²
 
    with Ŵ the weight rounded to nearest at that scheme: the squared output error of the rounded linears on the
    calibration tokens without the cross terms between inputs (GPTQ's Hessian, its diagonal only: E costs one
-   pass over the weights per scheme, where the full form costs a product with H).
+   pass over the weights per scheme, where the full form costs a product with H), divided by the mean squared
+   norm of the residual stream entering the layer (what the error is added to).
 2. Choice: the schemes that minimize Σ E with Σ bytes ≤ the budget, a multiple-choice knapsack solved exactly
    over the Pareto frontier of (bytes, error) of the units taken so far (`choose`).
 
@@ -26,7 +27,6 @@ import torch
 from torch import nn
 
 from slimlm import arch
-from slimlm.compress.gptq import HessianAccumulator
 from slimlm.compress.pipeline import StepResult
 from slimlm.compress.quantize import fake_quantize
 from slimlm.errors import FieldError
@@ -77,13 +77,19 @@ class Sensitivity:
     def __init__(self, sym: bool, bits: tuple[int, ...] = BITS):
         self.sym, self.bits = sym, bits
         self.units: list[Unit] = []
-        self._hessians: dict[str, HessianAccumulator] = {}
+        self._hessians: dict[str, _Diagonal] = {}
+        self._stream = [0.0, 0]
 
     def arguments(self) -> dict[str, Any]:
         return {}
 
     def observe(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> list[Any]:
-        self._hessians = {}
+        self._hessians, self._stream = {}, [0.0, 0]
+
+        def stream(_m, a, kwargs):  # the residual stream entering the layer: Σ ||h||² and the token count
+            h = (a[0] if a else kwargs["hidden_states"]).float()
+            self._stream[0] += h.square().sum().item()
+            self._stream[1] += h.numel() // h.shape[-1]
 
         def make_hook(name: str, m: nn.Linear):
             def hook(_m, a):
@@ -94,14 +100,19 @@ class Sensitivity:
             return hook
 
         first = {_unit_of(n)[0]: n for n in linears}  # one hook per unit: its linears read the same input
-        return [linears[n].register_forward_pre_hook(make_hook(n, linears[n])) for n in first.values()]
+        hooks = [linears[n].register_forward_pre_hook(make_hook(n, linears[n])) for n in first.values()]
+        return [layer.register_forward_pre_hook(stream, with_kwargs=True), *hooks]
 
     def apply(self, layer: nn.Module, linears: dict[str, nn.Linear]) -> StepResult:
         by_unit: dict[tuple[str, ...], list[str]] = {}
         for name in linears:
             by_unit.setdefault(_unit_of(name), []).append(name)
         for names in by_unit.values():
+            # The output error relative to the residual stream it is added to: the norm that follows every
+            # layer sees the error over the stream's size, which grows with depth (on the default model, the
+            # absolute error put 2 bits on the first layers, where the stream is small, and lost to uniform W4).
             diag = next(self._hessians[n] for n in names if n in self._hessians).diagonal
+            diag = diag * (self._stream[1] / max(self._stream[0], 1e-30))
             mods = [linears[n] for n in names]
             schemes = candidates(self.sym, {m.in_features for m in mods}, self.bits)
             sizes, errors = [], []

@@ -79,7 +79,7 @@ def test_a_budget_below_the_smallest_schemes_is_refused():
         budget.choose(units, sum(min(u.bytes) for u in units) - 1)
 
 
-def test_sensitivity_is_the_diagonal_hessian_error_of_each_unit_at_each_scheme(tiny_llama):
+def test_sensitivity_is_the_diagonal_hessian_error_over_the_stream_of_each_unit_at_each_scheme(tiny_llama):
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     ids = torch.randint(3, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(0))
     seen: dict[str, list[torch.Tensor]] = {}
@@ -87,6 +87,10 @@ def test_sensitivity_is_the_diagonal_hessian_error_of_each_unit_at_each_scheme(t
         m.register_forward_pre_hook(lambda _m, a, n=n: seen.setdefault(n, []).append(a[0].reshape(-1, a[0].shape[-1])))
         for n, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and ".layers." in n
+    ]
+    hooks += [
+        layer.register_forward_pre_hook(lambda _m, a, i=i: seen.setdefault(i, []).append(a[0].reshape(-1, 64)))
+        for i, layer in enumerate(model.model.layers)
     ]
     with torch.no_grad():
         model(ids)
@@ -104,12 +108,13 @@ def test_sensitivity_is_the_diagonal_hessian_error_of_each_unit_at_each_scheme(t
     assert len(step.units) == 8
     for unit in step.units:
         assert unit.weights == sum(model.get_submodule(n).weight.numel() for n in unit.names)
+        stream = torch.cat(seen[int(unit.names[0].split(".")[2])]).square().sum(-1).mean()
         for args, err in zip(unit.schemes, unit.errors, strict=True):
             expected = 0.0
             for n in unit.names:
                 w = model.get_submodule(n).weight.detach()
                 x = torch.cat(seen[n])
-                expected += ((w - fake_quantize(w, args)).square() * (2 * x.square().mean(0))).sum().item()
+                expected += ((w - fake_quantize(w, args)).square() * (2 * x.square().mean(0) / stream)).sum().item()
             assert err == pytest.approx(expected, rel=1e-4)
         by_bits = {a.bits: e for a, e in zip(unit.schemes, unit.errors, strict=True) if a.group_size == 32}
         assert by_bits[2] > by_bits[3] > by_bits[4] > by_bits[8]
@@ -153,7 +158,7 @@ def test_a_budget_writes_a_mix_that_transformers_and_the_runtime_read(tiny_llama
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"budget": 1.5}, "budget 1.5 must be between 2.0 and 16.0"),
+        ({"budget": 1.5}, "budget 1.5 must be between 2.0 and 16.0 bits a weight"),
         ({"budget": 4.0, "format": "gptq"}, "budget mixes schemes, which format gptq cannot store"),
         ({"budget": 4.0, "budget_bits": [4, 5]}, r"budget_bits \[4, 5\]: choose from 2, 3, 4, 8"),
     ],
