@@ -7,7 +7,7 @@ rest of the model float) and the model's wiki loss is measured; the script print
 correlation between E and the loss increase over all units, beside the same for the output error alone
 (Σ (W − Ŵ)² · diag(H)) and for the weight error alone (Σ (W − Ŵ)²), and the units that cost the most.
 
-    .venv/bin/python benchmarks/budget_proxy.py [--model smollm2-135m] [--scheme 2,64] [--tokens 4096]
+    PYTHONPATH=. .venv/bin/python benchmarks/budget_proxy.py [--model smollm2-135m] [--scheme 2,64] [--tokens 4096]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -32,9 +33,14 @@ def main() -> None:
     p.add_argument("--scheme", default="2,64", help="BITS,GROUP the units are rounded to")
     p.add_argument("--tokens", type=int, default=4096, help="wiki tokens the loss is measured on")
     p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--rows", type=Path, help="only report the JSON rows an earlier run printed to this log")
     a = p.parse_args()
     bits, group = (int(v) for v in a.scheme.split(","))
     args = QuantArgs(bits, group, sym=False)
+    if a.rows:
+        rows = [json.loads(line) for line in a.rows.read_text().splitlines() if line.startswith('{"unit"')]
+        report(rows, a, bits, group, f"wiki loss over {a.tokens} tokens")
+        return
 
     model_dir = models.resolve(a.model)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -52,6 +58,7 @@ def main() -> None:
             return sum(model(w[None], labels=w[None]).loss.item() for w in wiki) / len(wiki)
 
     base = loss()
+    print(f"float loss {base:.4f}; proxy in {seconds:.0f} s", flush=True)
     rows = []
     for unit in step.units:
         k = next(i for i, s in enumerate(unit.schemes) if s == args)
@@ -75,14 +82,18 @@ def main() -> None:
         for n, w in saved.items():
             model.get_submodule(n).weight.data = w
         print(json.dumps(rows[-1]), flush=True)
+    setting = f"wiki loss over {len(wiki) * a.seq_len} tokens (float {base:.4f}); proxy from "
+    setting += f"{mixed_precision.SENSITIVITY_WINDOWS}×{a.seq_len} owt tokens in {seconds:.0f} s"
+    report(rows, a, bits, group, setting)
 
+
+def report(rows: list[dict], a: argparse.Namespace, bits: int, group: int, setting: str) -> None:
     truth = [r["loss_increase"] for r in rows]
     rho, rho_out, rho_plain = (spearman([r[key] for r in rows], truth) for key in ("proxy", "output", "plain"))
     by_loss = sorted(rows, key=lambda r: -r["loss_increase"])
     lines = [
         f"{a.model}: each of {len(rows)} units (q/k/v, o, gate/up, down per layer) alone rounded to nearest at "
-        f"W{bits} g{group} asym, the rest float; wiki loss over {len(wiki) * a.seq_len} tokens (float {base:.4f}); "
-        f"proxy from {mixed_precision.SENSITIVITY_WINDOWS}×{a.seq_len} owt tokens in {seconds:.0f} s.",
+        f"W{bits} g{group} asym, the rest float; {setting}.",
         "",
         "| proxy | Spearman rank correlation with the loss increase |",
         "|---|---|",
@@ -95,13 +106,14 @@ def main() -> None:
         "| unit | loss increase | rank by the budget's proxy | by output error | by weight error |",
         "|---|---|---|---|---|",
     ]
-    rank = {key: {r["unit"]: i + 1 for i, r in enumerate(sorted(rows, key=lambda r: -r[key]))} for key in rows[0]}
+    keys = ("proxy", "output", "plain")
+    rank = {key: {r["unit"]: i + 1 for i, r in enumerate(sorted(rows, key=lambda r: -r[key]))} for key in keys}
     for r in by_loss[:10]:
         u = r["unit"]
         lines.append(
             f"| {u} | {r['loss_increase']:+.4f} | {rank['proxy'][u]} | {rank['output'][u]} | {rank['plain'][u]} |"
         )
-    save_results(f"budget_proxy-{a.model}-w{bits}g{group}", "\n".join(lines), {"base_loss": base, "rows": rows})
+    save_results(f"budget_proxy-{a.model}-w{bits}g{group}", "\n".join(lines), {"rows": rows})
 
 
 def residual_energy(model, calib: torch.Tensor) -> list[float]:

@@ -13,6 +13,7 @@ import torch
 
 from slimlm import arch, data, devices, models
 from slimlm.compress import mixed_precision, offload, pipeline
+from slimlm.compress.memory import return_freed_memory
 from slimlm.compress.quantize import quantize_rtn
 from slimlm.errors import FieldError
 from slimlm.formats import atomic, gptq_v1, kv_cache, shards, writer
@@ -112,8 +113,7 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
         run = pipeline.Passes(calibration.batch_size, source.device, passes, job.report_error, progress)
         chosen = None
         if job.budget is not None:
-            chosen = _choose_schemes(job, model, weights, samples, run, log)
-            model, tokenizer, weights = _load(source, with_data)  # the pass left the layers it read on meta
+            chosen = _choose_schemes(job, source, samples, log)
         layers = _LayerWriter(
             shards.ShardWriter(tmp),
             job.fmt,
@@ -164,28 +164,19 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
 
 
 def _choose_schemes(
-    job: Quantization,
-    model: torch.nn.Module,
-    weights: offload.LazyWeights | None,
-    samples: torch.Tensor,
-    run: pipeline.Passes,
-    log: Callable[[str], None],
+    job: Quantization, source: _Source, samples: torch.Tensor, log: Callable[[str], None]
 ) -> mixed_precision.Choice:
-    """The budget's scheme for every decoder linear, from one pass of the float model over the first
-    SENSITIVITY_WINDOWS calibration windows; given to every step that rounds weights."""
-    sensitivity = mixed_precision.Sensitivity(job.args.sym, tuple(job.budget_bits))
-    quiet = replace(run, report_error=False, progress=False)
-    log(f"[{job.method}] budget {job.budget} bits per weight: measuring each layer's error at every scheme")
-    pipeline.run(
-        model,
-        [sensitivity],
-        samples[: mixed_precision.SENSITIVITY_WINDOWS],
-        quiet,
-        job.ignore,
-        weights,
-        lambda *_: None,
-    )
-    choice = mixed_precision.choose(sensitivity.units, mixed_precision.budget_bytes(sensitivity.units, job.budget))
+    """The budget's scheme for every decoder linear, from the float model's loss on the first
+    SENSITIVITY_WINDOWS calibration windows (mixed_precision.fisher); given to every step that rounds weights.
+    The whole model is loaded for it, then let go."""
+    log(f"[{job.method}] budget {job.budget} bits per weight: each linear's loss sensitivity at every scheme")
+    model = models.load(str(source.dir))[0].to(source.device)
+    fisher = mixed_precision.fisher(model, samples[: mixed_precision.SENSITIVITY_WINDOWS], job.ignore)
+    linears = pipeline.quantizable_linears(model, job.ignore)
+    units = mixed_precision.sensitivity(linears, fisher, job.args.sym, tuple(job.budget_bits))
+    del model, fisher, linears
+    return_freed_memory()
+    choice = mixed_precision.choose(units, mixed_precision.budget_bytes(units, job.budget))
     for step in job.steps:
         if hasattr(step, "schemes"):
             step.schemes = choice.schemes

@@ -79,43 +79,47 @@ def test_a_budget_below_the_smallest_schemes_is_refused():
         budget.choose(units, sum(min(u.bytes) for u in units) - 1)
 
 
-def test_sensitivity_is_the_diagonal_hessian_error_over_the_stream_of_each_unit_at_each_scheme(tiny_llama):
+def test_the_fisher_is_the_mean_squared_gradient_of_the_loss_over_the_windows(tiny_llama):
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    ids = torch.randint(3, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(0))
-    seen: dict[str, list[torch.Tensor]] = {}
-    hooks = [
-        m.register_forward_pre_hook(lambda _m, a, n=n: seen.setdefault(n, []).append(a[0].reshape(-1, a[0].shape[-1])))
-        for n, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and ".layers." in n
-    ]
-    hooks += [
-        layer.register_forward_pre_hook(lambda _m, a, i=i: seen.setdefault(i, []).append(a[0].reshape(-1, 64)))
-        for i, layer in enumerate(model.model.layers)
-    ]
-    with torch.no_grad():
-        model(ids)
-    for h in hooks:
-        h.remove()
-    step = budget.Sensitivity(sym=False, bits=(2, 3, 4, 8))
-    pipeline.run(model, [step], ids, pipeline.Passes(batch_size=2, report_error=False, progress=False))
-    names = [u.names for u in step.units]
-    assert names[:4] == [
+    ids = torch.randint(3, model.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0))
+    model.requires_grad_(False)
+    got = budget.fisher(model, ids, ignore=["*.layers.1.mlp.*"])
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
+    assert sorted(got) == sorted(n for n in names if ".layers.1.mlp." not in n)
+    assert all(not p.requires_grad for p in model.parameters())  # left as it found them
+    expected = {n: torch.zeros_like(model.get_submodule(n).weight) for n in got}
+    for window in ids:
+        params = {f"{n}.weight": model.get_submodule(n).weight.detach().clone().requires_grad_() for n in got}
+        loss = torch.func.functional_call(model, params, (window[None],), {"labels": window[None]}).loss
+        for n, g in zip(params, torch.autograd.grad(loss, list(params.values())), strict=True):
+            expected[n.removesuffix(".weight")] += g.square() / len(ids)
+    for n in got:
+        torch.testing.assert_close(got[n], expected[n], rtol=1e-4, atol=1e-12)
+
+
+def test_sensitivity_is_the_fisher_weighted_rounding_error_of_each_unit_at_each_scheme(tiny_llama):
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    linears = pipeline.quantizable_linears(model)
+    g = torch.Generator().manual_seed(1)
+    fisher = {n: torch.rand(m.weight.shape, generator=g) for n, m in linears.items()}
+    units = budget.sensitivity(linears, fisher, sym=False, bits=(2, 3, 4, 8))
+    assert [u.names for u in units[:4]] == [
         tuple(f"model.layers.0.{n}" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
         ("model.layers.0.self_attn.o_proj",),
         ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"),
         ("model.layers.0.mlp.down_proj",),
     ]
-    assert len(step.units) == 8
-    for unit in step.units:
-        assert unit.weights == sum(model.get_submodule(n).weight.numel() for n in unit.names)
-        stream = torch.cat(seen[int(unit.names[0].split(".")[2])]).square().sum(-1).mean()
-        for args, err in zip(unit.schemes, unit.errors, strict=True):
-            expected = 0.0
-            for n in unit.names:
-                w = model.get_submodule(n).weight.detach()
-                x = torch.cat(seen[n])
-                expected += ((w - fake_quantize(w, args)).square() * (2 * x.square().mean(0) / stream)).sum().item()
-            assert err == pytest.approx(expected, rel=1e-4)
+    assert len(units) == 8
+    for unit in units:
+        assert unit.weights == sum(linears[n].weight.numel() for n in unit.names)
+        for args, err, size in zip(unit.schemes, unit.errors, unit.bytes, strict=True):
+            w = [linears[n].weight.detach() for n in unit.names]
+            expected = sum(
+                (fisher[n] * (x - fake_quantize(x, args)).square()).sum().item()
+                for n, x in zip(unit.names, w, strict=True)
+            )
+            assert err == pytest.approx(expected, rel=1e-5)
+            assert size == sum(budget.linear_bytes(args, *x.shape, 4) for x in w)
         by_bits = {a.bits: e for a, e in zip(unit.schemes, unit.errors, strict=True) if a.group_size == 32}
         assert by_bits[2] > by_bits[3] > by_bits[4] > by_bits[8]
 
