@@ -5,8 +5,8 @@ leave it), timed from the start of the job to the written checkpoint; each check
 measured by the runtime. Rows run one after another in this process, so the times compare only when
 nothing else shares the machine.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/autoround_settings.py [--settings 100x2,100x4,200x4] [--baselines rtn,gptq] \
-        [--bits 4 --group-size 64 --asym]
+    PYTHONPATH=. .venv/bin/python benchmarks/autoround_settings.py [--settings 100x2,100x4,200x4] \
+        [--baselines rtn,gptq] [--bits 4 --group-size 64 --asym]
 """
 
 from __future__ import annotations

@@ -47,10 +47,10 @@ def main() -> None:
     tokenizer = models.load_tokenizer(model_dir)
     calib = data.calibration_windows("owt", tokenizer, mixed_precision.SENSITIVITY_WINDOWS, a.seq_len, 0)
     start = time.time()
-    step = mixed_precision.Sensitivity(sym=False, bits=(bits,))
-    pipeline.run(model, [step], calib, pipeline.Passes(report_error=False, progress=False), on_layer=lambda *_: None)
+    linears = pipeline.quantizable_linears(model)
+    units = mixed_precision.sensitivity(linears, mixed_precision.fisher(model, calib), sym=False, bits=(bits,))
     seconds = time.time() - start
-    stream = residual_energy(model, calib)
+    inputs, stream = input_energies(model, calib)
     wiki = data.calibration_windows("wiki", tokenizer, a.tokens // a.seq_len, a.seq_len, 0)
 
     def loss() -> float:
@@ -60,21 +60,23 @@ def main() -> None:
     base = loss()
     print(f"float loss {base:.4f}; proxy in {seconds:.0f} s", flush=True)
     rows = []
-    for unit in step.units:
+    for unit in units:
         k = next(i for i, s in enumerate(unit.schemes) if s == args)
         saved = {n: model.get_submodule(n).weight.data.clone() for n in unit.names}
-        plain = 0.0
+        plain = output = 0.0
         for n in unit.names:
             w = model.get_submodule(n).weight
             q = fake_quantize(w.data, args)
             plain += (w.data - q).square().sum().item()
+            output += ((w.data - q).square() * inputs[n]).sum().item()
             w.data = q
         layer = int(unit.names[0].removeprefix("model.layers.").split(".")[0])
         rows.append(
             {
                 "unit": unit.names[0],
-                "proxy": unit.errors[k],
-                "output": unit.errors[k] * stream[layer],
+                "fisher": unit.errors[k],
+                "output": output,
+                "relative": output / stream[layer],
                 "plain": plain,
                 "loss_increase": loss() - base,
             }
@@ -89,7 +91,8 @@ def main() -> None:
 
 def report(rows: list[dict], a: argparse.Namespace, bits: int, group: int, setting: str) -> None:
     truth = [r["loss_increase"] for r in rows]
-    rho, rho_out, rho_plain = (spearman([r[key] for r in rows], truth) for key in ("proxy", "output", "plain"))
+    keys = ("fisher", "plain", "output", "relative")
+    rho = {key: spearman([r[key] for r in rows], truth) for key in keys}
     by_loss = sorted(rows, key=lambda r: -r["loss_increase"])
     lines = [
         f"{a.model}: each of {len(rows)} units (q/k/v, o, gate/up, down per layer) alone rounded to nearest at "
@@ -97,46 +100,52 @@ def report(rows: list[dict], a: argparse.Namespace, bits: int, group: int, setti
         "",
         "| proxy | Spearman rank correlation with the loss increase |",
         "|---|---|",
-        f"| Σ (W − Ŵ)² · diag(H) / ‖h‖² (the budget's) | {rho:.3f} |",
-        f"| Σ (W − Ŵ)² · diag(H) (output error) | {rho_out:.3f} |",
-        f"| Σ (W − Ŵ)² (weight error) | {rho_plain:.3f} |",
+        f"| Σ F·(W − Ŵ)², F the loss's diagonal Fisher (the budget's) | {rho['fisher']:.3f} |",
+        f"| Σ (W − Ŵ)² (weight error) | {rho['plain']:.3f} |",
+        f"| Σ (W − Ŵ)² · diag(H), H GPTQ's Hessian (output error) | {rho['output']:.3f} |",
+        f"| the output error over the residual stream's ‖h‖² | {rho['relative']:.3f} |",
         "",
         "The ten units that cost the most loss, with each proxy's rank (1 = predicted worst):",
         "",
-        "| unit | loss increase | rank by the budget's proxy | by output error | by weight error |",
-        "|---|---|---|---|---|",
+        "| unit | loss increase | rank by Fisher | by weight error | by output error | by relative |",
+        "|---|---|---|---|---|---|",
     ]
-    keys = ("proxy", "output", "plain")
     rank = {key: {r["unit"]: i + 1 for i, r in enumerate(sorted(rows, key=lambda r: -r[key]))} for key in keys}
     for r in by_loss[:10]:
         u = r["unit"]
-        lines.append(
-            f"| {u} | {r['loss_increase']:+.4f} | {rank['proxy'][u]} | {rank['output'][u]} | {rank['plain'][u]} |"
-        )
+        ranks = " | ".join(str(rank[key][u]) for key in keys)
+        lines.append(f"| {u} | {r['loss_increase']:+.4f} | {ranks} |")
     save_results(f"budget_proxy-{a.model}-w{bits}g{group}", "\n".join(lines), {"rows": rows})
 
 
-def residual_energy(model, calib: torch.Tensor) -> list[float]:
-    """Mean ‖h‖² per token of the residual stream entering each decoder layer."""
-    sums: dict[int, list[float]] = {}
+def input_energies(model, calib: torch.Tensor) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """diag(H) = 2/n Σ x² of every decoder linear's input, and the mean ‖h‖² per token of the residual stream
+    entering each decoder layer."""
+    sums: dict = {}
 
-    def hook(i):
+    def hook(key, per_column: bool):
         def record(_m, a, kwargs):
-            h = (a[0] if a else kwargs["hidden_states"]).float()
-            acc = sums.setdefault(i, [0.0, 0])
-            acc[0] += h.square().sum().item()
-            acc[1] += h.numel() // h.shape[-1]
+            x = (a[0] if a else kwargs["hidden_states"]).float().reshape(-1, a[0].shape[-1] if a else 1)
+            acc = sums.setdefault(key, [0.0, 0])
+            acc[0] = acc[0] + (x.square().sum(0) if per_column else x.square().sum().item())
+            acc[1] += x.shape[0]
 
         return record
 
-    layers = model.model.layers
-    handles = [layer.register_forward_pre_hook(hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    handles = [
+        layer.register_forward_pre_hook(hook(i, False), with_kwargs=True) for i, layer in enumerate(model.model.layers)
+    ]
+    handles += [
+        m.register_forward_pre_hook(hook(n, True), with_kwargs=True)
+        for n, m in pipeline.quantizable_linears(model).items()
+    ]
     with torch.no_grad():
         for i in range(0, len(calib), 8):
             model(calib[i : i + 8])
     for h in handles:
         h.remove()
-    return [sums[i][0] / sums[i][1] for i in range(len(layers))]
+    stream = [sums[i][0] / sums[i][1] for i in range(len(model.model.layers))]
+    return {n: 2 * v[0] / v[1] for n, v in sums.items() if isinstance(n, str)}, stream
 
 
 def spearman(x: list[float], y: list[float]) -> float:
