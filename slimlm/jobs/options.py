@@ -311,6 +311,15 @@ def open_unit_float(text: str) -> float:
     return _number(float, text, lambda v: 0 < v < 1, "must be in (0, 1)")
 
 
+def float_between(lo: float, hi: float, unit: str = "") -> Callable[[str], float]:
+    """A parse function for numbers in [lo, hi]."""
+
+    def parse(text: str) -> float:
+        return _number(float, text, lambda v: lo <= v <= hi, f"must be between {lo:g} and {hi:g}{unit}")
+
+    return parse
+
+
 def positive_float(text: str) -> float:
     return _number(float, text, lambda v: v > 0, "must be positive")  # nan is not
 

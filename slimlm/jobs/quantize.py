@@ -18,6 +18,7 @@ from slimlm import assets
 from slimlm.compress.autoround import ITERS, WINDOWS
 from slimlm.compress.gptq import FLOAT_TARGET
 from slimlm.compress.mixed_precision import BITS as BUDGET_BITS
+from slimlm.compress.mixed_precision import MAX_BITS, MIN_BITS
 from slimlm.errors import FieldError
 from slimlm.formats.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantArgs
 from slimlm.jobs.measure import measure_perplexity
@@ -26,10 +27,10 @@ from slimlm.jobs.options import (
     Job,
     Opt,
     Switch,
+    float_between,
     int_list,
     integer,
     open_unit_float,
-    positive_float,
     positive_int,
     seed_int,
     unit_float,
@@ -164,7 +165,7 @@ class Weights(KVScales):
             "mixed precision: bits per decoder-layer weight, scales and zero points included (e.g. 3.5); each group "
             "of linears reading one input gets the scheme (--budget-bits, groups of 32/64/128) that costs the least "
             "output error for its bytes, measured on the calibration data; --group-size then sets only the lm_head's",
-            parse=positive_float,
+            parse=float_between(MIN_BITS, MAX_BITS, " bits a weight"),
             metavar="BITS",
         ),
     ] = None

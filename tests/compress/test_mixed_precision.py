@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from slimlm.compress import mixed_precision as budget
 from slimlm.compress import pipeline
 from slimlm.compress.quantize import fake_quantize, quantize_rtn
-from slimlm.errors import FieldError
+from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats import compressed_tensors
 from slimlm.formats.quantized import QuantArgs
 from tests.conftest import transformers_logits_error
@@ -162,7 +162,7 @@ def test_a_budget_writes_a_mix_that_transformers_and_the_runtime_read(tiny_llama
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"budget": 1.5}, "budget 1.5 must be between 2.0 and 16.0 bits a weight"),
+        ({"budget": 1.5}, "budget: '1.5' must be between 2 and 16 bits a weight"),
         ({"budget": 4.0, "format": "gptq"}, "budget mixes schemes, which format gptq cannot store"),
         ({"budget": 4.0, "budget_bits": [4, 5]}, r"budget_bits \[4, 5\]: choose from 2, 3, 4, 8"),
     ],
@@ -170,5 +170,14 @@ def test_a_budget_writes_a_mix_that_transformers_and_the_runtime_read(tiny_llama
 def test_bad_budgets_are_refused_before_any_work(tiny_llama, tmp_path, options, message):
     from slimlm.jobs import GPTQ
 
-    with pytest.raises(FieldError, match=message):
+    with pytest.raises(SlimlmError, match=message):
         GPTQ(model=str(tiny_llama), out=tmp_path / "x", **options).check()
+
+
+def test_a_budget_out_of_range_is_refused_by_the_quantization_too(tiny_llama, tmp_path):
+    from slimlm.compress.job import Quantization, check_inputs
+    from slimlm.compress.rtn import RTN
+
+    args = QuantArgs(4, 32)
+    with pytest.raises(FieldError, match="budget 16.5 must be between 2.0 and 16.0 bits a weight"):
+        check_inputs(Quantization("rtn", [RTN(args)], args, str(tiny_llama), tmp_path / "x", budget=16.5))

@@ -313,7 +313,7 @@ def test_the_library_steps_default_to_what_the_commands_run(command):
         (["--act-order", "group"], "error: --act-order is a GPTQ option"),
         (["--no-act-order"], "error: --act-order is a GPTQ option"),
         (["--iters", "5"], "error: --iters is a learned-rounding option; AWQ runs it only with --then autoround"),
-        (["--then", "gptq", "--windows", "2"], "error: --windows is a learned-rounding option"),
+        (["--then", "gptq", "--windows", "3"], "error: --windows is a learned-rounding option"),
         (["--then", "autoround", "--damp", "0.1"], "error: --damp is a GPTQ option"),
         (["--then", "gptq", "--damp", "5"], "argument --damp: '5' must be in (0, 1)"),
         (["--float-target", "2"], "argument --float-target: '2' must be in [0, 1]"),
