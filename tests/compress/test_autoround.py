@@ -158,29 +158,12 @@ def test_command_writes_a_checkpoint_transformers_and_the_runtime_read(tiny_llam
     from slimlm.jobs import AWQ
     from slimlm.jobs import AutoRound as Job
 
-    out = Job(
-        model=str(tiny_llama),
-        calib=str(calib_txt),
-        num_samples=8,
-        seq_len=32,
-        out=tmp_path / "ar",
-        iters=5,
-        group_size=32,
-        sym=False,
-    ).run()
+    common = {"model": str(tiny_llama), "calib": str(calib_txt), "num_samples": 8, "seq_len": 32, "group_size": 32}
+    out = Job(**common, out=tmp_path / "ar", iters=5, sym=False).run()
     assert transformers_logits_error(out) < 1e-4
     meta = (out / "slimlm.json").read_text()
     assert '"method": "autoround"' in meta and '"iters": 5' in meta
-    out2 = AWQ(
-        model=str(tiny_llama),
-        calib=str(calib_txt),
-        num_samples=8,
-        seq_len=32,
-        out=tmp_path / "awq-ar",
-        then="autoround",
-        iters=3,
-        group_size=32,
-    ).run()
+    out2 = AWQ(**common, out=tmp_path / "awq-ar", then="autoround", iters=3).run()
     assert '"method": "awq+autoround"' in (out2 / "slimlm.json").read_text()
     with pytest.raises(FieldError, match="learned-rounding option; AWQ runs it only with then autoround"):
         AWQ(model=str(tiny_llama), out=tmp_path / "x", iters=3)
