@@ -93,12 +93,12 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
     torch.manual_seed(calibration.seed)
     out = Path(job.out).expanduser().resolve()
     with atomic.atomic_dir(out, job.overwrite, sources=[source.dir]) as tmp:  # checks --out before any work
-        with_data = job.report_error or job.budget is not None or any(s.needs_data for s in job.steps)
+        with_data = job.report_error or any(s.needs_data for s in job.steps)  # passes through the layers
         model, tokenizer, weights = _load(source, with_data)
         start = time.time()
         passes = devices.compute_dtype(calibration.compute_dtype, next(model.parameters()).dtype, source.device)
         samples = None
-        if with_data:
+        if with_data or job.budget is not None:  # a budget's Fisher reads the first windows too
             samples = data.calibration_windows(
                 calibration.calib, tokenizer, calibration.num_samples, calibration.seq_len, calibration.seed
             )
@@ -137,7 +137,7 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
                 "seed": calibration.seed,
                 "compute_dtype": devices.dtype_name(passes),
             }
-            if with_data
+            if samples is not None
             else None,
             "source_model": {
                 "spec": job.model,
