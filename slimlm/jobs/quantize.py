@@ -173,7 +173,7 @@ class Weights(KVScales):
         list[int],
         Opt(
             "the code widths --budget chooses from (default 2,4,8: transformers with compressed-tensors < 0.18 "
-            "reads no 3-bit checkpoint, and the runtime serves 3 bits dequantized)",
+            "reads no 3-bit checkpoint)",
             parse=int_list,
             metavar="B,B,...",
         ),

@@ -30,7 +30,10 @@ from slimlm.errors import SlimlmError
 from slimlm.formats.quantized import QuantizedWeight
 
 BLOCK_N = 64
-KERNEL_BITS = (4, 8)
+# Each checkpoint width (formats.quantized.SUPPORTED_BITS) and the kernel width it is served at. 2- and 3-bit
+# codes are widened to 4 at load: an unsigned code u of b bits is read as w = scale · (u − zero) at any width,
+# so the 4-bit kernels give the checkpoint's weights exactly; the memory read is a 4-bit one (docs/limits.md).
+SERVED_BITS = {2: 4, 3: 4, 4: 4, 8: 8}
 
 
 @dataclass
@@ -77,9 +80,7 @@ class PackedWeight:
 
 def pack(q: QuantizedWeight) -> PackedWeight:
     """Repack checkpoint codes [N, K] (signed, compressed-tensors convention) into the kernel layout."""
-    bits = q.args.bits
-    if bits not in KERNEL_BITS:
-        raise SlimlmError(f"no quantized kernel for {bits}-bit weights; kernels cover {KERNEL_BITS} bits")
+    bits = SERVED_BITS[q.args.bits]
     n, k = q.codes.shape
     group = k if q.args.group_size == -1 else q.args.group_size
     # The codes' bytes, offset to unsigned (code + 2^(bits-1)) only after the one copy the transpose makes:

@@ -3,9 +3,9 @@
 Quantized linears are repacked once into the kernels' layout (slimlm.kernels.packed) and never exist as
 float matrices. So are a bf16 model's float linears on CPUs whose C loops take them (cpu_gemm.dense_fits):
 those read one row of x ~2× faster than torch's bf16 matmul here, and a decode step is made of such rows.
-Widths the kernels do not cover (2- and 3-bit) run as dequantized float weights, with a warning, rather
-than being refused. The KV cache's dtype is decided here too: what the checkpoint's kv_cache_scheme says,
-or what was asked for, with the checkpoint's calibrated scales when it has them.
+2- and 3-bit codes are served by the 4-bit kernels (packed.SERVED_BITS). The KV cache's dtype is
+decided here too: what the checkpoint's kv_cache_scheme says, or what was asked for, with the checkpoint's
+calibrated scales when it has them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from slimlm import kernels
 from slimlm.errors import SlimlmError
 from slimlm.formats import kv_cache, kv_int4, reader
 from slimlm.kernels import cpu_gemm, pack
-from slimlm.kernels.packed import KERNEL_BITS, pack_dense
+from slimlm.kernels.packed import pack_dense
 from slimlm.runtime.model import CausalLM, Linear
 
 
@@ -43,18 +43,12 @@ def load_model(
         model = CausalLM(config, dtype)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    no_kernel: set[int] = set()
 
-    def convert(q):  # each linear as read: the kernels' layout, or float where no kernel takes its width
+    def convert(q):  # each linear as read, in the kernels' layout
         release_freed()  # the previous linear's codes and this one's file copy
-        if q.args.bits in KERNEL_BITS:
-            return pack(q).to(device)
-        no_kernel.add(q.args.bits)
-        return q.dequantize(dtype)
+        return pack(q).to(device)
 
     quantized, tensors = reader.read_checkpoint(model_dir, expected, optional=tied, convert=convert)
-    if no_kernel:
-        warnings.warn(f"no kernel for {sorted(no_kernel)}-bit weights: they run dequantized to {dtype}", stacklevel=2)
     if tied:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     scheme = reader.kv_cache_scheme(reader.read_config(model_dir), model_dir)
@@ -63,10 +57,7 @@ def load_model(
     if scheme is not None:
         scales = kv_cache.read_scales(tensors, scheme, len(model.model.layers), attn.kv_heads, str(model_dir))
     for name, weight in quantized.items():
-        if isinstance(weight, torch.Tensor):
-            tensors[f"{name}.weight"] = weight
-        else:
-            model.get_submodule(name).set_packed(weight)
+        model.get_submodule(name).set_packed(weight)
     del quantized
     release_freed()
     for name, _ in list(model.named_parameters()):  # each original freed as its converted copy takes its place

@@ -3,7 +3,7 @@ import torch
 
 from slimlm import SlimlmError
 from slimlm.kernels import cpu_gemm, cpu_library, reference
-from slimlm.kernels.packed import dequantize, pack_dense
+from slimlm.kernels.packed import SERVED_BITS, dequantize, pack_dense
 from tests.kernels.problems import (
     Spy,
     haswell_library,
@@ -27,6 +27,8 @@ SHAPES = [  # bits, group, sym, act-order, n, k: ragged N, chunks of 256 inputs,
     (8, 128, False, False, 130, 2176),  # 17 groups over chunks of 1024, 1024 and 128
     (4, -1, False, False, 64, 1536),  # per channel: chunks of two 768-input segments
     (4, -1, True, False, 64, 270),  # 270's largest divisor under 256 is odd (135): segments of 90
+    (2, 64, False, False, 192, 576),  # 2 and 3 bits: widened to the 4-bit layout (packed.SERVED_BITS)
+    (3, 32, True, True, 70, 96),
 ]
 
 
@@ -144,7 +146,7 @@ def test_bf16_code_tiles_are_exact_in_the_weights(poisoned, no_amx, bits, group_
     """Codes, scales and zero points enter exactly: only fp32 accumulation separates the result from the
     float64 product of the same bf16 x. 5 and 7 rows split into tiles of 3 + 2 and 4 + 3; with two threads a
     narrow layer (≤ 3 blocks of 64 features) splits its rows between them too."""
-    if m > cpu_gemm.CODE_MAX_ROWS[bits]:
+    if m > cpu_gemm.CODE_MAX_ROWS[SERVED_BITS[bits]]:
         pytest.skip("above the code tiles' range for these bits")
     _, w = quantized_weight(n, k, bits, group_size, sym, act_order, seed=m)
     x = torch.randn(m, k).bfloat16()
@@ -163,7 +165,7 @@ def test_bf16_code_tiles_are_exact_in_the_weights(poisoned, no_amx, bits, group_
 def test_bf16_weight_tiles_round_the_weights_as_torch(poisoned, no_amx, bits, group_size, sym, act_order, n, k, extra):
     """Above the code rows, each weight is dequantized once, rounded to bf16 (nearest even) and multiplied by
     6-row tiles: the result is the float64 product with exactly those weights, up to fp32 accumulation."""
-    m = cpu_gemm.CODE_MAX_ROWS[bits] + extra
+    m = cpu_gemm.CODE_MAX_ROWS[SERVED_BITS[bits]] + extra
     _, w = quantized_weight(n, k, bits, group_size, sym, act_order, seed=extra)
     x = torch.randn(m, k).bfloat16()
     assert cpu_gemm.path(m, torch.bfloat16, w) == "bf16-weights"

@@ -16,6 +16,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}  # fp16: operands and out
         (8, -1, True, False, 17, 130, 72),
         (8, 32, False, True, 3, 64, 96),
         (4, -1, False, False, 33, 70, 40),
+        (2, 32, False, False, 2, 64, 128),  # widened to the 4-bit layout
+        (3, 32, True, True, 4, 64, 96),
     ],
 )
 def test_gemm_matches_reference(poisoned, dtype, bits, group_size, sym, act_order, m, n, k):

@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import warnings
 from pathlib import Path
 
 import pytest
@@ -257,9 +256,7 @@ def test_transformers_loads_every_scheme_and_gives_the_runtimes_logits(calibrate
     out = quantize(calibrated, tmp_path / "q", method, args, **kw)
     ids = ids_for(out)
     expected = model_logprobs(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), ids)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "no kernel for")  # 2 and 3 bits are served dequantized
-        got = runtime_logprobs(out, ids)
+    got = runtime_logprobs(out, ids)
     # the kernel layout keeps scales in fp16 (transformers uses the checkpoint's fp32): ~1e-4 relative per weight
     assert torch.allclose(got, expected, atol=2e-3)
 
@@ -271,19 +268,16 @@ def test_transformers_loads_every_scheme_and_gives_the_runtimes_logits(calibrate
         ("rtn", QuantArgs(8, -1, True), {}),
         ("gptq", QuantArgs(4, 32, True), {"act_order": "group"}),  # g_idx: columns permuted at load
         ("gptq", QuantArgs(4, 32, True), {"fmt": "gptq"}),
-        ("rtn", QuantArgs(3, 32, True), {}),  # no 3-bit kernel: served dequantized, with a warning
+        ("rtn", QuantArgs(3, 32, True), {}),  # 2 and 3 bits: widened to the 4-bit kernels
+        ("rtn", QuantArgs(2, 32, False), {}),
     ],
-    ids=["ct-w4g32-asym", "ct-w8-channel", "ct-w4-act-order-group", "gptq-v1-w4g32", "ct-w3g32"],
+    ids=["ct-w4g32-asym", "ct-w8-channel", "ct-w4-act-order-group", "gptq-v1-w4g32", "ct-w3g32", "ct-w2g32-asym"],
 )
 def test_quantized_layouts_match_their_dequantized_model(calibrated, tmp_path, method, args, kw):
     out = quantize(calibrated, tmp_path / "q", method, args, **kw)
     ids = ids_for(out)
     expected = model_logprobs(models.load(str(out))[0], ids)
-    if args.bits == 3:
-        with pytest.warns(UserWarning, match="no kernel for \\[3\\]-bit"):
-            got = runtime_logprobs(out, ids)
-    else:
-        got = runtime_logprobs(out, ids)
+    got = runtime_logprobs(out, ids)
     assert torch.allclose(got, expected, atol=2e-3)
 
 
