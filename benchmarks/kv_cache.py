@@ -2,7 +2,8 @@
 
 quality   wiki perplexity (and optionally the task pack) for KV float32 / bfloat16, fp8 with scale 1
           (uncalibrated, what vLLM does without scales), and checkpoints from `compress kv` (defaults:
-          128 owt windows of 512): fp8 and int8, per layer ("tensor") and per KV head ("attn_head")
+          128 owt windows of 512): fp8 and int8, per layer ("tensor") and per KV head ("attn_head"); int4
+          with the key offsets measured at load, and with the fp8 checkpoint's calibrated ones
 capacity  one KV memory budget: how many sequences of a fixed context it holds, and the output
           throughput of a Poisson workload of long prompts under it (preemptions counted)
 int4      the 4-bit variants the int4 cache was chosen from, simulated: K and V rounded as each variant
@@ -65,8 +66,9 @@ def quality(args) -> list[dict]:
     wanted = args.quality_kv.split(",") if args.quality_kv else None
     configs = [("float32 KV", spec, "float32"), ("bfloat16 KV", spec, "bfloat16"), ("fp8 scale 1", spec, "fp8")]
     configs += [(label, "", "auto") for label in CHECKPOINTS] + [("int4", spec, "int4")]
+    configs += [("int4 calibrated offsets", "", "int4")]  # compress kv's mean keys, not the load-time text's
     configs = [
-        (label, model or checkpoint(label, args.cache), kv)
+        (label, model or checkpoint(label if label in CHECKPOINTS else "fp8 tensor", args.cache), kv)
         for label, model, kv in configs
         if wanted is None or label in wanted
     ]

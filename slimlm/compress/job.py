@@ -13,6 +13,7 @@ import torch
 
 from slimlm import arch, data, devices, models
 from slimlm.compress import mixed_precision, offload, pipeline
+from slimlm.compress.kv import KVCache
 from slimlm.compress.memory import return_freed_memory
 from slimlm.compress.quantize import quantize_rtn
 from slimlm.errors import FieldError
@@ -68,6 +69,7 @@ class Quantization:
     report_error: bool = True  # run the data through each layer to report its output error
     budget: float | None = None  # bits per decoder-layer weight, scales included: each unit's scheme is chosen
     budget_bits: tuple[int, ...] = mixed_precision.BITS  # the code widths it chooses from
+    size: int | None = None  # instead of `budget`: the weight files' bytes; the linears get what the rest leaves
 
 
 @dataclass
@@ -98,7 +100,8 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
         start = time.time()
         passes = devices.compute_dtype(calibration.compute_dtype, next(model.parameters()).dtype, source.device)
         samples = None
-        if with_data or job.budget is not None:  # a budget's Fisher reads the first windows too
+        mixed = job.budget is not None or job.size is not None
+        if with_data or mixed:  # a budget's Fisher reads the first windows too
             samples = data.calibration_windows(
                 calibration.calib, tokenizer, calibration.num_samples, calibration.seq_len, calibration.seed
             )
@@ -112,8 +115,10 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
         # the job never holds the whole model's codes: memory stays bounded by a layer and one shard.
         run = pipeline.Passes(calibration.batch_size, source.device, passes, job.report_error, progress)
         chosen = None
-        if job.budget is not None:
-            chosen = _choose_schemes(job, source, samples, log)
+        if mixed:
+            linears = set(pipeline.quantizable_linears(model, job.ignore))
+            other = mixed_precision.other_bytes(model, linears, source.head_args)
+            chosen = _choose_schemes(job, source, samples, log, other)
         layers = _LayerWriter(
             shards.ShardWriter(tmp),
             job.fmt,
@@ -150,7 +155,10 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
             "layers": result.report,
         }
         if chosen is not None:
-            meta["budget"] = mixed_precision.record(chosen, job.budget)
+            meta["budget"] = mixed_precision.record(chosen, job.budget, job.size)
+        for step in job.steps:
+            if isinstance(step, KVCache):
+                meta["kv_cache"] = kv_cache.write_key_offsets(tmp, step.key_offsets)
         config_patch = {**result.config_patch, **_finish(job, source, model, weights, layers)}
         del result
         config = model.config
@@ -158,25 +166,41 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
             del config.quantization_config
         generation_config = getattr(model, "generation_config", None)
         files = layers.sink.finish()
+        if chosen is not None:
+            meta["budget"]["written_bytes"] = written = sum((tmp / f).stat().st_size for f in files)
+            log(f"[{job.method}] weight files: {written:,} bytes" + (f" (asked {job.size:,})" if job.size else ""))
         writer.write_metadata(tmp, files, config, tokenizer, meta, config_patch, generation_config)
     log(f"[{job.method}] compressed {source.dir.name} in {seconds:.0f}s; wrote {out}")
     return out
 
 
 def _choose_schemes(
-    job: Quantization, source: _Source, samples: torch.Tensor, log: Callable[[str], None]
+    job: Quantization, source: _Source, samples: torch.Tensor, log: Callable[[str], None], other_bytes: int
 ) -> mixed_precision.Choice:
     """The budget's scheme for every decoder linear, from the float model's loss on the first
     SENSITIVITY_WINDOWS calibration windows (mixed_precision.fisher); given to every step that rounds weights.
-    The whole model is loaded for it, then let go."""
-    log(f"[{job.method}] budget {job.budget} bits per weight: each linear's loss sensitivity at every scheme")
+    The whole model is loaded for it, then let go. With a --size the linears get the bytes the checkpoint's
+    other tensors (`other_bytes`) leave."""
+    asked = f"{job.budget} bits per weight" if job.size is None else f"a checkpoint of {job.size:,} bytes"
+    log(f"[{job.method}] budget {asked}: each linear's loss sensitivity at every scheme")
     model = models.load(str(source.dir))[0].to(source.device)
     fisher = mixed_precision.fisher(model, samples[: mixed_precision.SENSITIVITY_WINDOWS], job.ignore)
     linears = pipeline.quantizable_linears(model, job.ignore)
     units = mixed_precision.sensitivity(linears, fisher, job.args.sym, tuple(job.budget_bits))
     del model, fisher, linears
     return_freed_memory()
-    choice = mixed_precision.choose(units, mixed_precision.budget_bytes(units, job.budget))
+    if job.size is None:
+        allowed = mixed_precision.budget_bytes(units, job.budget)
+    else:
+        allowed = job.size - other_bytes
+        least = sum(min(u.bytes) for u in units)
+        if allowed < least:
+            raise FieldError(
+                "size",
+                f"{job.size:,} bytes is too small: the tensors besides the decoder linears take {other_bytes:,} "
+                f"and the linears' smallest schemes {least:,}; raise {{size}} to at least {other_bytes + least:,}",
+            )
+    choice = mixed_precision.choose(units, allowed)
     for step in job.steps:
         if hasattr(step, "schemes"):
             step.schemes = choice.schemes
@@ -193,20 +217,25 @@ def check_inputs(job: Quantization) -> _Source:
             raise FieldError(name, f"{value!r} must be a positive integer")
     if job.fmt == "gptq" and job.args is not None:
         gptq_v1.check_exportable(job.args)
-    if job.budget is not None:
+    if job.budget is not None and job.size is not None:
+        raise FieldError("size", "and {budget} both set the size; give one")
+    if job.budget is not None or job.size is not None:
+        which = "budget" if job.size is None else "size"
         if job.args is None:
-            raise FieldError("budget", "needs a weight quantization method (rtn, gptq, awq, autoround)")
+            raise FieldError(which, "needs a weight quantization method (rtn, gptq, awq, autoround)")
         if job.fmt == "gptq":
-            raise FieldError("budget", "mixes schemes, which {format} gptq cannot store; use compressed-tensors")
+            raise FieldError(which, "mixes schemes, which {format} gptq cannot store; use compressed-tensors")
         if not job.budget_bits or not set(job.budget_bits) <= set(SUPPORTED_BITS):
             raise FieldError(
                 "budget_bits", f"{list(job.budget_bits)}: choose from {', '.join(map(str, SUPPORTED_BITS))}"
             )
-        if not mixed_precision.MIN_BITS <= job.budget <= mixed_precision.MAX_BITS:
+        if job.size is None and not mixed_precision.MIN_BITS <= job.budget <= mixed_precision.MAX_BITS:
             raise FieldError(
                 "budget",
                 f"{job.budget} must be between {mixed_precision.MIN_BITS} and {mixed_precision.MAX_BITS} bits a weight",
             )
+        if job.size is not None and not (type(job.size) is int and job.size > 0):
+            raise FieldError("size", f"{job.size!r} must be a positive number of bytes")
     if job.lm_head_bits is not None and job.args is None:
         raise FieldError("quantize_lm_head", "needs a weight quantization method (rtn, gptq, awq)")
     method_args: dict = {}

@@ -42,6 +42,7 @@ GROUP_SIZES = (32, 64, 128)
 UNITS = (arch.ATTENTION[:3], arch.ATTENTION[3:], arch.MLP[:2], arch.MLP[2:])  # linears reading one input
 MIN_BITS, MAX_BITS = 2.0, 16.0  # bits per weight a budget may ask: below 2-bit codes, above bf16
 SENSITIVITY_WINDOWS = 16  # calibration windows the Fisher is averaged over
+HEADER_BYTES_PER_TENSOR = 160  # a safetensors header entry (name, dtype, shape, offsets), generously
 MAX_FRONTIER = 1 << 16  # (bytes, error) points kept per unit; past it the frontier is thinned (reported)
 
 
@@ -190,16 +191,36 @@ def summary(choice: Choice) -> str:
     return f"{mix} linears: {8 * choice.bytes / choice.weights:.3f} bits per weight, {how}"
 
 
-def record(choice: Choice, bits_per_weight: float) -> dict:
-    """What slimlm.json records of the choice."""
+def record(choice: Choice, bits_per_weight: float | None, size: int | None = None) -> dict:
+    """What slimlm.json records of the choice (asked as bits a weight or as the checkpoint's size)."""
     return {
         "bits_per_weight": bits_per_weight,
+        **({} if size is None else {"size_bytes": size}),
         "bytes": choice.bytes,
         "achieved_bits_per_weight": round(8 * choice.bytes / choice.weights, 4),
         "proxy_error": choice.error,
         "exact": choice.exact,
         "schemes": {name: scheme_name(a) for name, a in sorted(choice.schemes.items())},
     }
+
+
+def other_bytes(model: nn.Module, linears: set[str], head_args: QuantArgs | None) -> int:
+    """Bytes a checkpoint of `model` (meta tensors will do) stores besides the weights of `linears`, the
+    decoder linears the budget covers: every other parameter (biases too) as the model holds it, the lm_head at
+    `head_args` when it is quantized (a tied one then also keeps the embeddings), and a safetensors header's
+    worth per tensor, the linears' own four (codes, scales, zero points, shape) included."""
+    total, tensors = 0, 4 * len(linears)
+    for name, p in model.named_parameters():  # a tied lm_head is the embedding: counted once
+        module, _, kind = name.rpartition(".")
+        if kind == "weight" and (module in linears or (module == "lm_head" and head_args is not None)):
+            continue
+        total, tensors = total + p.numel() * p.element_size(), tensors + 1
+    if head_args is not None:
+        head = model.get_output_embeddings().weight
+        scale_bytes = head.element_size()
+        total += linear_bytes(head_args, head.shape[0], head.shape[1], scale_bytes)
+        tensors += 3
+    return total + HEADER_BYTES_PER_TENSOR * tensors
 
 
 def budget_bytes(units: list[Unit], bits_per_weight: float) -> int:

@@ -31,6 +31,7 @@ from slimlm.jobs.options import (
     int_list,
     integer,
     open_unit_float,
+    parse_size,
     positive_int,
     seed_int,
     unit_float,
@@ -86,6 +87,7 @@ class Calibration(Job):
             report_error=report_error,
             budget=self.budget if weights else None,
             budget_bits=tuple(self.budget_bits) if weights else (),
+            size=self.size if weights else None,
         )
 
     def check(self) -> None:
@@ -167,6 +169,15 @@ class Weights(KVScales):
             "output error for its bytes, measured on the calibration data; --group-size then sets only the lm_head's",
             parse=float_between(MIN_BITS, MAX_BITS, " bits a weight"),
             metavar="BITS",
+        ),
+    ] = None
+    size: Annotated[
+        int | None,
+        Opt(
+            "mixed precision by checkpoint size instead of --budget: the weight files' total (e.g. 1.5G, 300M); the "
+            "decoder linears get what the other tensors leave, their schemes chosen as --budget chooses them",
+            parse=parse_size,
+            metavar="SIZE",
         ),
     ] = None
     budget_bits: Annotated[

@@ -117,18 +117,26 @@ static inline uint8_t quantized(float x, float scale, int kind) {
     return (uint8_t)(sign | ((a + 0x7FFFF + ((a >> 20) & 1) - (120u << 23)) >> 20));
 }
 
-// One K or V vector of a KV head (dim values of the step's dtype at src) as a 4-bit row (formats/kv_int4.py): less
-// `offset` (NULL: none), times the rotation H [dim, dim], then 16 levels from its minimum to its maximum, each
-// step of the way rounded as kv_int4.quantize rounds it; dim/2 bytes of codes (code j low, code j + dim/2 high),
-// then the fp16 step and minimum. The product with H sums in another order than torch's: a value on a rounding
-// boundary can take the neighbouring code.
-static void int4_row(const char *src, int bf16, int64_t dim, const float *offset, const float *rotation,
-                     uint8_t *row) {
-    float x[256], y[256];
+// y = (x − offset)·H for one head's dim values x of the step's dtype at src (offset NULL: none), H [dim, dim],
+// in fp32. The sums run in another order than torch's matmul: a value on a rounding boundary can round the
+// other way.
+static void times_rotation(const char *src, int bf16, int64_t dim, const float *offset, const float *rotation,
+                           float *y) {
+    float x[256];
     for (int64_t d = 0; d < dim; d++) x[d] = load(src, d, bf16) - (offset ? offset[d] : 0.f);
     for (int64_t j = 0; j < dim; j++) y[j] = 0.f;
     for (int64_t d = 0; d < dim; d++)
         for (int64_t j = 0; j < dim; j++) y[j] += x[d] * rotation[d * dim + j];
+}
+
+// One K or V vector of a KV head (dim values of the step's dtype at src) as a 4-bit row (formats/kv_int4.py): less
+// `offset` (NULL: none), times the rotation H [dim, dim], then 16 levels from its minimum to its maximum, each
+// step of the way rounded as kv_int4.quantize rounds it; dim/2 bytes of codes (code j low, code j + dim/2 high),
+// then the fp16 step and minimum.
+static void int4_row(const char *src, int bf16, int64_t dim, const float *offset, const float *rotation,
+                     uint8_t *row) {
+    float y[256];
+    times_rotation(src, bf16, dim, offset, rotation, y);
     float lo = y[0], hi = y[0];
     for (int64_t j = 1; j < dim; j++) lo = y[j] < lo ? y[j] : lo, hi = y[j] > hi ? y[j] : hi;
     const uint16_t lo_h = _cvtss_sh(lo, _MM_FROUND_TO_NEAREST_INT);
@@ -146,7 +154,7 @@ static void int4_row(const char *src, int bf16, int64_t dim, const float *offset
 
 // One row of slimlm_rotary_kv_write, for a literal dtype: q rotated into q; k rotated and v copied into the
 // cache rows k, v, or quantized there with their heads' scales (8-bit kinds; NULL: 1; keys less k_offset when
-// given; tmp: kv_heads·dim scratch).
+// given, then times `rotation` when given (fp8: formats/kv_cache.py), and q too; tmp: kv_heads·dim scratch).
 static inline __attribute__((always_inline)) void rotary_row(const char *x, int64_t heads, int64_t kv_heads,
                                                              int64_t dim, const char *cos, const char *sin, char *k,
                                                              char *v, char *q, int bf16, int kind,
@@ -169,8 +177,18 @@ static inline __attribute__((always_inline)) void rotary_row(const char *x, int6
         memcpy(v, x + (heads + kv_heads) * head, kv_heads * head);
         return;
     }
+    if (rotation) {  // keys, less their offsets, into fp32 in tmp; queries in place
+        float y[256];
+        for (int64_t h = 0; h < heads; h++) {
+            times_rotation(q + h * head, bf16, dim, NULL, rotation, y);
+            for (int64_t j = 0; j < dim; j++) store(q + h * head, j, y[j], bf16);
+        }
+        for (int64_t h = kv_heads - 1; h >= 0; h--)  // from the last head: each reads only what it overwrites
+            times_rotation(tmp + h * head, bf16, dim, k_offset ? k_offset + h * dim : NULL, rotation,
+                           (float *)tmp + h * dim);
+    }
     for (int64_t i = 0; i < kv_heads * dim; i++) {
-        const float key = load(tmp, i, bf16) - (k_offset ? k_offset[i] : 0.f);
+        const float key = rotation ? ((float *)tmp)[i] : load(tmp, i, bf16) - (k_offset ? k_offset[i] : 0.f);
         k[i] = (char)quantized(key, k_scale ? k_scale[i / dim] : 1.f, kind);
         v[i] = (char)quantized(load(x + (heads + kv_heads) * head, i, bf16), v_scale ? v_scale[i / dim] : 1.f, kind);
     }
@@ -360,6 +378,7 @@ double slimlm_phase_seconds[9];
 typedef struct {
     const void *norm1, *norm2;
     const float *k_scale, *v_scale;
+    const float *k_offset, *rotation;  // what slimlm_rotary_kv_write takes for the keys (NULL: none)
     Linear w[4];
 } Layer;
 
@@ -382,7 +401,7 @@ static int decode_layer(void *x, void *residual, const Layer *layer, float eps, 
     if (linear(&w[0], b->h, rows, b->qkv, b->padded, bf16, nthreads)) return -1;
     PHASE(1);
     slimlm_rotary_kv_write(b->qkv, rows, heads, kv_heads, dim, cos, sin, slots, k_cache, v_cache, b->q, bf16, kind,
-                           layer->k_scale, layer->v_scale, NULL, NULL, nthreads);
+                           layer->k_scale, layer->v_scale, layer->k_offset, layer->rotation, nthreads);
     PHASE(2);
     float *of = b->qf + rows * heads * dim;  // the attention kernel reads and writes fp32
     for (int64_t i = 0; i < rows * heads * dim; i++) b->qf[i] = load(b->q, i, bf16);

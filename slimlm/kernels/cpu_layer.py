@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from slimlm.formats import kv_int4
+from slimlm.formats import kv_cache, kv_int4
 from slimlm.kernels import cpu_attention, cpu_gemm, cpu_library, reference
 from slimlm.kernels.packed import PackedWeight
 
@@ -97,7 +97,7 @@ def rotary_kv_write(
 ) -> torch.Tensor:
     """Rotated q [T, Hq, D]; rotated keys and the values written at `slots` into the caches: float ones of qkv's
     dtype, unscaled, 8-bit ones (int8, fp8 e4m3) with both per-head scales or neither (a scale of 1), or 4-bit rows;
-    quantized keys less k_offset [Hkv, D] when given."""
+    quantized keys less k_offset [Hkv, D] when given (fp8 keys, and then q, rotated: reference.rotary_kv_write)."""
     if not _c_writes(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale, k_offset):
         return reference.rotary_kv_write(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale, k_offset)
     kv_heads, dim = k_cache.shape[2], cos.shape[-1]
@@ -105,7 +105,7 @@ def rotary_kv_write(
     q = torch.empty(qkv.shape[0], heads, dim, dtype=qkv.dtype)
     (ks, vs), _held = cpu_attention._scales(k_scale, v_scale)
     offset = None if k_offset is None else k_offset.to(torch.float32).contiguous()
-    rotation = kv_int4.rotation(dim) if k_cache.dtype == torch.uint8 else None
+    rotation = kv_int4.rotation(dim) if k_cache.dtype == torch.uint8 else kv_cache.key_rotation(k_cache.dtype, dim)
     cpu_library.load().slimlm_rotary_kv_write(
         qkv.data_ptr(),
         qkv.shape[0],
@@ -147,7 +147,7 @@ def _c_writes(qkv, cos, signed_sin, slots, k_cache, v_cache, k_scale, v_scale, k
             and (k_offset is None or k_offset.is_contiguous())
         )
     elif k_cache.dtype in cpu_attention.EIGHT_BIT:
-        fits = k_cache.shape[2] * k_cache.shape[3] <= MAX_KV_VALUES
+        fits = k_cache.shape[2] * k_cache.shape[3] <= MAX_KV_VALUES and cos.shape[-1] <= 256  # a rotated head
         offset = k_offset is None or k_offset.is_contiguous()
         caches = caches and (k_scale is None) == (v_scale is None) and fits and offset
     elif k_offset is not None:
@@ -173,14 +173,15 @@ BF16_LOOPS = (0, 3)
 
 
 class _Layer(ctypes.Structure):  # cpu_layer.c's Layer
-    _fields_ = [(name, ctypes.c_void_p) for name in ("norm1", "norm2", "k_scale", "v_scale")] + [("w", _Linear * 4)]
+    _fields_ = [(name, ctypes.c_void_p) for name in ("norm1", "norm2", "k_scale", "v_scale", "k_offset", "rotation")]
+    _fields_ += [("w", _Linear * 4)]
 
 
 class DecodeStack:
     """A decode step through every decoder layer as a single C call: each layer's RMSNorm weights, four packed
     linears (joined q/k/v, o, joined gate/up, down) with their biases (None for none) and the attention shape,
-    bound once; called with one token per sequence. kv_scales() gives each layer's (k_scale, v_scale) for an
-    8-bit KV cache; it is asked when a plan is first made (the scales are set after the model's backend)."""
+    bound once; called with one token per sequence. kv_scales() gives each layer's (k_scale, v_scale, k_offset)
+    for an 8-bit KV cache; it is asked when a plan is first made (they are set after the model's backend)."""
 
     def __init__(
         self,
@@ -220,9 +221,10 @@ class DecodeStack:
         scales they point to (kept alive with them); None where a layer cannot run in the call."""
         key = (rows, dtype, kv_dtype, cpu_gemm.quantizes_activations())  # the loops differ inside exact_activations
         if key not in self._plans:
-            scales = self.kv_scales() if self.kv_scales else [(None, None)] * len(self.layers)
-            layers, held = [], []
-            for (norms, linears, biases), (k_scale, v_scale) in zip(self.layers, scales, strict=True):
+            scales = self.kv_scales() if self.kv_scales else [(None, None, None)] * len(self.layers)
+            rotation = kv_cache.key_rotation(kv_dtype, self.head_dim)
+            layers, held = [], [rotation]
+            for (norms, linears, biases), (k_scale, v_scale, k_offset) in zip(self.layers, scales, strict=True):
                 loops = [LOOPS.get(cpu_gemm.path(rows, dtype, w)) for w in linears]
                 bf16 = dtype == torch.bfloat16  # bf16 x runs the bf16 loops only, fp32 x the others
                 if (
@@ -239,8 +241,11 @@ class DecodeStack:
                     for w, rows, loop, b in zip(linears, code_rows, loops, bias, strict=True)
                 ]
                 pointers, tensors = cpu_attention._scales(k_scale, v_scale)
-                held.append(tensors)
-                layers.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(), *pointers, (_Linear * 4)(*linear)))
+                offset = None if k_offset is None else k_offset.float().contiguous()
+                held += [tensors, offset]
+                keys = [None if t is None else t.data_ptr() for t in (offset, rotation)]
+                norm_ptrs = (norms[0].data_ptr(), norms[1].data_ptr())
+                layers.append(_Layer(*norm_ptrs, *pointers, *keys, (_Linear * 4)(*linear)))
             self._plans[key] = None if layers is None else ((_Layer * len(layers))(*layers), held)
         return self._plans[key]
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from slimlm.formats import kv_int4
-from slimlm.formats.kv_cache import KV_DTYPES
+from slimlm.formats.kv_cache import KV_DTYPES, key_rotation
 from slimlm.kernels.packed import PackedWeight, dequantize
 
 
@@ -105,13 +105,18 @@ def rotary_kv_write(
 ) -> torch.Tensor:
     """qkv [T, (Hq + 2·Hkv)·D], each token's cos and signed sin [T, D] -> rotated q [T, Hq, D]; the rotated
     keys and the values are written into the caches [blocks, block_size, Hkv, D] at `slots`, as they store them
-    (a 4-bit cache's keys less k_offset)."""
+    (keys less k_offset when given; an fp8 cache's keys, and then q, times formats.kv_cache.key_rotation)."""
     kv_heads, dim, row = k_cache.shape[2], cos.shape[-1], k_cache.shape[3]
     q, k, v = qkv.reshape(qkv.shape[0], -1, dim).split([qkv.shape[1] // dim - 2 * kv_heads, kv_heads, kv_heads], 1)
     cos, signed_sin = cos[:, None], signed_sin[:, None]
-    k_cache.view(-1, kv_heads, row)[slots] = quantized_kv(rotate(k, cos, signed_sin), k_scale, k_cache.dtype, k_offset)
+    q, k = rotate(q, cos, signed_sin), rotate(k, cos, signed_sin)
+    h = key_rotation(k_cache.dtype, dim, str(qkv.device))
+    if h is not None:
+        k = (k.float() if k_offset is None else k.float() - k_offset.float()) @ h
+        q, k_offset = (q.float() @ h).to(qkv.dtype), None
+    k_cache.view(-1, kv_heads, row)[slots] = quantized_kv(k, k_scale, k_cache.dtype, k_offset)
     v_cache.view(-1, kv_heads, row)[slots] = quantized_kv(v, v_scale, v_cache.dtype)
-    return rotate(q, cos, signed_sin)
+    return q
 
 
 def cached_kv(

@@ -17,6 +17,7 @@ import torch
 
 from slimlm import devices, kernels, models
 from slimlm.errors import FieldError, SlimlmError
+from slimlm.formats import kv_cache, manifest
 from slimlm.formats.kv_cache import CACHE_DTYPES as KV_CACHE_DTYPES
 from slimlm.kernels import ACTIVATIONS
 from slimlm.runtime.block_manager import BlockManager
@@ -147,7 +148,14 @@ class Engine:
             exact=config.activations == "exact",
         )
         if self.runner.kv_cache.dtype in CENTERED_KEYS:  # keys are stored less their mean (model_runner says why)
-            self.runner.set_key_offsets(self.tokenizer.encode(KEY_OFFSET_TEXT)[: self.max_model_len])
+            attns = [layer.self_attn for layer in self.model.model.layers]
+            meta = manifest.read(model_dir)
+            stored = kv_cache.read_key_offsets(model_dir, meta, len(attns), attns[0].kv_heads, attns[0].head_dim)
+            if stored is not None:  # calibrated by compress kv
+                for attn, offset in zip(attns, stored, strict=True):
+                    attn.k_offset = offset.to(self.device)
+            else:
+                self.runner.set_key_offsets(self.tokenizer.encode(KEY_OFFSET_TEXT)[: self.max_model_len])
         self.capacity = self.runner.num_blocks * config.block_size  # tokens the pool holds
         if self.capacity < self.max_model_len and config.max_model_len is None:
             # The model's own context would not fit one sequence (Qwen2.5's 32K in the default 512 MiB): serve

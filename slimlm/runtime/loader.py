@@ -135,6 +135,9 @@ def set_kv_cache(model: CausalLM, requested: str, scheme: dict | None, scales: l
     elif stored != chosen:  # the same calibrated range, mapped onto the other dtype's
         ratio = kv_cache.KV_DTYPES[stored][1] / kv_cache.KV_DTYPES[chosen][1]
         scales = [(k * ratio, v * ratio) for k, v in scales]
-    for attn, (k, v) in zip(layers, scales, strict=True):
-        attn.k_scale, attn.v_scale = k.to(device), v.to(device)
     model.kv_cache_dtype = kv_cache.KV_DTYPES[chosen][0]
+    head_dim = layers[0].head_dim
+    rotated = kv_cache.key_rotation(model.kv_cache_dtype, head_dim) is not None  # keys at a wider scale
+    factor = kv_cache.key_scale_factor(head_dim) if rotated else 1.0
+    for attn, (k, v) in zip(layers, scales, strict=True):
+        attn.k_scale, attn.v_scale = (k * factor).to(device), v.to(device)

@@ -271,7 +271,7 @@ class CausalLM(nn.Module):
             attn.heads,
             attn.kv_heads,
             attn.head_dim,
-            lambda: [(a.k_scale, a.v_scale) for a in scales],
+            lambda: [(a.k_scale, a.v_scale, a.k_offset) for a in scales],
         )
 
     def set_rope(self, max_positions: int, device: str) -> None:

@@ -17,13 +17,18 @@ from slimlm.formats import kv_cache
 from slimlm.formats.quantized import QuantArgs
 
 
-def _reference_amax(model_dir, calib) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, per KV head: max |K| and max |V| in transformers' KV cache over the calibration windows."""
+def _reference_cache(model_dir, calib) -> list:
+    """transformers' KV cache (keys after RoPE) of each layer over the calibration windows."""
     model, tokenizer, _ = models.load(str(model_dir))
     windows = data.calibration_windows(str(calib), tokenizer, 8, 64, 0)
     with torch.no_grad():
-        cache = model(input_ids=windows, use_cache=True).past_key_values
-    return [(layer.keys.abs().amax(dim=(0, 2, 3)), layer.values.abs().amax(dim=(0, 2, 3))) for layer in cache.layers]
+        return model(input_ids=windows, use_cache=True).past_key_values.layers
+
+
+def _reference_amax(model_dir, calib) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, per KV head: max |K| and max |V| in transformers' KV cache over the calibration windows."""
+    layers = _reference_cache(model_dir, calib)
+    return [(layer.keys.abs().amax(dim=(0, 2, 3)), layer.values.abs().amax(dim=(0, 2, 3))) for layer in layers]
 
 
 @pytest.mark.parametrize("kv_dtype,strategy", [("fp8", "tensor"), ("int8", "attn_head")])
@@ -49,6 +54,23 @@ def test_scales_are_the_cached_amax_over_the_dtype_range(tiny_llama, calib_txt, 
         tensors["model.layers.0.mlp.up_proj.weight"],
         load_file(tiny_llama / "model.safetensors")["model.layers.0.mlp.up_proj.weight"],
     )
+
+
+def test_key_offsets_are_the_mean_cached_key_per_head_and_channel(tiny_llama, calib_txt, tmp_path):
+    """key_offsets.json beside the weights (named in slimlm.json, out of the safetensors that vLLM and
+    transformers load): each layer's mean key after RoPE [kv_heads, head_dim] over the calibration windows."""
+    calib = CalibData(str(calib_txt), 8, 64, batch_size=4, compute_dtype="float32")
+    out = quantize_weights(
+        Quantization("kv", [KVCache("fp8")], None, str(tiny_llama), tmp_path / "kv", calib, report_error=False),
+        progress=False,
+    )
+    assert json.loads((out / "slimlm.json").read_text())["kv_cache"]["key_offsets"] == kv_cache.KEY_OFFSETS_FILE
+    stored = json.loads((out / kv_cache.KEY_OFFSETS_FILE).read_text())["key_offsets"]
+    assert not any("offset" in name for name in load_file(out / "model.safetensors"))
+    layers = _reference_cache(tiny_llama, calib_txt)
+    assert len(stored) == len(layers)
+    for got, layer in zip(stored, layers, strict=True):
+        torch.testing.assert_close(torch.tensor(got), layer.keys.mean(dim=(0, 2)), rtol=1e-5, atol=1e-5)
 
 
 def test_kv_alone_keeps_a_bf16_sources_weights_as_stored(tiny_llama, calib_txt, tmp_path):

@@ -164,6 +164,8 @@ def test_a_budget_writes_a_mix_that_transformers_and_the_runtime_read(tiny_llama
         ({"budget": 1.5}, "budget: '1.5' must be between 2 and 16 bits a weight"),
         ({"budget": 4.0, "format": "gptq"}, "budget mixes schemes, which format gptq cannot store"),
         ({"budget": 4.0, "budget_bits": [4, 5]}, r"budget_bits \[4, 5\]: choose from 2, 3, 4, 8"),
+        ({"budget": 4.0, "size": 10**6}, "size and budget both set the size; give one"),
+        ({"size": 10**6, "format": "gptq"}, "size mixes schemes, which format gptq cannot store"),
     ],
 )
 def test_bad_budgets_are_refused_before_any_work(tiny_llama, tmp_path, options, message):
@@ -180,3 +182,30 @@ def test_a_budget_out_of_range_is_refused_by_the_quantization_too(tiny_llama, tm
     args = QuantArgs(4, 32)
     with pytest.raises(FieldError, match="budget 16.5 must be between 2.0 and 16.0 bits a weight"):
         check_inputs(Quantization("rtn", [RTN(args)], args, str(tiny_llama), tmp_path / "x", budget=16.5))
+
+
+def test_a_size_gives_the_linears_what_the_other_tensors_leave(tiny_llama, calib_txt, tmp_path):
+    """--size: the weight files come within one scheme step of the size asked and never over it; a size the
+    other tensors and the smallest schemes do not fit in is refused with the least that would."""
+    from slimlm.jobs import RTN
+
+    def run(size, name):
+        return RTN(
+            model=str(tiny_llama),
+            calib=str(calib_txt),
+            num_samples=8,
+            seq_len=32,
+            out=tmp_path / name,
+            size=size,
+            sym=False,
+        ).run()
+
+    uniform4 = run(None, "w4")  # no size: uniform W4 g128 (the tiny model's default group)
+    w4_bytes = json.loads((uniform4 / "slimlm.json").read_text())["size_bytes"]
+    out = run(w4_bytes + 20_000, "sized")
+    meta = json.loads((out / "slimlm.json").read_text())
+    assert meta["budget"]["size_bytes"] == w4_bytes + 20_000
+    assert meta["budget"]["written_bytes"] == meta["size_bytes"] <= w4_bytes + 20_000
+    assert meta["size_bytes"] > w4_bytes  # the extra bytes went to wider schemes
+    with pytest.raises(SlimlmError, match=r"bytes is too small: the tensors besides the decoder linears take"):
+        run(w4_bytes // 4, "small")

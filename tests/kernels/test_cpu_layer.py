@@ -105,7 +105,8 @@ def test_row_logprobs_against_float64(dtype, rows, vocab):
 def test_8bit_kv_writes_equal_the_reference_bit_for_bit(dtype, kv_dtype, rows, centered):
     """Keys (less their offsets, when given) and values quantized as quantized_kv does (divided, clamped,
     rounded to nearest even): values from far below fp8's smallest subnormal to far past its largest normal,
-    and int8's ties."""
+    and int8's ties. fp8 keys and q are rotated (formats.kv_cache.key_rotation), the sums in another order than
+    torch's: q within fp32 rounding, a key on a rounding boundary may take the neighbouring code."""
     heads, kv_heads, dim = 9, 3, 64
     g = torch.Generator().manual_seed(rows)
     magnitude = torch.exp2(torch.randint(-14, 12, (rows, (heads + 2 * kv_heads) * dim), generator=g).float())
@@ -119,9 +120,15 @@ def test_8bit_kv_writes_equal_the_reference_bit_for_bit(dtype, kv_dtype, rows, c
     expected = reference.rotary_kv_write(qkv, cos, sin, slots, caches[0], caches[1], k_scale, v_scale, offset)
     with torch_threads(2):
         got = cpu_layer.rotary_kv_write(qkv, cos, sin, slots, caches[2], caches[3], k_scale, v_scale, offset)
-    assert torch.equal(got, expected)
-    for ref, ours in ((caches[0], caches[2]), (caches[1], caches[3])):
-        assert torch.equal(ref.view(torch.uint8), ours.view(torch.uint8))
+    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))  # values
+    if kv_dtype == torch.int8:
+        assert torch.equal(got, expected) and torch.equal(caches[0], caches[2])
+        return
+    rtol = 2**-7 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(got, expected, rtol=rtol, atol=1e-6 * expected.float().abs().max().item())
+    ref, ours = (c.view(torch.uint8).int() for c in (caches[0], caches[2]))  # e4m3 codes: neighbours differ by 1
+    off = (ref - ours).abs()
+    assert off.max() <= 1 and (off > 0).float().mean() <= 0.01
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -77,13 +77,16 @@ def mean_keys(model_dir, max_len: int) -> list[torch.Tensor]:
 
 def transformers_with_quantized_kv(model_dir, kv_dtype: str):
     """transformers' Llama whose attention sees every K (after RoPE) and V as the quantized cache holds it: fp8
-    keys rounded less their layer's mean key μ and given it back (attention cannot tell: q·μ shifts every score
-    alike)."""
+    keys less their layer's mean key μ, rotated by H, rounded at 2√D times their scale, rotated back and given μ
+    back (attention cannot tell: q·μ shifts every score alike, and H is orthonormal)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.llama import modeling_llama
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    offsets = mean_keys(model_dir, model.config.max_position_embeddings) if kv_dtype == "fp8" else None
+    offsets = None  # compress kv's calibrated offsets, which the runtime uses
+    if kv_dtype == "fp8":
+        offsets = json.loads((model_dir / kv_cache.KEY_OFFSETS_FILE).read_text())["key_offsets"]
+        offsets = [torch.tensor(layer) for layer in offsets]
     tensors = load_file(model_dir / "model.safetensors")
     heads = model.config.num_key_value_heads
     scales = [
@@ -95,8 +98,11 @@ def transformers_with_quantized_kv(model_dir, kv_dtype: str):
 
     def rotary_then_quantize(q, k, cos, sin, *args, **kwargs):
         q, k = rotary(q, k, cos, sin, *args, **kwargs)
-        shift = 0 if offsets is None else offsets[layer["i"]][:, None]  # [B, H, T, D] against μ [H, D]
-        return q, _qdq(k - shift, scales[layer["i"]][0], kv_dtype) + shift
+        scale = scales[layer["i"]][0]
+        if offsets is None:
+            return q, _qdq(k, scale, kv_dtype)
+        shift, h = offsets[layer["i"]][:, None], kv_int4.rotation(k.shape[-1])  # [B, H, T, D] against μ [H, D]
+        return q, _qdq((k - shift) @ h, scale * 2 * k.shape[-1] ** 0.5, kv_dtype) @ h.T + shift
 
     for i, block in enumerate(model.model.layers):
         attn = block.self_attn
@@ -178,7 +184,10 @@ def test_kv_cache_dtype_overrides_the_checkpoint(kv_checkpoint):
     tensors = load_file(model_dir / "model.safetensors")
     stored = tensors["model.layers.1.self_attn.k_scale"].float().flatten()
     ratio = kv_cache.KV_DTYPES[kv_dtype][1] / kv_cache.KV_DTYPES[other][1]  # the same calibrated amax
-    torch.testing.assert_close(engine.model.model.layers[1].self_attn.k_scale, (stored * ratio).expand(2))
+    attn = engine.model.model.layers[1].self_attn
+    if other == "fp8":  # rotated keys: 2√D times the scale
+        ratio *= kv_cache.key_scale_factor(attn.head_dim)
+    torch.testing.assert_close(attn.k_scale, (stored * ratio).expand(2))
     float_engine = Engine(str(model_dir), EngineConfig(kv_cache_dtype="float32", max_model_len=256))
     assert float_engine.runner.kv_cache.dtype == torch.float32
     assert float_engine.model.model.layers[0].self_attn.k_scale is None
@@ -283,6 +292,25 @@ def test_key_offsets_are_the_mean_key_of_a_fixed_text(tiny_llama, kv_dtype):
     again = Engine(str(tiny_llama), config).model.model.layers
     assert all(torch.equal(a, b.self_attn.k_offset) for a, b in zip(offsets, again, strict=True))
     assert Engine(str(tiny_llama), EngineConfig(max_model_len=256)).model.model.layers[0].self_attn.k_offset is None
+
+
+def test_a_calibrated_checkpoints_key_offsets_are_used_and_checked(kv_checkpoint, tmp_path):
+    """compress kv's key offsets (its calibration's mean keys) take the place of the fixed text's, for an fp8 or
+    4-bit cache; a file that does not fit the model is named in one line."""
+    model_dir, _ = kv_checkpoint
+    stored = json.loads((model_dir / kv_cache.KEY_OFFSETS_FILE).read_text())["key_offsets"]
+    for kv_dtype in ("fp8", "int4"):
+        engine = Engine(str(model_dir), EngineConfig(kv_cache_dtype=kv_dtype, max_model_len=256))
+        for layer, want in zip(engine.model.model.layers, stored, strict=True):
+            assert torch.equal(layer.self_attn.k_offset, torch.tensor(want))
+    bad = tmp_path / "bad"
+    shutil.copytree(model_dir, bad)
+    (bad / kv_cache.KEY_OFFSETS_FILE).write_text(json.dumps({"key_offsets": stored[:-1]}))
+    with pytest.raises(SlimlmError, match=r"key offsets of shape \[1, 2, 16\].*needs finite \[2, 2, 16\]"):
+        Engine(str(bad), EngineConfig(kv_cache_dtype="fp8", max_model_len=256))
+    (bad / kv_cache.KEY_OFFSETS_FILE).unlink()
+    with pytest.raises(SlimlmError, match="unreadable key offsets"):
+        Engine(str(bad), EngineConfig(kv_cache_dtype="fp8", max_model_len=256))
 
 
 def test_an_int8_cache_has_no_key_offsets(kv_checkpoint):

@@ -152,6 +152,8 @@ def test_one_call_stack_equals_the_modules(request, isa, arch, dtype, rows, amx,
         for layer in model.model.layers:
             attn = layer.self_attn
             attn.k_scale, attn.v_scale = (torch.rand(attn.kv_heads, generator=g) / 8 + 0.05 for _ in range(2))
+            if kv_dtype == torch.float8_e4m3fn:  # fp8 keys less their offsets (ModelRunner.set_key_offsets)
+                attn.k_offset = torch.randn(attn.kv_heads, attn.head_dim, generator=g)
     fused_cache, modules_cache = cache.clone(), cache.clone()
     with torch_threads(2):
         fused = forward(model, ids, step, fused_cache)
