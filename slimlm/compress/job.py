@@ -114,11 +114,7 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
         # Each finished layer goes to disk in the checkpoint's own format at once (shards.ShardWriter), so
         # the job never holds the whole model's codes: memory stays bounded by a layer and one shard.
         run = pipeline.Passes(calibration.batch_size, source.device, passes, job.report_error, progress)
-        chosen = None
-        if mixed:
-            linears = set(pipeline.quantizable_linears(model, job.ignore))
-            other = mixed_precision.other_bytes(model, linears, source.head_args)
-            chosen = _choose_schemes(job, source, samples, log, other)
+        chosen = _choose_schemes(job, source, samples, log, model) if mixed else None
         layers = _LayerWriter(
             shards.ShardWriter(tmp),
             job.fmt,
@@ -127,33 +123,7 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
         )
         result = pipeline.run(model, job.steps, samples, run, job.ignore, weights, on_layer=layers.write)
         seconds = time.time() - start
-        meta = {
-            "method": job.method,
-            "arguments": {
-                **(asdict(job.args) if job.args else {}),
-                "ignore": list(job.ignore),
-                "lm_head_bits": job.lm_head_bits,
-                **source.method_args,
-            },
-            "calibration": {
-                "source": calibration.calib,
-                "num_samples": calibration.num_samples,
-                "seq_len": calibration.seq_len,
-                "seed": calibration.seed,
-                "compute_dtype": devices.dtype_name(passes),
-            }
-            if samples is not None
-            else None,
-            "source_model": {
-                "spec": job.model,
-                "path": str(source.dir),
-                "sha256": shards.sha256(*shards.weight_files(source.dir)),
-            },
-            "source_size_bytes": shards.total_size(source.dir),
-            "compress_seconds": round(seconds, 2),
-            "device": str(source.device),
-            "layers": result.report,
-        }
+        meta = _manifest(job, source, passes if samples is not None else None, seconds, result.report)
         if chosen is not None:
             meta["budget"] = mixed_precision.record(chosen, job.budget, job.size)
         for step in job.steps:
@@ -174,13 +144,55 @@ def quantize_weights(job: Quantization, progress: bool = True, checks: Sequence[
     return out
 
 
+def _manifest(job: Quantization, source: _Source, passes: torch.dtype | None, seconds: float, report: list) -> dict:
+    """slimlm.json's record of the run (formats.manifest); `passes` None when no calibration data was read."""
+    c = job.calibration
+    return {
+        "method": job.method,
+        "arguments": {
+            **(asdict(job.args) if job.args else {}),
+            "ignore": list(job.ignore),
+            "lm_head_bits": job.lm_head_bits,
+            **source.method_args,
+        },
+        "calibration": {
+            "source": c.calib,
+            "num_samples": c.num_samples,
+            "seq_len": c.seq_len,
+            "seed": c.seed,
+            "compute_dtype": devices.dtype_name(passes),
+        }
+        if passes is not None
+        else None,
+        "source_model": {
+            "spec": job.model,
+            "path": str(source.dir),
+            "sha256": shards.sha256(*shards.weight_files(source.dir)),
+        },
+        "source_size_bytes": shards.total_size(source.dir),
+        "compress_seconds": round(seconds, 2),
+        "device": str(source.device),
+        "layers": report,
+    }
+
+
 def _choose_schemes(
-    job: Quantization, source: _Source, samples: torch.Tensor, log: Callable[[str], None], other_bytes: int
+    job: Quantization, source: _Source, samples: torch.Tensor, log: Callable[[str], None], shapes: torch.nn.Module
 ) -> mixed_precision.Choice:
     """The budget's scheme for every decoder linear, from the float model's loss on the first
     SENSITIVITY_WINDOWS calibration windows (mixed_precision.fisher); given to every step that rounds weights.
     The whole model is loaded for it, then let go. With a --size the linears get the bytes the checkpoint's
-    other tensors (`other_bytes`) leave."""
+    other tensors leave (counted on `shapes`, the pipeline's model as it will be written)."""
+    covered = pipeline.quantizable_linears(shapes, job.ignore)
+    other_bytes = mixed_precision.other_bytes(shapes, set(covered), source.head_args)
+    if job.size is not None:  # refused before the Fisher's work
+        least = mixed_precision.least_bytes(covered, job.args.sym, tuple(job.budget_bits))
+        if job.size - other_bytes < least:
+            raise FieldError(
+                "size",
+                f"{job.size:,} bytes is too small: the tensors besides the decoder linears take {other_bytes:,} "
+                f"and the linears' smallest schemes {least:,}; raise {{size}} to at least {other_bytes + least:,}",
+            )
     asked = f"{job.budget} bits per weight" if job.size is None else f"a checkpoint of {job.size:,} bytes"
     log(f"[{job.method}] budget {asked}: each linear's loss sensitivity at every scheme")
     model = models.load(str(source.dir))[0].to(source.device)
@@ -189,17 +201,7 @@ def _choose_schemes(
     units = mixed_precision.sensitivity(linears, fisher, job.args.sym, tuple(job.budget_bits))
     del model, fisher, linears
     return_freed_memory()
-    if job.size is None:
-        allowed = mixed_precision.budget_bytes(units, job.budget)
-    else:
-        allowed = job.size - other_bytes
-        least = sum(min(u.bytes) for u in units)
-        if allowed < least:
-            raise FieldError(
-                "size",
-                f"{job.size:,} bytes is too small: the tensors besides the decoder linears take {other_bytes:,} "
-                f"and the linears' smallest schemes {least:,}; raise {{size}} to at least {other_bytes + least:,}",
-            )
+    allowed = mixed_precision.budget_bytes(units, job.budget) if job.size is None else job.size - other_bytes
     choice = mixed_precision.choose(units, allowed)
     for step in job.steps:
         if hasattr(step, "schemes"):

@@ -101,16 +101,13 @@ def sensitivity(
     linears: dict[str, nn.Linear], fisher: dict[str, torch.Tensor], sym: bool, bits: tuple[int, ...] = BITS
 ) -> list[Unit]:
     """Every unit's bytes and error proxy at each candidate scheme (see the module doc)."""
-    by_unit: dict[tuple[str, ...], list[str]] = {}
-    for name in linears:
-        by_unit.setdefault(_unit_of(name), []).append(name)
     units = []
-    for names in by_unit.values():
+    for names in _grouped(linears):
         mods = [linears[n] for n in names]
         schemes = candidates(sym, {m.in_features for m in mods}, bits)
         sizes, errors = [], []
-        for args in schemes:  # scales are stored in the weights' dtype
-            sizes.append(sum(linear_bytes(args, *m.weight.shape, m.weight.element_size()) for m in mods))
+        for args in schemes:
+            sizes.append(_unit_bytes(mods, args))
             err = 0.0
             for n, m in zip(names, mods, strict=True):
                 w = m.weight.detach().float()
@@ -118,6 +115,28 @@ def sensitivity(
             errors.append(err)
         units.append(Unit(tuple(names), sum(m.weight.numel() for m in mods), schemes, sizes, errors))
     return units
+
+
+def least_bytes(linears: dict[str, nn.Linear], sym: bool, bits: tuple[int, ...] = BITS) -> int:
+    """The fewest bytes any choice can take (every unit at its smallest scheme), from the shapes alone."""
+    total = 0
+    for names in _grouped(linears):
+        mods = [linears[n] for n in names]
+        total += min(_unit_bytes(mods, args) for args in candidates(sym, {m.in_features for m in mods}, bits))
+    return total
+
+
+def _grouped(linears: dict[str, nn.Linear]) -> list[list[str]]:
+    """The linears' names, unit by unit."""
+    by_unit: dict[tuple[str, ...], list[str]] = {}
+    for name in linears:
+        by_unit.setdefault(_unit_of(name), []).append(name)
+    return list(by_unit.values())
+
+
+def _unit_bytes(mods: list[nn.Linear], args: QuantArgs) -> int:
+    """A unit's stored bytes at `args` (scales in the weights' dtype)."""
+    return sum(linear_bytes(args, *m.weight.shape, m.weight.element_size()) for m in mods)
 
 
 def _unit_of(name: str) -> tuple[str, ...]:

@@ -110,6 +110,7 @@ def test_sensitivity_is_the_fisher_weighted_rounding_error_of_each_unit_at_each_
         ("model.layers.0.mlp.down_proj",),
     ]
     assert len(units) == 8
+    assert budget.least_bytes(linears, False, (2, 3, 4, 8)) == sum(min(u.bytes) for u in units)  # shapes alone
     for unit in units:
         assert unit.weights == sum(linears[n].weight.numel() for n in unit.names)
         for args, err, size in zip(unit.schemes, unit.errors, unit.bytes, strict=True):
