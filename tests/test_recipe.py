@@ -86,7 +86,7 @@ def test_a_recipe_runs_resumes_and_redoes_only_what_changed(tiny_llama, calib_tx
             "num_samples, seq_len, seed, "
             "batch_size, out, overwrite, ppl, ppl_tokens, device, compute_dtype, kv_dtype, "
             "kv_strategy, bits, group_size, "
-            "sym, ignore, quantize_lm_head, budget, budget_bits, format, report_error)",
+            "sym, ignore, quantize_lm_head, budget, size, budget_bits, format, report_error)",
         ),
         (
             "model: m\nruns: r\nstages:\n  a:\n    - rtn: {out: elsewhere}\n",
