@@ -10,7 +10,7 @@ In the runtime's fp8 cache (head dimensions that are powers of two) a key is sto
 and rotated, (k − μ)·H with H formats.kv_int4's orthonormal Hadamard matrix, and every query is rotated alike:
 q·k − q·μ = (q·H)·((k − μ)·H), and no softmax sees q·μ. fp8 rounds each value relative to itself, so a key's few
 large channels (the ones a query weighs most) lose the most; rotated, every channel carries a share of them
-(SmolLM2, wiki perplexity over a float cache, 16K tokens through the runtime: +1.15% -> +0.54%). A rotated
+(SmolLM2, wiki perplexity over a float cache, 16K tokens through the runtime: +1.15% -> +0.44-0.63%). A rotated
 value reaches at most √D·max|k − μ| <= 2√D·max|k|, so keys are stored at 2√D times their calibrated scale
 (key_scale_factor): never clipped, and fp8's relative precision does not depend on the scale.
 """
