@@ -148,14 +148,10 @@ class Engine:
             exact=config.activations == "exact",
         )
         if self.runner.kv_cache.dtype in CENTERED_KEYS:  # keys are stored less their mean (model_runner says why)
-            attns = [layer.self_attn for layer in self.model.model.layers]
+            layers, attn = self.model.model.layers, self.model.model.layers[0].self_attn
             meta = manifest.read(model_dir)
-            stored = kv_cache.read_key_offsets(model_dir, meta, len(attns), attns[0].kv_heads, attns[0].head_dim)
-            if stored is not None:  # calibrated by compress kv
-                for attn, offset in zip(attns, stored, strict=True):
-                    attn.k_offset = offset.to(self.device)
-            else:
-                self.runner.set_key_offsets(self.tokenizer.encode(KEY_OFFSET_TEXT)[: self.max_model_len])
+            stored = kv_cache.read_key_offsets(model_dir, meta, len(layers), attn.kv_heads, attn.head_dim)
+            self.runner.set_key_offsets(self.tokenizer.encode(KEY_OFFSET_TEXT)[: self.max_model_len], stored)
         self.capacity = self.runner.num_blocks * config.block_size  # tokens the pool holds
         if self.capacity < self.max_model_len and config.max_model_len is None:
             # The model's own context would not fit one sequence (Qwen2.5's 32K in the default 512 MiB): serve

@@ -112,10 +112,17 @@ class ModelRunner:
         self.kv_cache = torch.empty(shape, dtype=kv_dtype, device=device)
         self.observed: list[torch.Tensor] = []  # the last run's observed queries, per layer (run's `observe`)
 
+    def set_key_offsets(self, ids: list[int], stored: list[torch.Tensor] | None = None) -> None:
+        """Give each attention layer its key offsets (for a cache of CENTERED_KEYS): `stored` ([kv_heads,
+        head_dim] per layer, compress kv's calibrated ones) when given, else the mean key (after RoPE) per KV
+        head and channel over `ids`."""
+        offsets = self._mean_keys(ids) if stored is None else stored
+        for layer, offset in zip(self.model.model.layers, offsets, strict=True):
+            layer.self_attn.k_offset = offset.to(self.device)
+
     @torch.inference_mode()
-    def set_key_offsets(self, ids: list[int]) -> None:
-        """Give each attention layer its key offsets (for a cache of CENTERED_KEYS): the mean key (after RoPE)
-        per KV head and channel over `ids`, run once through a scratch float cache."""
+    def _mean_keys(self, ids: list[int]) -> torch.Tensor:
+        """Each layer's mean key over `ids` [layers, kv_heads, head_dim], run once through a scratch float cache."""
         attns = [layer.self_attn for layer in self.model.model.layers]
         n, bs, dtype = len(ids), self.block_size, self.model.model.norm.weight.dtype
         blocks = -(-n // bs)
@@ -134,9 +141,9 @@ class ModelRunner:
         for attn in attns:  # the scratch cache holds keys as they are, not divided by an 8-bit cache's scales
             attn.k_scale = attn.v_scale = None
         self.model(torch.tensor(ids, device=self.device), step, scratch)
-        keys = scratch[:, 0].flatten(1, 2)[:, :n].float().mean(1)  # [layers, kv_heads, head_dim]
-        for attn, offset, (k_scale, v_scale) in zip(attns, keys, scales, strict=True):
-            attn.k_offset, attn.k_scale, attn.v_scale = offset, k_scale, v_scale
+        for attn, (k_scale, v_scale) in zip(attns, scales, strict=True):
+            attn.k_scale, attn.v_scale = k_scale, v_scale
+        return scratch[:, 0].flatten(1, 2)[:, :n].float().mean(1)
 
     def weight_bytes(self) -> int:
         """Bytes of weights a decode step reads (the embedding table is gathered from, not read)."""
