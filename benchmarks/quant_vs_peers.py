@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 
 from slimlm import arch, data, models
 from slimlm.eval.perplexity import engine_for, perplexity
+from slimlm.eval.plan import stored_linear_bytes
 
 HERE = Path(__file__).parent
 SETTINGS = {  # name: (bits, group size, symmetric)
@@ -129,7 +130,7 @@ def main() -> None:
             if (out / "config.json").exists():
                 engine = engine_for(str(out), a.seq_len)
                 row["ppl"] = perplexity(engine, "wiki", a.seq_len, a.ppl_tokens, progress=False)["perplexity"]
-                row["linear_bytes"] = linear_bytes(out)
+                row["linear_bytes"] = stored_linear_bytes(out)
                 row["bits_per_weight"] = round(8 * row["linear_bytes"] / linear_weights(model_dir), 3)
             else:
                 row["ppl"], row["error"] = float("nan"), log.strip().splitlines()[-1] if log.strip() else "failed"
@@ -139,31 +140,17 @@ def main() -> None:
     report(rows, base["perplexity"], a)
 
 
-def _linear_tensors(checkpoint: Path):
-    """(name, shape, bytes) of every stored tensor of a decoder-layer linear."""
-    for f in sorted(checkpoint.glob("*.safetensors")):
+def linear_weights(model_dir: Path) -> int:
+    """The decoder linears' weight count, from a float checkpoint's headers."""
+    count = 0
+    for f in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(f), "pt") as shard:
             for name in shard.keys():
-                index, _, local = name.removeprefix(arch.LAYERS + ".").partition(".")
-                if name.startswith(arch.LAYERS + ".") and local.rpartition(".")[0] in arch.LINEARS:
-                    t = shard.get_slice(name)
-                    shape = t.get_shape()
-                    size = 1
-                    for d in shape:
-                        size *= d
-                    yield local, shape, size * {"F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I64": 8}.get(t.get_dtype(), 1)
-
-
-def linear_bytes(checkpoint: Path) -> int:
-    return sum(size for _, _, size in _linear_tensors(checkpoint))
-
-
-def linear_weights(model_dir: Path) -> int:
-    """The decoder linears' weight count, from a float checkpoint."""
-    count = 0
-    for local, shape, _ in _linear_tensors(model_dir):
-        if local.endswith(".weight"):
-            count += shape[0] * shape[1]
+                local = name.removeprefix(arch.LAYERS + ".").partition(".")[2]
+                module, _, kind = local.rpartition(".")
+                if name.startswith(arch.LAYERS + ".") and module in arch.LINEARS and kind == "weight":
+                    rows, cols = shard.get_slice(name).get_shape()
+                    count += rows * cols
     return count
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from slimlm.compress.pipeline import StepResult
 from slimlm.compress.quantize import OBSERVERS, compute_qparams
 from slimlm.errors import FieldError, SlimlmError
-from slimlm.formats.quantized import QuantArgs, QuantizedWeight
+from slimlm.formats.quantized import QuantArgs, QuantizedWeight, stored_scale
 from slimlm.kernels import cpu_gram
 
 BLOCK = 128
@@ -377,7 +377,7 @@ class GPTQ:
             q = gptq_quantize(W, acc.H, args, self.damp, self.act_order, ", ".join(names), self.observer, shift)
             parts = _split_rows(q, [m.out_features for m in mods])
             for name, m, part in zip(names, mods, parts, strict=True):
-                part.scale = part.scale.to(m.weight.dtype)
+                part.scale = stored_scale(part.scale, m.weight.dtype)
                 out[name] = part
         self.hessians = {}
         return StepResult(quantized={name: out[name] for name in linears})

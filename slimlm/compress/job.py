@@ -18,7 +18,7 @@ from slimlm.compress.memory import return_freed_memory
 from slimlm.compress.quantize import quantize_rtn
 from slimlm.errors import FieldError
 from slimlm.formats import atomic, gptq_v1, kv_cache, shards, writer
-from slimlm.formats.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantArgs, QuantizedWeight
+from slimlm.formats.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantArgs, QuantizedWeight, stored_scale
 
 
 def default_group_size(model_dir: Path) -> int:
@@ -176,6 +176,18 @@ def _manifest(job: Quantization, source: _Source, passes: torch.dtype | None, se
     }
 
 
+def plan_schemes(job: Quantization, progress: bool = True) -> mixed_precision.Choice:
+    """What `job`'s budget or size would give each decoder linear, without quantizing (`compress plan --budget`):
+    the same checks, Fisher windows and knapsack as the run (the first windows of a seed do not depend on how
+    many are drawn)."""
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    source = check_inputs(job)
+    c = job.calibration
+    windows = min(c.num_samples, mixed_precision.SENSITIVITY_WINDOWS)
+    samples = data.calibration_windows(c.calib, models.load_tokenizer(source.dir), windows, c.seq_len, c.seed)
+    return _choose_schemes(job, source, samples, log, models.empty_model(source.dir))
+
+
 def _choose_schemes(
     job: Quantization, source: _Source, samples: torch.Tensor, log: Callable[[str], None], shapes: torch.nn.Module
 ) -> mixed_precision.Choice:
@@ -330,7 +342,10 @@ def _finish(
         # every decode step reads in full is quantized.
         # The float head goes from `outside` once it is quantized, before its codes are packed.
         head = outside.pop("lm_head.weight", None)
-        quantized["lm_head"] = quantize_rtn(outside[arch.EMBED + ".weight"] if head is None else head, source.head_args)
+        q = quantize_rtn(outside[arch.EMBED + ".weight"] if head is None else head, source.head_args)
+        q.scale = stored_scale(q.scale, torch.float32)  # fp16 where it fits, also for a bf16 head: 8-bit codes
+        # reach 128 steps from zero, where a bf16 scale's rounding (2^-9) would move a weight by a quarter step
+        quantized["lm_head"] = q
         del head
         patch = {"tie_word_embeddings": False} if model.config.tie_word_embeddings else {}
     layers.sink.add(writer.quantized_tensors(quantized, outside, job.fmt))

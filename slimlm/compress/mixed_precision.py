@@ -16,14 +16,14 @@
 2. Choice: the schemes that minimize Σ E with Σ bytes ≤ the budget, a multiple-choice knapsack solved exactly
    over the Pareto frontier of (bytes, error) of the units taken so far (`choose`).
 
-Bytes are what the checkpoint stores for a linear: packed codes, scales in the model's dtype, packed zero points.
+Bytes are what the checkpoint stores for a linear: packed codes, scales (quantized.stored_scale), packed zero points.
 F takes the whole float model with its gradients in memory for a few windows: unlike calibration, not one layer.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -34,7 +34,8 @@ from slimlm.compress import pipeline
 from slimlm.compress.quantize import fake_quantize
 from slimlm.errors import FieldError
 from slimlm.formats.packing import packed_words
-from slimlm.formats.quantized import QuantArgs
+from slimlm.formats.quantized import QuantArgs, scale_bytes
+from slimlm.kernels.packed import SERVED_BITS
 
 BITS = (2, 4, 8)  # the default candidates: 3-bit codes load in vLLM and the runtime, not in transformers with
 # compressed-tensors < 0.18 (docs/limits.md), and no fast kernel serves them yet; `bits` adds them
@@ -46,10 +47,10 @@ HEADER_BYTES_PER_TENSOR = 160  # a safetensors header entry (name, dtype, shape,
 MAX_FRONTIER = 1 << 16  # (bytes, error) points kept per unit; past it the frontier is thinned (reported)
 
 
-def linear_bytes(args: QuantArgs, out_features: int, in_features: int, scale_bytes: int) -> int:
+def linear_bytes(args: QuantArgs, out_features: int, in_features: int, scale_size: int) -> int:
     """Bytes a compressed-tensors checkpoint stores for one linear at `args` (formats.compressed_tensors)."""
     groups = args.groups(in_features)
-    size = out_features * packed_words(in_features, args.bits) * 4 + out_features * groups * scale_bytes + 16
+    size = out_features * packed_words(in_features, args.bits) * 4 + out_features * groups * scale_size + 16
     if not args.sym:
         size += packed_words(out_features, args.bits) * groups * 4
     return size
@@ -136,7 +137,7 @@ def _grouped(linears: dict[str, nn.Linear]) -> list[list[str]]:
 
 def _unit_bytes(mods: list[nn.Linear], args: QuantArgs) -> int:
     """A unit's stored bytes at `args` (scales in the weights' dtype)."""
-    return sum(linear_bytes(args, *m.weight.shape, m.weight.element_size()) for m in mods)
+    return sum(linear_bytes(args, *m.weight.shape, scale_bytes(m.weight.dtype)) for m in mods)
 
 
 def _unit_of(name: str) -> tuple[str, ...]:
@@ -210,6 +211,29 @@ def summary(choice: Choice) -> str:
     return f"{mix} linears: {8 * choice.bytes / choice.weights:.3f} bits per weight, {how}"
 
 
+def layout_table(choice: Choice) -> str:
+    """The chosen scheme of every unit, a row per decoder layer (— : a linear kept float)."""
+    labels = ["/".join(n.rpartition(".")[2].removesuffix("_proj") for n in unit) for unit in UNITS]
+    rows: dict[int, list[str]] = {}
+    for name, args in choice.schemes.items():
+        index, _, local = name.removeprefix(arch.LAYERS + ".").partition(".")
+        column = next(k for k, unit in enumerate(UNITS) if local in unit)
+        rows.setdefault(int(index), ["—"] * len(UNITS))[column] = scheme_name(args)
+    lines = [f"{'layer':>5} " + " ".join(f"{label:>13}" for label in labels)]
+    lines += [f"{i:>5} " + " ".join(f"{c:>13}" for c in rows[i]) for i in sorted(rows)]
+    return "\n".join([*lines, summary(choice)])
+
+
+def served_bytes(choice: Choice, model: nn.Module) -> int:
+    """The bytes of `choice`'s linears as the runtime's kernels hold them: 2- and 3-bit codes widened to 4
+    (kernels.packed.SERVED_BITS); `model` gives the shapes (meta tensors will do)."""
+    total = 0
+    for name, args in choice.schemes.items():
+        w = model.get_submodule(name).weight
+        total += linear_bytes(replace(args, bits=SERVED_BITS[args.bits]), *w.shape, scale_bytes(w.dtype))
+    return total
+
+
 def record(choice: Choice, bits_per_weight: float | None, size: int | None = None) -> dict:
     """What slimlm.json records of the choice (asked as bits a weight or as the checkpoint's size)."""
     return {
@@ -236,8 +260,7 @@ def other_bytes(model: nn.Module, linears: set[str], head_args: QuantArgs | None
         total, tensors = total + p.numel() * p.element_size(), tensors + 1
     if head_args is not None:
         head = model.get_output_embeddings().weight
-        scale_bytes = head.element_size()
-        total += linear_bytes(head_args, head.shape[0], head.shape[1], scale_bytes)
+        total += linear_bytes(head_args, head.shape[0], head.shape[1], scale_bytes(torch.float32))  # job.py
         tensors += 3
     return total + HEADER_BYTES_PER_TENSOR * tensors
 

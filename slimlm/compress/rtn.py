@@ -8,7 +8,7 @@ from torch import nn
 
 from slimlm.compress.pipeline import StepResult
 from slimlm.compress.quantize import quantize_rtn
-from slimlm.formats.quantized import QuantArgs
+from slimlm.formats.quantized import QuantArgs, stored_scale
 
 
 class RTN:
@@ -27,7 +27,7 @@ class RTN:
         out = {}
         for name, m in linears.items():
             q = quantize_rtn(m.weight.data, self.schemes.get(name, self.args))
-            q.scale = q.scale.to(m.weight.dtype)
+            q.scale = stored_scale(q.scale, m.weight.dtype)
             out[name] = q
         return StepResult(quantized=out)
 

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
+from slimlm import arch
 from slimlm.errors import SlimlmError
-from slimlm.formats import kv_int4
+from slimlm.formats import kv_int4, shards
 
 FLOAT_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 KV_BYTES = {**FLOAT_BYTES, "fp8": 1, "int8": 1, "int4": 0.5}  # per element (int4: and its row's scales)
@@ -126,6 +128,11 @@ class WeightFormat:
     bits: int | None = None
     group_size: int = 128
     sym: bool = True
+    # A mixed-precision layout (`--budget`, or a checkpoint of several schemes): the decoder linears' bytes as
+    # counted or stored, and what it mixes (e.g. "52 w4g64"); bits etc. then describe its most common scheme.
+    linear_bytes: int | None = None
+    mix: tuple[str, ...] = ()
+    head_bytes: int | None = None  # an untied lm_head a checkpoint stores quantized, as stored
 
     @classmethod
     def parse(cls, text: str) -> WeightFormat:
@@ -144,6 +151,8 @@ class WeightFormat:
 
 def _linear_bytes(d: Dims, w: WeightFormat) -> float:
     """The decoder's linears at the weight format, scales and zero points included."""
+    if w.linear_bytes is not None:
+        return w.linear_bytes
     total = 0.0
     for n_in, n_out in linear_shapes(d):
         if w.bits is None:
@@ -162,7 +171,9 @@ def linear_params(d: Dims) -> int:
 def weight_bytes(d: Dims, w: WeightFormat) -> int:
     """What the weights take in memory: the linears at the format, the rest (embeddings, head, norms,
     biases) in the float dtype."""
-    return round(_linear_bytes(d, w) + (parameters(d)["total"] - linear_params(d)) * FLOAT_BYTES[w.dtype])
+    p = parameters(d)
+    floats = p["total"] - linear_params(d) - (0 if w.head_bytes is None else p["lm_head"])
+    return round(_linear_bytes(d, w) + floats * FLOAT_BYTES[w.dtype] + (w.head_bytes or 0))
 
 
 def read_bytes(d: Dims, w: WeightFormat) -> int:
@@ -356,24 +367,48 @@ def plan(
     }
 
 
-def weight_format_of(config: dict, dtype: str) -> WeightFormat:
-    """The weight format a checkpoint's config.json describes (compressed-tensors or GPTQ), else float."""
+def weight_format_of(config: dict, dtype: str, model_dir: Path | None = None) -> WeightFormat:
+    """The weight format a checkpoint's config.json describes (compressed-tensors or GPTQ), else float. With
+    `model_dir`, a quantized checkpoint's decoder linears count the bytes its files store (a mix of schemes,
+    fp32 or fp16 scales, whatever the config says)."""
     q = config.get("quantization_config")
     if not q:
         return WeightFormat(dtype=dtype)
     if q.get("quant_method") == "compressed-tensors":
-        w = next(iter(q["config_groups"].values()))["weights"]
+        groups = [g["weights"] for g in q["config_groups"].values()]
+        schemes = [
+            f"w{w['num_bits']}" + (f"g{w['group_size']}" if w.get("strategy") == "group" else "-channel")
+            for w in groups
+        ]
+        w = groups[0]
         group = w["group_size"] if w.get("strategy") == "group" else -1
-        return WeightFormat(dtype, w["num_bits"], group, w["symmetric"])
-    return WeightFormat(dtype, q.get("bits", 4), q.get("group_size", 128), q.get("sym", True))
+        fmt = WeightFormat(dtype, w["num_bits"], group, w["symmetric"], mix=tuple(schemes) if len(groups) > 1 else ())
+    else:
+        fmt = WeightFormat(dtype, q.get("bits", 4), q.get("group_size", 128), q.get("sym", True))
+    if model_dir is None:
+        return fmt
+    stored = shards.tensor_bytes(model_dir)
+    head = None if "lm_head.weight" in stored else sum(v for k, v in stored.items() if k.startswith("lm_head."))
+    return replace(fmt, linear_bytes=stored_linear_bytes(model_dir), head_bytes=head or None)
 
 
-def against_bench(bench: dict, config: dict) -> list[dict]:
+def stored_linear_bytes(model_dir: Path) -> int:
+    """The bytes a checkpoint's files hold for its decoder layers' linears (codes, scales, zero points,
+    shapes, g_idx: model.layers.3.mlp.up_proj.weight_scale and the like)."""
+    total = 0
+    for tensor, size in shards.tensor_bytes(model_dir).items():
+        index, _, local = tensor.removeprefix(arch.LAYERS + ".").partition(".")
+        if tensor.startswith(arch.LAYERS + ".") and local.rpartition(".")[0] in arch.LINEARS:
+            total += size
+    return total
+
+
+def against_bench(bench: dict, config: dict, model_dir: Path) -> list[dict]:
     """The bandwidth model's step for each decode step a `compress bench` run measured (its own bandwidth,
-    its checkpoint's format), side by side with the measured time."""
+    its checkpoint's bytes), side by side with the measured time."""
     system = bench["systems"]["model"]
     dtype = bench.get("activation_dtype") or bench["config"]["dtype"]  # results before auto lack the former
-    dims, weights = Dims.from_config(config), weight_format_of(config, dtype)
+    dims, weights = Dims.from_config(config), weight_format_of(config, dtype, model_dir)
     measured = system["offline"]["kv_bytes_per_token"]
     kv = next((k for k in ("int4", "int8", "bf16", "fp32") if kv_bytes_per_token(dims, k) == measured), None)
     if kv is None:
@@ -435,5 +470,7 @@ def format_plan(result: dict) -> str:
 def _describe(w: dict) -> str:
     if w["bits"] is None:
         return w["dtype"]
+    if w["mix"]:
+        return f"mixed: {', '.join(w['mix'])}, {'sym' if w['sym'] else 'asym'}; the rest {w['dtype']}"
     group = "per channel" if w["group_size"] == -1 else f"groups of {w['group_size']}"
     return f"W{w['bits']} {group} {'sym' if w['sym'] else 'asym'}, the rest {w['dtype']}"

@@ -18,6 +18,26 @@ from slimlm.errors import FieldError
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
+FP16_NORMAL = (2.0**-14, 65504.0)  # the range where fp16 keeps its full 11 bits of precision
+
+
+def stored_scale(scale: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
+    """A linear's scales as its checkpoint stores them: in the weight's dtype, except that an fp32 weight's are
+    stored in fp16 when every one is a normal fp16 number (AutoRound's choice too). The runtime's kernels read
+    fp16 scales anyway; a scale's rounding (2^-12 of it) moves a weight by under 0.3% of a rounding step, and
+    fp32 scales cost 16 bits a group more (0.25 bits a weight at groups of 64). A scale out of that range
+    (an all-but-zero group) keeps fp32 rather than rounding its codes' meaning away."""
+    if weight_dtype != torch.float32:
+        return scale.to(weight_dtype)
+    magnitude = scale.abs()
+    if scale.numel() and FP16_NORMAL[0] <= magnitude.min() and magnitude.max() <= FP16_NORMAL[1]:
+        return scale.to(torch.float16)
+    return scale.to(torch.float32)
+
+
+def scale_bytes(weight_dtype: torch.dtype) -> int:
+    """Bytes a checkpoint stores per scale of a weight of `weight_dtype` (stored_scale; fp16 for fp32)."""
+    return 2 if weight_dtype == torch.float32 else torch.empty(0, dtype=weight_dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -56,11 +76,14 @@ class QuantizedWeight:
     g_idx: torch.Tensor | None = None  # int32 [in]: group of each input column, when act-order reorders them
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weights, in `dtype` (default the scales'). Computed in the wider of the two, as transformers
+        and vLLM do once they hold an fp16 scale in an fp32 model's parameter: exact for codes of ≤ 8 bits."""
         idx = group_index(self.codes.shape[1], self.args, self.g_idx, self.codes.device)
-        z = self.codes.to(self.scale.dtype)
+        wide = self.scale.dtype if dtype is None else torch.promote_types(self.scale.dtype, dtype)
+        z = self.codes.to(wide)
         if self.zero is not None:
-            z = z - self.zero.to(self.scale.dtype)[:, idx]
-        w = z * self.scale[:, idx]
+            z = z - self.zero.to(wide)[:, idx]
+        w = z * self.scale.to(wide)[:, idx]
         return w if dtype is None else w.to(dtype)
 
 

@@ -117,6 +117,19 @@ def total_size(model_dir: Path) -> int:
     return sum(p.stat().st_size for p in weight_files(model_dir))
 
 
+def tensor_bytes(model_dir: Path) -> dict[str, int]:
+    """Each stored tensor's bytes, from the safetensors headers alone."""
+    sizes = {}
+    for path in weight_files(model_dir):
+        try:
+            with open(path, "rb") as f:
+                _, entries = _layout(f, path)
+        except OSError as e:
+            raise SlimlmError(f"cannot read {path}: {e.strerror or e}") from None
+        sizes.update({name: e["data_offsets"][1] - e["data_offsets"][0] for name, e in entries.items()})
+    return sizes
+
+
 def _layout(f, path: Path) -> tuple[int, dict]:
     """The data's start and the header of one open safetensors file, checked against its length."""
     bad = f"{path} is truncated or corrupt"

@@ -27,6 +27,7 @@ from slimlm.jobs.options import (
     span,
     window_int,
 )
+from slimlm.jobs.schemes import BUDGET, BUDGET_BITS, BUDGET_WIDTHS, SIZE, SYM
 
 
 def weight_format(text: str):
@@ -237,9 +238,19 @@ class Plan(Job):
     ]
     weights: Annotated[
         Any,
-        Opt("bf16 | fp16 | fp32 | wBITS[gGROUP][-asym], e.g. w4g128", parse=weight_format),
-        Field(default_factory=lambda: weight_format("bf16")),
-    ]
+        Opt(
+            "bf16 | fp16 | fp32 | wBITS[gGROUP][-asym], e.g. w4g128 (default: a quantized checkpoint's own, as its "
+            "files store it, else bf16; with --budget, the float dtype of the tensors besides the linears)",
+            parse=weight_format,
+        ),
+    ] = None
+    budget: Annotated[float | None, BUDGET] = None
+    size: Annotated[int | None, SIZE] = None
+    budget_bits: Annotated[list[int], BUDGET_WIDTHS] = list(BUDGET_BITS)
+    sym: Annotated[bool, SYM] = True
+    calib: Annotated[str, Opt("--budget's calibration text: owt | wiki | c4 | wikitext2 | PATH")] = "owt"
+    seq_len: Annotated[int, Opt("tokens per --budget calibration window", parse=positive_int)] = 512
+    seed: Annotated[int, Opt(parse=seed_int)] = 0
     kv_dtype: Annotated[str, Opt(choices=("fp32", "bf16", "fp16", "fp8", "int8", "int4"))] = "bf16"
     context: Annotated[int, Opt("tokens per sequence", parse=positive_int)] = 2048
     kv_budget: Annotated[
@@ -268,16 +279,63 @@ class Plan(Job):
     def inputs(self) -> list[Path]:
         return [self.bench] if self.bench else []
 
+    def _mixed(self, weights):
+        """--budget / --size: the schemes `compress gptq --budget` would choose (printed layer by layer) as
+        the weight format, with the bytes the runtime's kernels read when 2- or 3-bit codes are among them."""
+        from slimlm import models
+        from slimlm.compress import mixed_precision
+        from slimlm.compress.job import CalibData, Quantization, plan_schemes
+        from slimlm.eval import plan
+        from slimlm.formats.quantized import QuantArgs
+
+        if weights.bits is not None and self.weights is not None:
+            raise FieldError("weights", "with --budget names the float dtype of the other tensors, e.g. bf16")
+        if self.kv_heads:
+            raise FieldError("kv_heads", "changes the linears' shapes; plan a --budget at the model's own")
+        calibration = CalibData(calib=self.calib, seq_len=self.seq_len, seed=self.seed)
+        job = Quantization(
+            "plan",
+            [],
+            QuantArgs(4, -1, self.sym),
+            self.model,
+            Path(),
+            calibration,
+            budget=self.budget,
+            budget_bits=tuple(self.budget_bits),
+            size=self.size,
+        )
+        choice = plan_schemes(job)
+        print(mixed_precision.layout_table(choice))
+        served = mixed_precision.served_bytes(choice, models.empty_model(models.resolve(self.model)))
+        if served != choice.bytes:
+            print(
+                f"the bundled runtime reads its 2- and 3-bit linears at 4 bits (docs/limits.md): {served:,} bytes "
+                f"of linears a step, not {choice.bytes:,}; the table below counts the checkpoint's"
+            )
+        top = max(set(choice.schemes.values()), key=list(choice.schemes.values()).count)
+        counts = mixed_precision.summary(choice).partition(" linears:")[0].split(", ")
+        dtype = weights.dtype if weights.bits is None else "bfloat16"
+        return plan.WeightFormat(dtype, top.bits, top.group_size, top.sym, choice.bytes, tuple(counts))
+
     def execute(self) -> dict | list:
         from slimlm import models
         from slimlm.eval import plan
 
+        mixed = self.budget is not None or self.size is not None
         if self.model in plan.MODEL_PRESETS:
-            dims = plan.MODEL_PRESETS[self.model]
+            if mixed:
+                raise FieldError(
+                    "budget", f"measures a model's sensitivity; give a checkpoint, not the preset {self.model}"
+                )
+            dims, weights = plan.MODEL_PRESETS[self.model], self.weights or plan.WeightFormat()
         else:
-            config = models.read_config(models.resolve(self.model))
+            model_dir = models.resolve(self.model)
+            config = models.read_config(model_dir)
             models.check_architecture(config, self.model)
             dims = plan.Dims.from_config(config)
+            weights = self.weights or plan.weight_format_of(config, "bfloat16", model_dir)
+            if mixed:
+                weights = self._mixed(weights)
         if self.device != "cpu" and self.device not in plan.PRESETS:
             raise FieldError("device", f"{self.device}: use one of {', '.join(plan.PRESETS)}, or cpu")
         device = plan.probe_cpu() if self.device == "cpu" else plan.PRESETS[self.device]
@@ -292,7 +350,7 @@ class Plan(Job):
                     f"(its directory or asset name) in place of the preset {self.model}",
                 )
             try:
-                rows = plan.against_bench(json.loads(self.bench.read_text()), config)
+                rows = plan.against_bench(json.loads(self.bench.read_text()), config, model_dir)
             except (OSError, json.JSONDecodeError, KeyError, TypeError, IndexError, AttributeError) as e:
                 problem = f"{type(e).__name__}: {e}"
                 raise FieldError("bench", f"{self.bench}: not a compress bench JSON ({problem})") from None
@@ -305,7 +363,7 @@ class Plan(Job):
             return rows
         if self.memory is not None:
             device = dataclasses.replace(device, memory=self.memory)
-        args = (dims, self.weights, self.kv_dtype, self.context, self.batch, kv_heads, device, self.kv_budget)
+        args = (dims, weights, self.kv_dtype, self.context, self.batch, kv_heads, device, self.kv_budget)
         result = plan.plan(*args)
         print(plan.format_plan(result))
         if self.json_path:

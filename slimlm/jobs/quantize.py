@@ -17,8 +17,6 @@ from pydantic import model_validator
 from slimlm import assets
 from slimlm.compress.autoround import ITERS, WINDOWS
 from slimlm.compress.gptq import FLOAT_TARGET
-from slimlm.compress.mixed_precision import BITS as BUDGET_BITS
-from slimlm.compress.mixed_precision import MAX_BITS, MIN_BITS
 from slimlm.errors import FieldError
 from slimlm.formats.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantArgs
 from slimlm.jobs.measure import measure_perplexity
@@ -27,15 +25,13 @@ from slimlm.jobs.options import (
     Job,
     Opt,
     Switch,
-    float_between,
-    int_list,
     integer,
     open_unit_float,
-    parse_size,
     positive_int,
     seed_int,
     unit_float,
 )
+from slimlm.jobs.schemes import BUDGET, BUDGET_BITS, BUDGET_WIDTHS, SIZE, SYM
 
 
 class Calibration(Job):
@@ -128,9 +124,6 @@ class KVScales(Calibration):
         return [KVCache(self.kv_dtype, self.kv_strategy or ("tensor" if self.kv_dtype == "fp8" else "attn_head"))]
 
 
-SYM = Opt("symmetric (default)", flag="--sym", switches=(Switch("--asym", False, "asymmetric, with zero points"),))
-
-
 class Weights(KVScales):
     """The weight quantization every method shares."""
 
@@ -161,34 +154,9 @@ class Weights(KVScales):
             ),
         ),
     ] = None
-    budget: Annotated[
-        float | None,
-        Opt(
-            "mixed precision: bits per decoder-layer weight, scales and zero points included (e.g. 3.5); each group "
-            "of linears reading one input gets the scheme (--budget-bits, groups of 32/64/128) that costs the least "
-            "output error for its bytes, measured on the calibration data; --group-size then sets only the lm_head's",
-            parse=float_between(MIN_BITS, MAX_BITS, " bits a weight"),
-            metavar="BITS",
-        ),
-    ] = None
-    size: Annotated[
-        int | None,
-        Opt(
-            "mixed precision by checkpoint size instead of --budget: the weight files' total (e.g. 1.5G, 300M); the "
-            "decoder linears get what the other tensors leave, their schemes chosen as --budget chooses them",
-            parse=parse_size,
-            metavar="SIZE",
-        ),
-    ] = None
-    budget_bits: Annotated[
-        list[int],
-        Opt(
-            "the code widths --budget chooses from (default 2,4,8: transformers with compressed-tensors < 0.18 "
-            "reads no 3-bit checkpoint)",
-            parse=int_list,
-            metavar="B,B,...",
-        ),
-    ] = list(BUDGET_BITS)
+    budget: Annotated[float | None, BUDGET] = None
+    size: Annotated[int | None, SIZE] = None
+    budget_bits: Annotated[list[int], BUDGET_WIDTHS] = list(BUDGET_BITS)
     format: Annotated[
         str,
         Opt(

@@ -11,7 +11,7 @@ from slimlm.compress import pipeline
 from slimlm.compress.quantize import fake_quantize, quantize_rtn
 from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats import compressed_tensors
-from slimlm.formats.quantized import QuantArgs
+from slimlm.formats.quantized import QuantArgs, scale_bytes, stored_scale
 from tests.conftest import transformers_logits_error
 
 
@@ -22,9 +22,9 @@ from tests.conftest import transformers_logits_error
 def test_the_bytes_counted_are_the_bytes_the_checkpoint_stores(bits, sym, out_f, in_f, group, dtype):
     args = QuantArgs(bits, group, sym)
     q = quantize_rtn(torch.randn(out_f, in_f, dtype=dtype), args)
-    q.scale = q.scale.to(dtype)
+    q.scale = stored_scale(q.scale, dtype)
     stored = sum(t.numel() * t.element_size() for t in compressed_tensors.to_tensors(q).values())
-    assert budget.linear_bytes(args, out_f, in_f, dtype.itemsize) == stored
+    assert budget.linear_bytes(args, out_f, in_f, scale_bytes(dtype)) == stored
 
 
 def brute_force(units: list[budget.Unit], limit: int) -> float:
@@ -120,7 +120,7 @@ def test_sensitivity_is_the_fisher_weighted_rounding_error_of_each_unit_at_each_
                 for n, x in zip(unit.names, w, strict=True)
             )
             assert err == pytest.approx(expected, rel=1e-5)
-            assert size == sum(budget.linear_bytes(args, *x.shape, 4) for x in w)
+            assert size == sum(budget.linear_bytes(args, *x.shape, 2) for x in w)  # fp16 scales
         by_bits = {a.bits: e for a, e in zip(unit.schemes, unit.errors, strict=True) if a.group_size == 32}
         assert by_bits[2] > by_bits[3] > by_bits[4] > by_bits[8]
 

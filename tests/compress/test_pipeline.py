@@ -84,7 +84,7 @@ def test_rtn_quantizes_every_decoder_linear_and_reports_error(model):
     assert len(quantized) == 14 and not any("lm_head" in n or "embed" in n for n in quantized)
     assert all(r["relative_error"] > 0 for r in report)
     w = model.get_submodule("model.layers.1.mlp.down_proj").weight
-    assert torch.equal(w, quantized["model.layers.1.mlp.down_proj"].dequantize())  # model now holds x̂
+    assert torch.equal(w, quantized["model.layers.1.mlp.down_proj"].dequantize(w.dtype))  # model now holds x̂
 
 
 def test_ignore_keeps_linears_float(model):

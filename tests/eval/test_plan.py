@@ -8,7 +8,7 @@ import pytest
 
 from slimlm.cli import main
 from slimlm.eval import plan
-from slimlm.formats import kv_int4
+from slimlm.formats import kv_int4, shards
 
 # one layer, hand-sized: q/o 256×256, k/v 256×128, gate/up 256×512, down 512×256 = 589,824 linear weights
 SMALL = plan.Dims(vocab=1000, hidden=256, heads=2, kv_heads=1, head_dim=128, ffn=512, layers=1, tied=True)
@@ -180,7 +180,7 @@ def test_predicted_against_a_bench_run(tiny_llama, tmp_path, capsys):
     result = bench.bench(str(tiny_llama), None, config, progress=False)
     path = tmp_path / "bench.json"
     path.write_text(__import__("json").dumps(result))
-    rows = plan.against_bench(result, models.read_config(tiny_llama))
+    rows = plan.against_bench(result, models.read_config(tiny_llama), tiny_llama)
     dims = plan.Dims.from_config(models.read_config(tiny_llama))
     expected = plan.read_bytes(dims, plan.WeightFormat("float32")) + 2 * 32 * plan.kv_bytes_per_token(dims, "fp32")
     assert rows[1]["predicted_ms"] == pytest.approx(1e3 * expected / result["bandwidth_bytes_s"])
@@ -212,3 +212,45 @@ def test_the_format_a_checkpoint_config_describes():
     }
     assert plan.weight_format_of(channel, "float32") == plan.WeightFormat("float32", 8, -1, True)
     assert plan.weight_format_of({}, "float32") == plan.WeightFormat("float32")
+
+
+def test_a_budget_plans_the_layout_the_quantization_writes(tiny_llama, calib_txt, tmp_path, capsys):
+    """`plan --budget` chooses what `rtn --budget` chooses (same Fisher windows, same knapsack), counts the bytes
+    the written checkpoint stores for its linears, and `plan CHECKPOINT` reads those bytes back from the files."""
+    import json
+
+    from slimlm.jobs import RTN
+
+    data = ["--calib", str(calib_txt), "--seq-len", "32", "--asym"]
+    assert main(["plan", str(tiny_llama), "--budget", "4.5", *data, "--json", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    planned = json.loads((tmp_path / "p.json").read_text())
+    written = RTN(
+        model=str(tiny_llama),
+        calib=str(calib_txt),
+        num_samples=16,
+        seq_len=32,
+        out=tmp_path / "q",
+        budget=4.5,
+        sym=False,
+    ).run()
+    meta = json.loads((written / "slimlm.json").read_text())["budget"]
+    assert planned["weights"]["linear_bytes"] == meta["bytes"] and len(set(meta["schemes"].values())) > 1
+    for layer in range(2):  # a row per decoder layer, each unit's scheme as written
+        local = {n.split(".", 3)[3]: s for n, s in meta["schemes"].items() if n.startswith(f"model.layers.{layer}.")}
+        row = [local["self_attn.q_proj"], local["self_attn.o_proj"], local["mlp.gate_proj"], local["mlp.down_proj"]]
+        assert f"{layer:>5} " + " ".join(f"{s:>13}" for s in row) in out
+    assert main(["plan", str(written), "--json", str(tmp_path / "c.json")]) == 0
+    stored = json.loads((tmp_path / "c.json").read_text())
+    assert stored["weights"]["linear_bytes"] == meta["bytes"] and "mixed: " in capsys.readouterr().out
+    head = sum(v for k, v in shards.tensor_bytes(written).items() if k.startswith("lm_head."))
+    assert stored["weights"]["head_bytes"] == head > 0  # the 8-bit head as stored, not a float one
+    for args, fragment in [
+        (["llama-3.1-8b", "--budget", "4"], "give a checkpoint, not the preset llama-3.1-8b"),
+        ([str(tiny_llama), "--budget", "4", "--weights", "w4"], "names the float dtype of the other tensors"),
+    ]:
+        assert main(["plan", *args]) == 2
+        assert fragment in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["plan", str(tiny_llama), "--budget", "1"])
+    assert e.value.code == 2 and "must be between 2" in capsys.readouterr().err

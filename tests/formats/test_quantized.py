@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from slimlm import SlimlmError
-from slimlm.formats.quantized import QuantArgs, QuantizedWeight, group_index
+from slimlm.formats.quantized import QuantArgs, QuantizedWeight, group_index, scale_bytes, stored_scale
 
 
 @pytest.mark.parametrize(
@@ -52,3 +52,32 @@ def test_dequantize_is_scale_times_code_minus_zero(dtype, sym):
                 z0 = 0 if zero is None else int(zero[r, grp])
                 assert w[r, c] == (int(codes[r, c]) - z0) * scale[r, grp]
     assert QuantizedWeight(codes, scale, zero, args).dequantize(torch.float64).dtype == torch.float64
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_an_fp16_scale_dequantizes_to_fp32_exactly(bits):
+    """fp16 scales of an fp32 model: the product is taken in fp32 (exact), as transformers and vLLM take it."""
+    args = QuantArgs(bits, 32, False)
+    codes = torch.randint(args.qmin, args.qmax + 1, (4, 64), dtype=torch.int8)
+    scale = (torch.rand(4, 2) + 0.3).half()
+    zero = torch.randint(args.qmin, args.qmax + 1, (4, 2), dtype=torch.int8)
+    w = QuantizedWeight(codes, scale, zero, args).dequantize(torch.float32)
+    exact = (codes.double() - zero.double().repeat_interleave(32, 1)) * scale.double().repeat_interleave(32, 1)
+    assert w.dtype == torch.float32 and torch.equal(w.double(), exact)
+
+
+def test_fp32_weights_store_fp16_scales_unless_one_is_outside_fp16s_normal_range():
+    scale = torch.tensor([[2.0**-14, 0.1], [3.0, 65504.0]])
+    stored = stored_scale(scale, torch.float32)
+    assert stored.dtype == torch.float16 and torch.equal(stored.float(), scale.half().float())
+    assert scale_bytes(torch.float32) == stored.element_size()
+    for outside in (2.0**-14 * 0.99, 0.0, 65520.0):  # subnormal, zero, overflow: the codes' meaning kept
+        odd = torch.tensor([[0.1, outside]])
+        assert stored_scale(odd, torch.float32).dtype == torch.float32
+    assert stored_scale(torch.empty(0, 1), torch.float32).dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_other_weights_store_scales_in_their_own_dtype(dtype):
+    scale = torch.tensor([[1e-9, 0.1]])
+    assert stored_scale(scale, dtype).dtype == dtype and scale_bytes(dtype) == 2
