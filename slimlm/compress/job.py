@@ -208,7 +208,8 @@ def _choose_schemes(
     asked = f"{job.budget} bits per weight" if job.size is None else f"a checkpoint of {job.size:,} bytes"
     log(f"[{job.method}] budget {asked}: each linear's loss sensitivity at every scheme")
     model = models.load(str(source.dir))[0].to(source.device)
-    fisher = mixed_precision.fisher(model, samples[: mixed_precision.SENSITIVITY_WINDOWS], job.ignore)
+    passes = devices.compute_dtype(job.calibration.compute_dtype, torch.float32, source.device)
+    fisher = mixed_precision.fisher(model, samples[: mixed_precision.SENSITIVITY_WINDOWS], job.ignore, passes)
     linears = pipeline.quantizable_linears(model, job.ignore)
     units = mixed_precision.sensitivity(linears, fisher, job.args.sym, tuple(job.budget_bits))
     del model, fisher, linears

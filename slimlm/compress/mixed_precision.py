@@ -22,6 +22,7 @@ F takes the whole float model with its gradients in memory for a few windows: un
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from dataclasses import dataclass, replace
 
@@ -72,10 +73,15 @@ class Unit:
     errors: list[float]
 
 
-def fisher(model: nn.Module, windows: torch.Tensor, ignore: list[str] = ()) -> dict[str, torch.Tensor]:
+def fisher(
+    model: nn.Module, windows: torch.Tensor, ignore: list[str] = (), dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """The diagonal of the empirical Fisher of the next-token loss, mean over `windows` [n, seq] of (∂L/∂W)²,
     for every decoder linear's weight (full names), in fp32. One window at a time: the activations kept for
-    the backward pass are one window's."""
+    the backward pass are one window's. `dtype`: the passes run on a copy of the model in it (bf16 where its
+    products are fast: the Fisher only ranks schemes, and the errors it weighs stay the fp32 weights')."""
+    if dtype is not None and dtype != next(model.parameters()).dtype:
+        model = copy.deepcopy(model).to(dtype)
     linears = pipeline.quantizable_linears(model, ignore)
     saved = {p: p.requires_grad for p in model.parameters()}
     for p in model.parameters():

@@ -95,6 +95,12 @@ def test_the_fisher_is_the_mean_squared_gradient_of_the_loss_over_the_windows(ti
             expected[n.removesuffix(".weight")] += g.square() / len(ids)
     for n in got:
         torch.testing.assert_close(got[n], expected[n], rtol=1e-4, atol=1e-12)
+    # in bf16 passes (where they are fast): a copy runs them, the same Fisher to bf16's precision
+    low = budget.fisher(model, ids, ignore=["*.layers.1.mlp.*"], dtype=torch.bfloat16)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    for n in got:
+        assert low[n].dtype == torch.float32 and (low[n] - got[n]).norm() < 0.05 * got[n].norm(), n
+    assert not all(torch.equal(low[n], got[n]) for n in got)  # they did run in bf16
 
 
 def test_sensitivity_is_the_fisher_weighted_rounding_error_of_each_unit_at_each_scheme(tiny_llama):
