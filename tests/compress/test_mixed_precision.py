@@ -216,3 +216,54 @@ def test_a_size_gives_the_linears_what_the_other_tensors_leave(tiny_llama, calib
     assert meta["size_bytes"] > w4_bytes  # the extra bytes went to wider schemes
     with pytest.raises(SlimlmError, match=r"bytes is too small: the tensors besides the decoder linears take"):
         run(w4_bytes // 4, "small")
+
+
+def test_the_choice_is_named_summed_and_laid_out_layer_by_layer(tiny_llama):
+    """Scheme names, the one-line summary (counts, most common first, and bits per weight), the per-layer
+    table (one column per unit, '—' for a linear kept float), and the bytes the kernels hold (2/3 bits at 4)."""
+    from slimlm import models
+
+    assert [budget.scheme_name(QuantArgs(b, g)) for b, g in ((4, 64), (2, -1), (8, 128))] == [
+        "w4g64",
+        "w2-channel",
+        "w8g128",
+    ]
+    model = models.empty_model(tiny_llama)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    schemes = {n: QuantArgs(4, 32, False) for n in linears}
+    for name in ("model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj"):
+        schemes[name] = QuantArgs(2, 64, False)
+    schemes["model.layers.1.mlp.gate_proj"] = schemes["model.layers.1.mlp.up_proj"] = QuantArgs(8, -1, False)
+    del schemes["model.layers.0.mlp.down_proj"]  # kept float
+    weights = sum(linears[n].weight.numel() for n in schemes)
+    size = sum(budget.linear_bytes(a, *linears[n].weight.shape, 2) for n, a in schemes.items())
+    choice = budget.Choice(schemes, size, weights, 1.0, True)
+    line = budget.summary(choice)
+    assert line.startswith("9 w4g32, 2 w2g64, 2 w8-channel linears: ")
+    assert f"{8 * size / weights:.3f} bits per weight, the least summed error" in line
+    assert "within 1/" in budget.summary(budget.Choice(schemes, size, weights, 1.0, False))
+    table = budget.layout_table(choice).splitlines()
+    assert table[0].split() == ["layer", "q/k/v", "o", "gate/up", "down"]
+    assert table[1].split() == ["0", "w4g32", "w2g64", "w4g32", "—"]
+    assert table[2].split() == ["1", "w4g32", "w4g32", "w8-channel", "w2g64"]
+    assert table[3] == line and len(table) == 4
+    widened = {n: QuantArgs(4, a.group_size, False) if a.bits == 2 else a for n, a in schemes.items()}
+    served = sum(budget.linear_bytes(a, *linears[n].weight.shape, 2) for n, a in widened.items())
+    assert budget.served_bytes(choice, model) == served > size
+
+
+def test_bits_per_weight_become_bytes_and_the_least_bytes_take_the_cheapest_scheme(tiny_llama):
+    from slimlm import models
+
+    units = [budget.Unit(("a",), 1000, [], [], []), budget.Unit(("b",), 600, [], [], [])]
+    assert budget.budget_bytes(units, 4.25) == int(4.25 * 1600 / 8) == 850
+    assert budget.budget_bytes(units, 3.3) == 660  # rounded down: never over the budget
+    model = models.empty_model(tiny_llama)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    # at 2 bits, each in the largest group its input takes: 64 inputs in groups of 64, the MLP's 96 of 32
+    group = {64: 64, 96: 32}
+    cheapest = sum(
+        budget.linear_bytes(QuantArgs(2, group[m.in_features], True), *m.weight.shape, 2) for m in linears.values()
+    )
+    assert budget.least_bytes(linears, True) == cheapest
+    assert budget.least_bytes(linears, True, (4, 8)) > cheapest
