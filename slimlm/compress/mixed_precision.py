@@ -259,9 +259,11 @@ def other_bytes(model: nn.Module, linears: set[str], head_args: QuantArgs | None
     `head_args` when it is quantized (a tied one then also keeps the embeddings), and a safetensors header's
     worth per tensor, the linears' own four (codes, scales, zero points, shape) included."""
     total, tensors = 0, 4 * len(linears)
-    for name, p in model.named_parameters():  # a tied lm_head is the embedding: counted once
+    # A tied lm_head is the embedding, stored once (a meta model lists it apart); a quantized one is counted below.
+    drop_head = head_args is not None or bool(getattr(model.config, "tie_word_embeddings", False))
+    for name, p in model.named_parameters():
         module, _, kind = name.rpartition(".")
-        if kind == "weight" and (module in linears or (module == "lm_head" and head_args is not None)):
+        if kind == "weight" and (module in linears or (module == "lm_head" and drop_head)):
             continue
         total, tensors = total + p.numel() * p.element_size(), tensors + 1
     if head_args is not None:

@@ -12,7 +12,7 @@ from slimlm.compress.quantize import fake_quantize, quantize_rtn
 from slimlm.errors import FieldError, SlimlmError
 from slimlm.formats import compressed_tensors
 from slimlm.formats.quantized import QuantArgs, scale_bytes, stored_scale
-from tests.conftest import transformers_logits_error
+from tests.conftest import make_tiny_llama, transformers_logits_error
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
@@ -267,3 +267,40 @@ def test_bits_per_weight_become_bytes_and_the_least_bytes_take_the_cheapest_sche
     )
     assert budget.least_bytes(linears, True) == cheapest
     assert budget.least_bytes(linears, True, (4, 8)) > cheapest
+
+
+def test_slimlm_json_records_the_choice():
+    schemes = {"b": QuantArgs(8, 32), "a": QuantArgs(2, 64)}
+    choice = budget.Choice(schemes, 1000, 1500, 0.25, False)
+    assert budget.record(choice, 4.25) == {
+        "bits_per_weight": 4.25,
+        "bytes": 1000,
+        "achieved_bits_per_weight": 5.3333,
+        "proxy_error": 0.25,
+        "exact": False,
+        "schemes": {"a": "w2g64", "b": "w8g32"},
+    }
+    assert budget.record(choice, None, 12345)["size_bytes"] == 12345
+    assert budget.summary(choice).startswith("1 w2g64, 1 w8g32 linears")  # ties by name
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_other_tensors_are_every_parameter_but_the_linears_and_a_header_entry_each(tmp_path, tied):
+    from slimlm import models
+
+    model = models.empty_model(make_tiny_llama(tmp_path / "m", tied=tied))
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    params = dict(model.named_parameters())  # a meta model lists a tied head apart: the files store it once
+    rest = {n: p for n, p in params.items() if n.removesuffix(".weight") not in linears}
+    if tied:
+        del rest["lm_head.weight"]
+    size = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
+    header = budget.HEADER_BYTES_PER_TENSOR
+    assert budget.other_bytes(model, linears, None) == size(rest.values()) + header * (4 * len(linears) + len(rest))
+    head_args = QuantArgs(8, 32, False)
+    w = model.get_output_embeddings().weight
+    kept = {n: p for n, p in rest.items() if n != "lm_head.weight"}  # the float head goes; the embeddings stay
+    assert len(kept) == len(rest) - (not tied) and "model.embed_tokens.weight" in kept
+    expected = size(kept.values()) + budget.linear_bytes(head_args, *w.shape, 2)  # its fp16 scales
+    expected += header * (4 * len(linears) + len(kept) + 3)  # the head's codes, scales, zero points
+    assert budget.other_bytes(model, linears, head_args) == expected
