@@ -4,7 +4,7 @@ from torch.func import functional_call
 from transformers import AutoModelForCausalLM
 
 from slimlm.compress import pipeline
-from slimlm.compress.autoround import AutoRound, fake_quantized
+from slimlm.compress.autoround import AutoRound, fake_quantized, rounded
 from slimlm.compress.quantize import quantize_rtn
 from slimlm.errors import FieldError
 from slimlm.formats.quantized import QuantArgs, stored_scale
@@ -168,3 +168,37 @@ def test_command_writes_a_checkpoint_transformers_and_the_runtime_read(tiny_llam
     assert '"method": "awq+autoround"' in (out2 / "slimlm.json").read_text()
     with pytest.raises(FieldError, match="learned-rounding option; AWQ runs it only with then autoround"):
         AWQ(model=str(tiny_llama), out=tmp_path / "x", iters=3)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_rounding_follows_the_definition_for_any_offsets_and_range_multipliers(sym):
+    """ŵ = s·(clip(⌊w/s + V⌉ + z) − z), s from the group's range scaled by α (β for an asymmetric minimum), an
+    all-zero group at scale 1; at V 0 and α = β = 1 it is RTN's scale and codes."""
+    args = QuantArgs(4, 32, sym)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 4, 32, generator=g, dtype=torch.float64)
+    w[2, 1] = 0.0  # all-zero group
+    v = torch.rand(w.shape, generator=g, dtype=torch.float64) - 0.5
+    alpha = 0.5 + 0.5 * torch.rand(6, 4, generator=g, dtype=torch.float64)
+    beta = None if sym else 0.5 + 0.5 * torch.rand(6, 4, generator=g, dtype=torch.float64)
+    codes, scale, zero = rounded(w, v, alpha, beta, args)
+    if sym:
+        s = w.abs().amax(-1) * alpha / 7.5
+        z = torch.zeros_like(s)
+    else:
+        lo, hi = w.amin(-1).clamp(max=0) * beta, w.amax(-1).clamp(min=0) * alpha
+        s = (hi - lo) / 15
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    if not sym:
+        z = torch.clamp(torch.round(-8 - lo / s), -8, 7)
+        assert torch.equal(zero, z)
+    assert torch.equal(scale, s) and scale[2, 1] == 1
+    expected = torch.clamp(torch.round(w / s[..., None] + v) + z[..., None], -8, 7)
+    assert torch.equal(codes, expected) and codes.min() == -8 and codes.max() == 7  # the clip is reached
+    ŵ = fake_quantized(w, v, alpha, beta, args)
+    assert torch.equal(ŵ, (expected - z[..., None]) * s[..., None])
+    ones = torch.ones(6, 4, dtype=torch.float64)
+    rtn = quantize_rtn(w.reshape(6, 128), args)
+    codes, scale, zero = rounded(w, torch.zeros_like(w), ones, None if sym else ones, args)
+    assert torch.equal(codes.reshape(6, 128).to(torch.int8), rtn.codes) and torch.equal(scale, rtn.scale)
+    assert sym or torch.equal(zero.to(torch.int8), rtn.zero)
