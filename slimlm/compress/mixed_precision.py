@@ -149,7 +149,7 @@ def _unit_bytes(mods: list[nn.Linear], args: QuantArgs) -> int:
 def _unit_of(name: str) -> tuple[str, ...]:
     """The unit a decoder-layer linear belongs to, as full names (model.layers.3.mlp.gate_proj → gate and up)."""
     index, _, local = name.removeprefix(arch.LAYERS + ".").partition(".")
-    unit = next((u for u in UNITS if local in u), (local,))
+    unit = next(u for u in UNITS if local in u)
     return tuple(f"{arch.LAYERS}.{index}.{u}" for u in unit)
 
 

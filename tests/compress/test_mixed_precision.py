@@ -77,6 +77,15 @@ def test_a_budget_below_the_smallest_schemes_is_refused():
     units = random_units(random.Random(0), 3, 3)
     with pytest.raises(FieldError, match="budget is too small"):
         budget.choose(units, sum(min(u.bytes) for u in units) - 1)
+    with pytest.raises(FieldError, match="^budget there are no linears to quantize$"):
+        budget.choose([], 10**9)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_the_candidates_are_every_width_in_every_group_that_divides_the_inputs(sym):
+    got = budget.candidates(sym, {192, 576})
+    assert got == [QuantArgs(b, g, sym) for b in budget.BITS for g in (32, 64)]
+    assert budget.candidates(sym, {1536}, (3,)) == [QuantArgs(3, g, sym) for g in (32, 64, 128)]
 
 
 def test_the_fisher_is_the_mean_squared_gradient_of_the_loss_over_the_windows(tiny_llama):
@@ -86,7 +95,7 @@ def test_the_fisher_is_the_mean_squared_gradient_of_the_loss_over_the_windows(ti
     got = budget.fisher(model, ids, ignore=["*.layers.1.mlp.*"])
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
     assert sorted(got) == sorted(n for n in names if ".layers.1.mlp." not in n)
-    assert all(not p.requires_grad for p in model.parameters())  # left as it found them
+    assert all(not p.requires_grad and p.grad is None for p in model.parameters())  # left as it found them
     expected = {n: torch.zeros_like(model.get_submodule(n).weight) for n in got}
     for window in ids:
         params = {f"{n}.weight": model.get_submodule(n).weight.detach().clone().requires_grad_() for n in got}
