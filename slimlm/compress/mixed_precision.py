@@ -164,6 +164,15 @@ class Choice:
     exact: bool  # False when the frontier had to be thinned (then within MAX_FRONTIER's resolution)
 
 
+def thinned(c: np.ndarray) -> np.ndarray:
+    """Which points of a frontier (bytes `c` ascending, error falling) to keep: the cheapest, so that the least
+    budget stays reachable, and the last (least error) of each of MAX_FRONTIER equal byte ranges."""
+    bucket = (c - c[0]) * MAX_FRONTIER // (int(c[-1] - c[0]) + 1)
+    keep = np.r_[bucket[1:] != bucket[:-1], True]
+    keep[0] = True
+    return np.flatnonzero(keep)
+
+
 def choose(units: list[Unit], budget_bytes: int) -> Choice:
     """The scheme of each unit that minimizes the summed error with the summed bytes ≤ budget_bytes.
 
@@ -189,11 +198,10 @@ def choose(units: list[Unit], budget_bytes: int) -> Choice:
         keep = np.ones(len(c), dtype=bool)
         keep[1:] = e[1:] < np.minimum.accumulate(e)[:-1]  # strictly better than every cheaper point
         order, c, e = order[keep], c[keep], e[keep]
-        if len(c) > MAX_FRONTIER:  # keep the best point in each of MAX_FRONTIER byte buckets
+        if len(c) > MAX_FRONTIER:
             exact = False
-            bucket = (c - c[0]) * MAX_FRONTIER // max(int(c[-1] - c[0]) + 1, 1)
-            last = np.flatnonzero(np.r_[bucket[1:] != bucket[:-1], True])
-            order, c, e = order[last], c[last], e[last]
+            kept = thinned(c)
+            order, c, e = order[kept], c[kept], e[kept]
         picks.append((order // len(u.bytes), order % len(u.bytes)))
         cost, err = c, e
     best = int(np.argmin(err))

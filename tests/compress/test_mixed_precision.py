@@ -2,6 +2,7 @@ import itertools
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -67,10 +68,27 @@ def test_the_knapsack_finds_the_brute_force_optimum(seed):
 def test_a_thinned_frontier_still_fits_and_says_so(monkeypatch):
     monkeypatch.setattr(budget, "MAX_FRONTIER", 8)
     units = random_units(random.Random(0), 8, 4)
-    limit = (sum(min(u.bytes) for u in units) + sum(max(u.bytes) for u in units)) // 2
+    least = sum(min(u.bytes) for u in units)
+    limit = (least + sum(max(u.bytes) for u in units)) // 2
     choice = budget.choose(units, limit)
-    assert not choice.exact and choice.bytes <= limit
+    assert choice.exact is False and choice.bytes <= limit
     assert choice.error <= 1.5 * brute_force(units, limit)
+    tightest = budget.choose(units, least)  # the cheapest point survives every thinning
+    assert tightest.bytes == least and tightest.error == pytest.approx(brute_force(units, least))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_thinning_keeps_the_cheapest_point_and_the_best_of_each_byte_range(monkeypatch, seed):
+    monkeypatch.setattr(budget, "MAX_FRONTIER", 8)
+    rng = np.random.default_rng(seed)
+    c = np.cumsum(rng.integers(1, 50, size=100))
+    kept = budget.thinned(c)
+    width = (c[-1] - c[0] + 1) / 8
+    assert kept[0] == 0 and kept[-1] == len(c) - 1 and len(kept) <= 9 and np.all(np.diff(kept) > 0)
+    for i in range(len(c)):  # the next kept point at or after it lies in its byte range, and is its range's last
+        j = kept[np.searchsorted(kept, i)]
+        assert (c[j] - c[0]) // width == (c[i] - c[0]) // width
+        assert j in (0, len(c) - 1) or (c[j + 1] - c[0]) // width > (c[j] - c[0]) // width
 
 
 def test_a_budget_below_the_smallest_schemes_is_refused():
