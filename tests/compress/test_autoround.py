@@ -155,6 +155,14 @@ def test_bad_settings_are_refused(options, field):
     assert e.value.field == field
 
 
+def test_the_edges_of_the_settings_are_accepted_and_recorded():
+    """lr 1 and a single window are valid; the step size defaults to 1/iters (AutoRound's), 1 at 0 steps."""
+    step = AutoRound(QuantArgs(), iters=40, windows=1, float_target=0.0)
+    assert step.lr == 1 / 40 and AutoRound(QuantArgs(), iters=0).lr == 1.0 and AutoRound(QuantArgs()).lr == 0.01
+    assert step.arguments() == {"iters": 40, "lr": 1 / 40, "windows": 1, "float_target": 0.0}
+    assert AutoRound(QuantArgs(), lr=1.0).lr == 1.0
+
+
 def test_command_writes_a_checkpoint_transformers_and_the_runtime_read(tiny_llama, calib_txt, tmp_path):
     from slimlm.jobs import AWQ
     from slimlm.jobs import AutoRound as Job

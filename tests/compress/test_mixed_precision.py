@@ -158,14 +158,14 @@ def test_sensitivity_is_the_fisher_weighted_rounding_error_of_each_unit_at_each_
         assert by_bits[2] > by_bits[3] > by_bits[4] > by_bits[8]
 
 
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", "gptq", "autoround"])
 def test_a_budget_writes_a_mix_that_transformers_and_the_runtime_read(tiny_llama, calib_txt, tmp_path, method):
-    from slimlm.jobs import GPTQ, RTN
+    from slimlm.jobs import GPTQ, RTN, AutoRound
     from slimlm.runtime.llm import LLM
     from slimlm.runtime.sampling import SamplingParams
     from tests.runtime.conftest import model_logprobs
 
-    job = {"rtn": RTN, "gptq": GPTQ}[method]
+    job = {"rtn": RTN, "gptq": GPTQ, "autoround": lambda **kw: AutoRound(iters=4, **kw)}[method]
     out = job(
         model=str(tiny_llama),
         calib=str(calib_txt),
