@@ -146,9 +146,7 @@ def linear_weights(model_dir: Path) -> int:
     for f in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(f), "pt") as shard:
             for name in shard.keys():
-                local = name.removeprefix(arch.LAYERS + ".").partition(".")[2]
-                module, _, kind = local.rpartition(".")
-                if name.startswith(arch.LAYERS + ".") and module in arch.LINEARS and kind == "weight":
+                if arch.decoder_linear(name) and name.endswith(".weight"):
                     rows, cols = shard.get_slice(name).get_shape()
                     count += rows * cols
     return count

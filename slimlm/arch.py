@@ -17,6 +17,15 @@ MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 LINEARS = ATTENTION + MLP
 
 
+def decoder_linear(tensor: str) -> str | None:
+    """The linear (local name, e.g. mlp.up_proj) a stored tensor of a decoder layer belongs to
+    (model.layers.3.mlp.up_proj.weight_scale), else None."""
+    if not tensor.startswith(LAYERS + "."):
+        return None
+    module = tensor.removeprefix(LAYERS + ".").partition(".")[2].rpartition(".")[0]
+    return module if module in LINEARS else None
+
+
 @dataclass(frozen=True)
 class Mapping:
     """An op and the linears that read its output: AWQ scales are folded across this edge."""

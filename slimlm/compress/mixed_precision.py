@@ -217,12 +217,17 @@ def scheme_name(args: QuantArgs) -> str:
     return f"w{args.bits}" + ("-channel" if args.group_size == -1 else f"g{args.group_size}")
 
 
+def mix(choice: Choice) -> list[tuple[QuantArgs, int]]:
+    """Each scheme the choice uses and how many linears took it, the most common first (ties by name)."""
+    counts = Counter(choice.schemes.values())
+    return sorted(counts.items(), key=lambda kv: (-kv[1], scheme_name(kv[0])))
+
+
 def summary(choice: Choice) -> str:
     """One line: how many linears took each scheme and the bits per weight the mix came to."""
-    counts = Counter(scheme_name(a) for a in choice.schemes.values())
-    mix = ", ".join(f"{n} {name}" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    mixed = ", ".join(f"{n} {scheme_name(args)}" for args, n in mix(choice))
     how = "the least summed error" if choice.exact else f"within 1/{MAX_FRONTIER} of the bytes of the least error"
-    return f"{mix} linears: {8 * choice.bytes / choice.weights:.3f} bits per weight, {how}"
+    return f"{mixed} linears: {8 * choice.bytes / choice.weights:.3f} bits per weight, {how}"
 
 
 def layout_table(choice: Choice) -> str:

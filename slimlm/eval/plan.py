@@ -389,18 +389,14 @@ def weight_format_of(config: dict, dtype: str, model_dir: Path | None = None) ->
         return fmt
     stored = shards.tensor_bytes(model_dir)
     head = None if "lm_head.weight" in stored else sum(v for k, v in stored.items() if k.startswith("lm_head."))
-    return replace(fmt, linear_bytes=stored_linear_bytes(model_dir), head_bytes=head or None)
+    return replace(fmt, linear_bytes=stored_linear_bytes(model_dir, stored), head_bytes=head or None)
 
 
-def stored_linear_bytes(model_dir: Path) -> int:
+def stored_linear_bytes(model_dir: Path, stored: dict[str, int] | None = None) -> int:
     """The bytes a checkpoint's files hold for its decoder layers' linears (codes, scales, zero points,
-    shapes, g_idx: model.layers.3.mlp.up_proj.weight_scale and the like)."""
-    total = 0
-    for tensor, size in shards.tensor_bytes(model_dir).items():
-        index, _, local = tensor.removeprefix(arch.LAYERS + ".").partition(".")
-        if tensor.startswith(arch.LAYERS + ".") and local.rpartition(".")[0] in arch.LINEARS:
-            total += size
-    return total
+    shapes, g_idx), from `stored` (shards.tensor_bytes of model_dir) when already read."""
+    stored = shards.tensor_bytes(model_dir) if stored is None else stored
+    return sum(size for tensor, size in stored.items() if arch.decoder_linear(tensor))
 
 
 def against_bench(bench: dict, config: dict, model_dir: Path) -> list[dict]:

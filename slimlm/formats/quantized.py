@@ -37,7 +37,7 @@ def stored_scale(scale: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor
 
 def scale_bytes(weight_dtype: torch.dtype) -> int:
     """Bytes a checkpoint stores per scale of a weight of `weight_dtype` (stored_scale; fp16 for fp32)."""
-    return 2 if weight_dtype == torch.float32 else torch.empty(0, dtype=weight_dtype).element_size()
+    return 2 if weight_dtype == torch.float32 else weight_dtype.itemsize
 
 
 @dataclass(frozen=True)

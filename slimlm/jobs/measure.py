@@ -312,10 +312,10 @@ class Plan(Job):
                 f"the bundled runtime reads its 2- and 3-bit linears at 4 bits (docs/limits.md): {served:,} bytes "
                 f"of linears a step, not {choice.bytes:,}; the table below counts the checkpoint's"
             )
-        top = max(set(choice.schemes.values()), key=list(choice.schemes.values()).count)
-        counts = mixed_precision.summary(choice).partition(" linears:")[0].split(", ")
-        dtype = weights.dtype if weights.bits is None else "bfloat16"
-        return plan.WeightFormat(dtype, top.bits, top.group_size, top.sym, choice.bytes, tuple(counts))
+        schemes = mixed_precision.mix(choice)
+        top = schemes[0][0]
+        counts = tuple(f"{n} {mixed_precision.scheme_name(args)}" for args, n in schemes)
+        return plan.WeightFormat(weights.dtype, top.bits, top.group_size, top.sym, choice.bytes, counts)
 
     def execute(self) -> dict | list:
         from slimlm import models
