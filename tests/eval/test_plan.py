@@ -248,6 +248,8 @@ def test_a_budget_plans_the_layout_the_quantization_writes(tiny_llama, calib_txt
     for args, fragment in [
         (["llama-3.1-8b", "--budget", "4"], "give a checkpoint, not the preset llama-3.1-8b"),
         ([str(tiny_llama), "--budget", "4", "--weights", "w4"], "names the float dtype of the other tensors"),
+        ([str(tiny_llama), "--budget", "4", "--kv-heads", "1"], "--kv-heads changes the linears' shapes"),
+        ([str(tiny_llama), "--budget", "4", "--size", "1G"], "--size and --budget both set the size"),
     ]:
         assert main(["plan", *args]) == 2
         assert fragment in capsys.readouterr().err
